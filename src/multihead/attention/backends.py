@@ -1,0 +1,258 @@
+"""Attention kernels, one registry, one signature.
+
+Every backend is a function ``kernel(q, k, v, mask, dropout_p, scale) -> out`` with
+
+* ``q``: ``(B, H, L, D)``, ``k`` and ``v``: ``(B, G, S, D)`` where ``G`` divides ``H``
+  (grouped K/V heads are never repeated in memory by the layer);
+* ``mask``: an :class:`~multihead.attention.masks.AttentionMask`;
+* ``out``: ``(B, H, L, D)``.
+
+A backend is chosen by name and never swapped behind the user's back: if the named
+kernel cannot run the inputs it is given, :class:`BackendUnavailableError` says why and
+lists the backends that can.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from multihead.attention.masks import AttentionMask
+
+Kernel = Callable[[Tensor, Tensor, Tensor, AttentionMask, float, float], Tensor]
+
+
+class BackendUnavailableError(RuntimeError):
+    """The named attention backend cannot run here, or cannot run these inputs."""
+
+
+# --------------------------------------------------------------------------- math
+def math_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> Tensor:
+    """The textbook formula, softmax(Q K^T * scale + mask) V, written out."""
+    out, _ = math_attention_with_weights(q, k, v, mask, dropout_p, scale)
+    return out
+
+
+def math_attention_with_weights(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The math path, also returning the attention weights ``(B, H, L, S)``."""
+    B, H, L, D = q.shape
+    G, S = k.shape[1], k.shape[2]
+    # Group the query heads that share a K/V head, so K/V broadcast instead of being copied.
+    qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D)
+    scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * scale  # (B, G, H/G, L, S)
+    scores = scores.view(B, H, L, S)
+    if mask.is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask.tensor is not None:
+        if mask.tensor.dtype == torch.bool:
+            scores = scores.masked_fill(~mask.tensor, float("-inf"))
+        else:
+            scores = scores + mask.tensor
+    # Softmax in fp32: under autocast the scores may be bf16/fp16.
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, L, S)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
+    return out.view(B, H, L, D), weights
+
+
+# --------------------------------------------------------------------------- SDPA
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float):
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask.tensor,
+        dropout_p=dropout_p,
+        is_causal=mask.is_causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> Tensor:
+    """``F.scaled_dot_product_attention``; PyTorch picks the kernel."""
+    return _sdpa(q, k, v, mask, dropout_p, scale)
+
+
+def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
+    def attention(
+        q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+    ) -> Tensor:
+        try:
+            with sdpa_kernel([kernel]):
+                return _sdpa(q, k, v, mask, dropout_p, scale)
+        except RuntimeError as err:
+            mask_kind = "none" if mask.tensor is None else f"{mask.tensor.dtype} tensor"
+            raise BackendUnavailableError(
+                f"backend {name!r} (SDPA pinned to {kernel.name}) cannot run these inputs: "
+                f"device={q.device.type}, dtype={q.dtype}, head_dim={q.shape[-1]}, "
+                f"mask={mask_kind}, dropout={dropout_p}. PyTorch says: "
+                f"{str(err).splitlines()[0]} Backends that can run on {q.device.type}/"
+                f"{q.dtype}: {', '.join(available_backends(q.device, q.dtype))}"
+            ) from err
+
+    attention.__doc__ = f"SDPA pinned to the {kernel.name} kernel with ``sdpa_kernel``."
+    return attention
+
+
+# --------------------------------------------------------------------------- FlexAttention
+_compiled_flex: Callable | None = None
+
+
+def flex_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> Tensor:
+    """FlexAttention: compiled on CUDA, eager (unfused, for correctness) elsewhere."""
+    from torch.nn.attention import flex_attention as flex
+
+    global _compiled_flex
+    if dropout_p > 0:
+        raise BackendUnavailableError(
+            f"backend 'flex' does not support attention dropout (got dropout={dropout_p}); "
+            "use dropout=0.0 or another backend"
+        )
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    score_mod = block_mask = None
+    if mask.is_causal:
+        block_mask = flex.create_block_mask(
+            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, S, device=q.device
+        )
+    elif mask.tensor is not None:
+        # Index the (broadcast, not copied) mask at each score's coordinates.
+        m = mask.tensor.expand(B, H, L, S)
+        if m.dtype == torch.bool:
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return torch.where(m[b, h, q_idx, kv_idx], score, float("-inf"))
+        else:
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + m[b, h, q_idx, kv_idx]
+
+    fn = flex.flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex.flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+# --------------------------------------------------------------------------- flash-attn
+def flash_attn_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> Tensor:
+    """The flash-attn package; padded keys go through its varlen kernel."""
+    import flash_attn
+
+    if mask.has_attn_mask:
+        raise BackendUnavailableError(
+            "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "
+            "arbitrary attn_mask; use 'sdpa', 'math' or 'flex' for that"
+        )
+    B, H, L, D = q.shape
+    G, S = k.shape[1], k.shape[2]
+    # flash-attn wants (B, L, H, D); the layer's (B, H, L, D) are transposed views of that.
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
+    # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
+    if mask.key_padding_mask is None:
+        out = flash_attn.flash_attn_func(
+            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal
+        )
+        return out.transpose(1, 2)
+    keep = ~mask.key_padding_mask  # (B, S)
+    seqlens_k = keep.sum(dim=1, dtype=torch.int32)  # (B,)
+    cu_k = F.pad(seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
+    out = flash_attn.flash_attn_varlen_func(
+        q_.reshape(B * L, H, D),
+        k_[keep],  # (total_k, G, D): padded keys dropped
+        v_[keep],
+        cu_q,
+        cu_k,
+        L,
+        int(seqlens_k.max()),
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=mask.causal,
+    )
+    return out.view(B, L, H, D).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------- registry
+BACKENDS: dict[str, Kernel] = {
+    "math": math_attention,
+    "sdpa": sdpa_attention,
+    "flash": _pinned_sdpa("flash", SDPBackend.FLASH_ATTENTION),
+    "efficient": _pinned_sdpa("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    "cudnn": _pinned_sdpa("cudnn", SDPBackend.CUDNN_ATTENTION),
+    "flex": flex_attention,
+    "flash_attn": flash_attn_attention,
+}
+
+
+def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why backend ``name`` cannot run on ``device``/``dtype``, or ``None`` if it can."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    cuda = device.type == "cuda"
+    if name in ("math", "sdpa", "flex"):
+        return None
+    if name == "flash":
+        if device.type == "cpu" or (cuda and half):
+            return None
+        return f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
+    if name == "efficient":
+        return None if cuda else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})"
+    if name == "cudnn":
+        if cuda and half:
+            return None
+        return f"SDPA's cuDNN kernel needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+    if name == "flash_attn":
+        if importlib.util.find_spec("flash_attn") is None:
+            return "the flash-attn package is not installed (pip install flash-attn)"
+        if not (cuda and half):
+            return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+        return None
+    return f"unknown backend {name!r}"
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The registered backends that can run on ``device`` with ``dtype``."""
+    device = torch.device(device)
+    return [n for n in BACKENDS if unavailable_reason(n, device, dtype) is None]
+
+
+def check_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise :class:`BackendUnavailableError` if backend ``name`` cannot run here."""
+    reason = unavailable_reason(name, device, dtype)
+    if reason is not None:
+        raise BackendUnavailableError(
+            f"attention backend {name!r} cannot run on {device.type}/{dtype}: {reason}. "
+            f"Backends that can: {', '.join(available_backends(device, dtype))}"
+        )
+
+
+def default_scale(head_dim: int) -> float:
+    """The 1/sqrt(D) of "scaled" dot-product attention."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,95 @@
+"""A static key/value cache for incremental decoding.
+
+Keys and values are stored with ``num_kv_heads`` heads, not ``num_heads``: with GQA or
+MQA the cache really is ``num_heads / num_kv_heads`` times smaller. The buffers are
+allocated once at full length and written by index (as in gpt-fast), so their shapes
+never change between decoding steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, ``(B, G, max_len, D)`` each.
+
+    Args:
+        batch_size: ``B``, the number of sequences decoded together.
+        max_len: the most positions the cache can hold.
+        num_kv_heads: ``G``.
+        head_dim: ``D``.
+        device, dtype: where and how to store. The dtype should match the projections'
+            output dtype (e.g. ``torch.bfloat16`` under bf16 autocast).
+
+    Example:
+        >>> import torch
+        >>> from multihead import MultiHeadAttention
+        >>> attn = MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2).eval()
+        >>> cache = attn.make_kv_cache(batch_size=1, max_len=8)
+        >>> x = torch.randn(1, 5, 16)
+        >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
+        True
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(
+                f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}"
+            )
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.size = 0  # positions filled so far
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held by the filled part of the cache (keys and values)."""
+        per_position = self.k[:, :, 0].numel() * self.k.element_size() * 2
+        return per_position * self.size
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``(B, G, L, D)`` keys/values; return all filled ``(B, G, size, D)``."""
+        L = k.shape[2]
+        if self.size + L > self.max_len:
+            raise ValueError(
+                f"KVCache overflow: holds {self.size} of {self.max_len} positions, "
+                f"cannot add {L} more"
+            )
+        if k.shape[0] != self.batch_size:
+            raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
+        self.k[:, :, self.size : self.size + L] = k
+        self.v[:, :, self.size : self.size + L] = v
+        self.size += L
+        return self.k[:, :, : self.size], self.v[:, :, : self.size]
+
+    def get(self) -> tuple[Tensor, Tensor]:
+        """The filled keys and values, ``(B, G, size, D)`` each."""
+        return self.k[:, :, : self.size], self.v[:, :, : self.size]
+
+    def select(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (reorder beams, drop finished sentences)."""
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept)."""
+        self.size = 0
