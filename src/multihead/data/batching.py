@@ -1,0 +1,245 @@
+"""Token-budget batching: a resumable length-bucketing batch sampler and the collate function."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def pack_batches(order: Sequence[int], lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Greedily cut ``order`` into consecutive batches whose padded cost fits ``max_tokens``.
+
+    The cost of a batch is ``len(batch) * max(lengths[batch])``: padding counts. An example
+    longer than ``max_tokens`` on its own becomes a batch of one.
+    """
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    longest = 0
+    for index in order:
+        length = int(lengths[index])
+        new_longest = max(longest, length)
+        if batch and (len(batch) + 1) * new_longest > max_tokens:
+            batches.append(batch)
+            batch, new_longest = [], length
+        batch.append(int(index))
+        longest = new_longest
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+class TokenBucketSampler(Sampler[list[int]]):
+    """Yields lists of dataset indices whose padded token count stays within ``max_tokens``.
+
+    Training (``shuffle=True``): each epoch the indices are shuffled with a generator seeded by
+    ``(seed, epoch)``, then stably sorted by length, so examples of equal length are mixed
+    randomly while the padding stays minimal; the sorted run is cut into batches and the batch
+    order is shuffled. Since the sorted length sequence is the same every epoch, so are the
+    batch sizes and the number of batches (``len`` never changes; Lightning reads it once).
+
+    Evaluation (``shuffle=False``): indices sorted by decreasing length (the largest batch comes
+    first, so memory problems show at once), always in the same order. Collated batches carry
+    the dataset ``index`` so callers can restore the original order.
+
+    Each call to ``iter`` starts the next epoch, unless ``set_epoch`` or ``load_state_dict``
+    was called since the previous one. ``state_dict`` records the epoch and how many of its
+    batches were used, and ``load_state_dict`` makes the next ``iter`` yield exactly the
+    remaining batches of that epoch.
+
+    Args:
+        lengths: Cost of each example in tokens (max of source and target, specials included).
+        max_tokens: Budget of ``num_sentences * longest_length`` per batch.
+        shuffle: Shuffle for training; ``False`` gives the deterministic evaluation order.
+        seed: Base seed; epoch ``e`` uses the generator seeded with ``(seed, e)``.
+    """
+
+    def __init__(
+        self, lengths: Sequence[int], *, max_tokens: int, shuffle: bool = True, seed: int = 0
+    ) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.ndim != 1 or len(self.lengths) == 0:
+            raise ValueError(
+                f"lengths must be a non-empty 1-D sequence, got shape {self.lengths.shape}"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
+        too_long = int((self.lengths > max_tokens).sum())
+        if too_long:
+            logger.warning(
+                "%d examples are longer than max_tokens=%d (longest %d); each is a batch of one",
+                too_long,
+                max_tokens,
+                int(self.lengths.max()),
+            )
+        self._num_batches = len(self._batches(0))
+        self._epoch = 0
+        self._start = 0  # batches of self._epoch to skip on the next iter
+        self._yielded = 0  # batches of self._epoch handed out so far (skipped ones included)
+        self._fresh = True  # the next iter uses self._epoch as it is
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the current (or, before the first ``iter``, next) pass."""
+        return self._epoch
+
+    @property
+    def start_batch(self) -> int:
+        """Number of this epoch's batches skipped because they were used before a resume."""
+        return self._start
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter`` produce epoch ``epoch`` (from where a loaded state left it)."""
+        if epoch != self._epoch or not self._fresh:
+            self._start = 0
+        self._epoch = epoch
+        self._yielded = self._start
+        self._fresh = True
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        if not self.shuffle:
+            order = np.argsort(-self.lengths, kind="stable")
+            return pack_batches(order, self.lengths, self.max_tokens)
+        rng = np.random.default_rng((self.seed, epoch))
+        perm = rng.permutation(len(self.lengths))
+        order = perm[np.argsort(self.lengths[perm], kind="stable")]
+        batches = pack_batches(order, self.lengths, self.max_tokens)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def __len__(self) -> int:
+        return self._num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self._fresh:
+            self._epoch += 1
+            self._start = 0
+        self._fresh = False
+        self._yielded = self._start
+        return self._generate(self._batches(self._epoch), self._start)
+
+    def _generate(self, batches: list[list[int]], start: int) -> Iterator[list[int]]:
+        for batch in batches[start:]:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self, batches_consumed: int | None = None) -> dict[str, int]:
+        """The position to resume from.
+
+        Args:
+            batches_consumed: Batches of the current epoch the consumer has really used.
+                Defaults to the number yielded, which overcounts when a ``DataLoader`` or a
+                trainer prefetches batches.
+
+        Returns:
+            ``epoch``, ``batches_yielded`` (batches of that epoch already used), ``seed`` and
+            ``num_examples``. A finished epoch is stored as the start of the next one.
+        """
+        done = self._yielded if batches_consumed is None else batches_consumed
+        epoch = self._epoch
+        if done >= self._num_batches:
+            epoch, done = epoch + 1, 0
+        return {
+            "epoch": epoch,
+            "batches_yielded": done,
+            "seed": self.seed,
+            "num_examples": len(self.lengths),
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume from ``state``: the next ``iter`` yields the remaining batches of its epoch.
+
+        Raises:
+            ValueError: ``state`` was saved for another seed or dataset size, or is out of range.
+        """
+        for key, mine in (("seed", self.seed), ("num_examples", len(self.lengths))):
+            if state.get(key, mine) != mine:
+                raise ValueError(
+                    f"sampler state has {key}={state[key]} but this sampler has {key}={mine}; "
+                    "resume with the same data and seed"
+                )
+        start = int(state["batches_yielded"])
+        if not 0 <= start <= self._num_batches:
+            raise ValueError(
+                f"batches_yielded={start} is outside [0, {self._num_batches}] for this sampler"
+            )
+        self._epoch = int(state["epoch"])
+        self._start = start
+        self._yielded = start
+        self._fresh = True
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of ``epoch`` in the order ``iter`` yields them (no state change)."""
+        return self._batches(epoch)
+
+
+def real_token_fraction(
+    batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Sequence[int]
+) -> float:
+    """Real tokens / padded positions of ``src`` and ``tgt`` over ``batches``.
+
+    Lengths include the special tokens (``+1`` for the source, ``+2`` for the target), so the
+    result matches the mean of ``collate``'s ``real_token_fraction`` weighted by batch size.
+    """
+    src, tgt = np.asarray(src_lengths), np.asarray(tgt_lengths)
+    real = padded = 0
+    for batch in batches:
+        index = np.asarray(batch)
+        real += int(src[index].sum() + tgt[index].sum())
+        padded += len(index) * int(src[index].max() + tgt[index].max())
+    return real / padded
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    out = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def collate(
+    examples: Sequence[Mapping[str, Any]], *, pad_id: int, bos_id: int, eos_id: int
+) -> dict[str, Any]:
+    """Pad a list of tokenized examples into a batch.
+
+    Each example has ``src_ids``/``tgt_ids`` (subword ids without specials), ``src``/``tgt``
+    (raw text) and ``index`` (position in its split).
+
+    Returns:
+        ``src``: (B, S) long, ``src_ids + [eos]`` right-padded with ``pad_id``.
+        ``tgt``: (B, T) long, ``[bos] + tgt_ids + [eos]`` right-padded with ``pad_id``.
+        ``index``: (B,) long, dataset indices (restore the original order of eval batches).
+        ``src_text``, ``tgt_text``: lists of the B raw strings.
+        ``real_token_fraction``: float, non-pad positions / all positions of ``src`` and ``tgt``.
+    """
+    if not examples:
+        raise ValueError("collate got an empty list of examples; expected at least one")
+    src_rows = [list(ex["src_ids"]) + [eos_id] for ex in examples]
+    tgt_rows = [[bos_id, *ex["tgt_ids"], eos_id] for ex in examples]
+    src = _pad(src_rows, pad_id)
+    tgt = _pad(tgt_rows, pad_id)
+    real = sum(map(len, src_rows)) + sum(map(len, tgt_rows))
+    return {
+        "src": src,
+        "tgt": tgt,
+        "index": torch.tensor([int(ex["index"]) for ex in examples], dtype=torch.long),
+        "src_text": [ex["src"] for ex in examples],
+        "tgt_text": [ex["tgt"] for ex in examples],
+        "real_token_fraction": real / (src.numel() + tgt.numel()),
+    }
+
+
+def example_length(num_src_ids: int, num_tgt_ids: int) -> int:
+    """Sampler cost of one example: ``max(len(src) + 1, len(tgt) + 2)``.
+
+    The source gets ``<eos>``, the target ``<bos>`` and ``<eos>`` (see :func:`collate`).
+    """
+    return max(num_src_ids + 1, num_tgt_ids + 2)

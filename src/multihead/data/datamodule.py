@@ -1,0 +1,323 @@
+"""Lightning DataModule: load, filter, tokenize (cached) and batch a translation corpus."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from multihead.data.batching import (
+    TokenBucketSampler,
+    collate,
+    example_length,
+    real_token_fraction,
+)
+from multihead.data.loading import (
+    SPLITS,
+    content_hash,
+    filter_parallel_dataset,
+    load_parallel_dataset,
+)
+from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZED_VERSION = "tokenized-v1"
+
+
+class TranslationDataModule(L.LightningDataModule):
+    """Multi30k-style translation data with a joint BPE and token-budget batches.
+
+    ``prepare_data``/``setup`` load the corpus (Hub or ``local_dir``), drop empty and over-long
+    pairs from train and validation (never test), cut each split to its limit, train or load
+    the cached tokenizer and pre-tokenize every split (cached under ``cache_dir`` by a hash of
+    the data and settings). Batches are the dicts of :func:`multihead.data.batching.collate`.
+
+    The training sampler's position is part of ``state_dict``, which Lightning stores in
+    checkpoints, so a run resumed mid-epoch sees exactly the batches it had not yet seen.
+
+    Args:
+        name: Hub dataset (``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``).
+        src_lang: Source language code.
+        tgt_lang: Target language code.
+        local_dir: Directory of raw Multi30k files; when set the Hub is not used.
+        vocab_size: Joint BPE vocabulary size.
+        max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens.
+        max_length: Train/validation pairs with a side longer than this many words are dropped.
+        eval_max_tokens: Evaluation batch budget; defaults to ``max_tokens``.
+        num_workers: ``DataLoader`` worker processes.
+        cache_dir: Where tokenizers and tokenized datasets are cached.
+        train_limit: Keep only the first N training pairs (after filtering); None keeps all.
+        val_limit: Same for validation.
+        test_limit: Same for test.
+        seed: Seed of the training batch order.
+    """
+
+    def __init__(
+        self,
+        name: str = "bentrevett/multi30k",
+        src_lang: str = "en",
+        tgt_lang: str = "de",
+        local_dir: str | None = None,
+        vocab_size: int = 8000,
+        max_tokens: int = 4096,
+        max_length: int | None = 100,
+        eval_max_tokens: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str = "outputs/cache",
+        train_limit: int | None = None,
+        val_limit: int | None = None,
+        test_limit: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for arg, value in (("vocab_size", vocab_size), ("max_tokens", max_tokens)):
+            if value < 1:
+                raise ValueError(f"{arg} must be a positive integer, got {value}")
+        if eval_max_tokens is not None and eval_max_tokens < 1:
+            raise ValueError(
+                f"eval_max_tokens must be a positive integer or None, got {eval_max_tokens}"
+            )
+        limits = {"train": train_limit, "validation": val_limit, "test": test_limit}
+        for split, limit in limits.items():
+            if limit is not None and limit < 1:
+                raise ValueError(f"{split} limit must be a positive integer or None, got {limit}")
+        self.save_hyperparameters()
+        self.name = name
+        self.src_lang = src_lang
+        self.tgt_lang = tgt_lang
+        self.local_dir = local_dir
+        self.vocab_size_setting = vocab_size
+        self.max_tokens = max_tokens
+        self.max_length = max_length
+        self.eval_max_tokens = eval_max_tokens or max_tokens
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir)
+        self.limits = limits
+        self.seed = seed
+
+        self._tokenizer: Tokenizer | None = None
+        self._datasets: datasets.DatasetDict | None = None
+        self._train_sampler: TokenBucketSampler | None = None
+        self._pending_sampler_state: dict[str, int] | None = None
+        self._consumed_epoch: int | None = None
+        self._consumed = 0
+
+    # ----------------------------------------------------------------------- preparation
+
+    def prepare_data(self) -> None:
+        """Load the corpus and fill the tokenizer and tokenized-data caches."""
+        self._prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Make the tokenized splits available (from the cache when ``prepare_data`` ran)."""
+        self._prepare()
+
+    def _prepare(self) -> None:
+        if self._datasets is not None:
+            return
+        raw = load_parallel_dataset(
+            self.name, self.src_lang, self.tgt_lang, local_dir=self.local_dir
+        )
+        raw, _ = filter_parallel_dataset(raw, max_length=self.max_length)
+        limited = {}
+        for split in SPLITS:
+            ds, limit = raw[split], self.limits[split]
+            if limit is not None and limit < len(ds):
+                ds = ds.select(range(limit)).flatten_indices()
+            limited[split] = ds
+        raw = datasets.DatasetDict(limited)
+        logger.info("pairs per split: %s", {split: len(ds) for split, ds in raw.items()})
+
+        self._tokenizer = load_or_train_tokenizer(raw, self.cache_dir, self.vocab_size_setting)
+        self._datasets = self._load_or_tokenize(raw, self._tokenizer)
+
+    def _load_or_tokenize(
+        self, raw: datasets.DatasetDict, tokenizer: Tokenizer
+    ) -> datasets.DatasetDict:
+        key_fields = {
+            "version": _TOKENIZED_VERSION,
+            "data": content_hash(raw),
+            "tokenizer": tokenizer.fingerprint(),
+        }
+        key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+        path = self.cache_dir / "tokenized" / key
+        if path.is_dir():
+            logger.info("loading cached tokenized splits %s", path)
+            return datasets.load_from_disk(str(path))
+
+        def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+            src_ids = tokenizer.encode_batch(batch["src"])
+            tgt_ids = tokenizer.encode_batch(batch["tgt"])
+            return {
+                "index": indices,
+                "src_ids": src_ids,
+                "tgt_ids": tgt_ids,
+                "length": [
+                    example_length(len(s), len(t)) for s, t in zip(src_ids, tgt_ids, strict=True)
+                ],
+            }
+
+        bars = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            tokenized = raw.map(tokenize, batched=True, batch_size=2000, with_indices=True)
+            tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tokenized.save_to_disk(str(tmp))
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process wrote the same cache entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("tokenized splits cached in %s", path)
+        return tokenized
+
+    # ------------------------------------------------------------------------ accessors
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The joint BPE tokenizer (available after ``setup``)."""
+        if self._tokenizer is None:
+            raise RuntimeError("TranslationDataModule.tokenizer is available after setup()")
+        return self._tokenizer
+
+    @property
+    def tokenized(self) -> datasets.DatasetDict:
+        """Tokenized splits with columns ``src``, ``tgt``, ``index``, ``src_ids``,
+        ``tgt_ids``, ``length`` (available after ``setup``)."""
+        if self._datasets is None:
+            raise RuntimeError("TranslationDataModule.tokenized is available after setup()")
+        return self._datasets
+
+    @property
+    def pad_id(self) -> int:
+        """Id of ``<pad>``."""
+        return self.tokenizer.pad_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the trained vocabulary (can be below the requested ``vocab_size``)."""
+        return self.tokenizer.vocab_size
+
+    def save_tokenizer(self, run_dir: str | Path) -> Path:
+        """Write the tokenizer to ``<run_dir>/tokenizer.json`` and return that path."""
+        return self.tokenizer.save(Path(run_dir) / "tokenizer.json")
+
+    # ---------------------------------------------------------------------- dataloaders
+
+    def _collate(self) -> partial:
+        tok = self.tokenizer
+        return partial(collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
+
+    def _loader(self, split: str, sampler: TokenBucketSampler) -> DataLoader:
+        return DataLoader(
+            self.tokenized[split],
+            batch_sampler=sampler,
+            collate_fn=self._collate(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    @property
+    def train_sampler(self) -> TokenBucketSampler:
+        """The resumable training batch sampler (created on first use)."""
+        if self._train_sampler is None:
+            sampler = TokenBucketSampler(
+                self.tokenized["train"]["length"],
+                max_tokens=self.max_tokens,
+                shuffle=True,
+                seed=self.seed,
+            )
+            if self._pending_sampler_state is not None:
+                sampler.load_state_dict(self._pending_sampler_state)
+                self._pending_sampler_state = None
+            self._train_sampler = sampler
+            self._log_batches("train", sampler)
+        return self._train_sampler
+
+    def _log_batches(self, split: str, sampler: TokenBucketSampler) -> None:
+        ds = self.tokenized[split]
+        fraction = real_token_fraction(
+            sampler.epoch_batches(sampler.epoch),
+            [len(ids) + 1 for ids in ds["src_ids"]],
+            [len(ids) + 2 for ids in ds["tgt_ids"]],
+        )
+        logger.info(
+            "%s: %d pairs in %d batches of <= %d tokens; padding is %.1f%% of src+tgt positions",
+            split,
+            len(ds),
+            len(sampler),
+            sampler.max_tokens,
+            100 * (1 - fraction),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, length-bucketed, resumable token-budget batches."""
+        return self._loader("train", self.train_sampler)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        sampler = TokenBucketSampler(
+            self.tokenized[split]["length"], max_tokens=self.eval_max_tokens, shuffle=False
+        )
+        self._log_batches(split, sampler)
+        return self._loader(split, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        return self._eval_loader("validation")
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        return self._eval_loader("test")
+
+    # -------------------------------------------------------------------------- resuming
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count training batches the trainer really used (the loader may prefetch more)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.training and self._train_sampler is not None:
+            sampler = self._train_sampler
+            if self._consumed_epoch != sampler.epoch:
+                self._consumed_epoch, self._consumed = sampler.epoch, sampler.start_batch
+            self._consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training sampler's position, ``{"train_sampler": TokenBucketSampler.state_dict()}``.
+
+        Under a trainer the position counts the batches really used, not those prefetched.
+        """
+        if self._train_sampler is None:
+            pending = self._pending_sampler_state
+            return {} if pending is None else {"train_sampler": dict(pending)}
+        sampler = self._train_sampler
+        consumed = None
+        if self.trainer is not None:
+            same_epoch = self._consumed_epoch == sampler.epoch
+            consumed = self._consumed if same_epoch else sampler.start_batch
+        return {"train_sampler": sampler.state_dict(batches_consumed=consumed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training sampler from a ``state_dict`` (before or after ``setup``)."""
+        state = state_dict.get("train_sampler")
+        if state is None:
+            return
+        self._consumed_epoch = None
+        if self._train_sampler is None:
+            self._pending_sampler_state = dict(state)
+        else:
+            self._train_sampler.load_state_dict(state)

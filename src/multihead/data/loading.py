@@ -1,0 +1,347 @@
+"""Load a parallel corpus as a ``DatasetDict`` with string columns ``src`` and ``tgt``.
+
+Two sources give the same structure (splits ``train``, ``validation``, ``test``):
+
+* the Hugging Face Hub (``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``), and
+* a local directory in the raw Multi30k layout ``{train,val,test_2016_flickr}.{lang}[.gz]``.
+
+Every data problem raises :class:`DataError` with a one-line message that names the file
+(and line) at fault.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
+
+# Raw Multi30k file stems, by split.
+MULTI30K_STEMS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
+LOCAL_LAYOUTS = ("multi30k",)
+
+# Splits that filter_parallel_dataset cleans by default. The test split is never filtered so
+# that BLEU is always computed against the complete, official reference set.
+FILTERED_SPLITS = ("train", "validation")
+
+
+class DataError(ValueError):
+    """A dataset could not be loaded or is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class _HubSpec:
+    repo_id: str
+    languages: tuple[str, ...]
+    pairs: Callable[[str, str], str | None]  # (src, tgt) -> config name, None if unsupported
+    translation_column: bool  # True: one `translation` dict column; False: a column per language
+
+
+_IWSLT2017_PAIRS = {
+    *(f"{a}-{b}" for a in ("en",) for b in ("ar", "de", "fr", "ja", "ko", "zh", "it", "nl", "ro")),
+    *(f"{b}-en" for b in ("ar", "de", "fr", "ja", "ko", "zh", "it", "nl", "ro")),
+    *(f"{a}-{b}" for a in ("it", "nl", "ro") for b in ("it", "nl", "ro") if a != b),
+}
+_WMT14_CONFIGS = ("cs-en", "de-en", "fr-en", "hi-en", "ru-en")
+
+
+def _iwslt_config(src: str, tgt: str) -> str | None:
+    return f"iwslt2017-{src}-{tgt}" if f"{src}-{tgt}" in _IWSLT2017_PAIRS else None
+
+
+def _wmt14_config(src: str, tgt: str) -> str | None:
+    for config in _WMT14_CONFIGS:
+        if set(config.split("-")) == {src, tgt}:
+            return config
+    return None
+
+
+HUB_DATASETS: dict[str, _HubSpec] = {
+    "bentrevett/multi30k": _HubSpec(
+        repo_id="bentrevett/multi30k",
+        languages=("en", "de"),
+        pairs=lambda s, t: None if s == t else "default",
+        translation_column=False,
+    ),
+    "iwslt2017": _HubSpec(
+        repo_id="IWSLT/iwslt2017",
+        languages=("ar", "de", "en", "fr", "it", "ja", "ko", "nl", "ro", "zh"),
+        pairs=_iwslt_config,
+        translation_column=True,
+    ),
+    "wmt14": _HubSpec(
+        repo_id="wmt/wmt14",
+        languages=("cs", "de", "en", "fr", "hi", "ru"),
+        pairs=_wmt14_config,
+        translation_column=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class FilterStats:
+    """How many pairs of one split were kept and why the others were dropped."""
+
+    split: str
+    total: int
+    empty: int
+    too_long: int
+
+    @property
+    def kept(self) -> int:
+        """Number of pairs left after filtering."""
+        return self.total - self.empty - self.too_long
+
+
+def load_parallel_dataset(
+    name: str = "bentrevett/multi30k",
+    src_lang: str = "en",
+    tgt_lang: str = "de",
+    local_dir: str | Path | None = None,
+    local_layout: str = "multi30k",
+) -> datasets.DatasetDict:
+    """Load a translation corpus as splits ``train``/``validation``/``test`` of ``src``/``tgt``.
+
+    Args:
+        name: Hub dataset, one of ``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``. Ignored
+            when ``local_dir`` is given.
+        src_lang: Source language code, e.g. ``"en"``.
+        tgt_lang: Target language code, e.g. ``"de"``.
+        local_dir: Directory with raw files; when set, the Hub is not contacted.
+        local_layout: File layout of ``local_dir``; only ``"multi30k"``
+            (``{train,val,test_2016_flickr}.{lang}[.gz]``) is supported.
+
+    Returns:
+        A ``DatasetDict`` whose splits have the string columns ``src`` and ``tgt``. Local
+        sentences are stripped of surrounding whitespace.
+
+    Raises:
+        DataError: The dataset is unknown or unreachable, a language is not available, a file
+            is missing, has undecodable bytes or a line count that differs between languages.
+    """
+    if src_lang == tgt_lang:
+        raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; expected two languages")
+    if local_dir is not None:
+        if local_layout not in LOCAL_LAYOUTS:
+            raise DataError(
+                f"unknown local_layout {local_layout!r}; expected one of {LOCAL_LAYOUTS}"
+            )
+        return _load_multi30k_dir(Path(local_dir), src_lang, tgt_lang)
+    return _load_hub(name, src_lang, tgt_lang)
+
+
+def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
+    spec = HUB_DATASETS.get(name)
+    if spec is None:
+        raise DataError(
+            f"unknown dataset {name!r}; expected one of {sorted(HUB_DATASETS)} "
+            "or a raw Multi30k directory via data.local_dir=..."
+        )
+    for lang in (src_lang, tgt_lang):
+        if lang not in spec.languages:
+            raise DataError(
+                f"language {lang!r} is not in dataset {name!r}; available: {list(spec.languages)}"
+            )
+    config = spec.pairs(src_lang, tgt_lang)
+    if config is None:
+        raise DataError(f"dataset {name!r} has no {src_lang}-{tgt_lang} pair")
+    try:
+        if config == "default":
+            raw = datasets.load_dataset(spec.repo_id)
+        else:
+            raw = datasets.load_dataset(spec.repo_id, config)
+    except (ConnectionError, OSError) as exc:
+        # Offline mode raises ConnectionError, a missing repo FileNotFoundError; keep it one line.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(
+            f"could not load dataset {name!r} ({spec.repo_id}, config {config!r}) from the "
+            f"Hugging Face Hub: {reason}. Offline? Use a local copy: "
+            "data.local_dir=/path/to/multi30k"
+        ) from None
+    missing = [split for split in SPLITS if split not in raw]
+    if missing:
+        raise DataError(f"dataset {name!r} lacks splits {missing}; found {list(raw)}")
+
+    out = {}
+    for split in SPLITS:
+        ds = raw[split]
+        if spec.translation_column:
+            ds = ds.map(
+                lambda batch: {
+                    "src": [pair[src_lang] for pair in batch["translation"]],
+                    "tgt": [pair[tgt_lang] for pair in batch["translation"]],
+                },
+                batched=True,
+                remove_columns=ds.column_names,
+            )
+        else:
+            ds = ds.select_columns([src_lang, tgt_lang]).rename_columns(
+                {src_lang: "src", tgt_lang: "tgt"}
+            )
+        out[split] = ds.cast(FEATURES)
+    return datasets.DatasetDict(out)
+
+
+def _find_file(directory: Path, stem: str, lang: str) -> Path | None:
+    for candidate in (directory / f"{stem}.{lang}.gz", directory / f"{stem}.{lang}"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def available_local_languages(directory: str | Path) -> list[str]:
+    """Languages for which ``directory`` has all three Multi30k split files."""
+    directory = Path(directory)
+    langs = set()
+    for path in directory.glob(f"{MULTI30K_STEMS['train']}.*"):
+        lang = path.name.split(".")[1]
+        if all(_find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()):
+            langs.add(lang)
+    return sorted(langs)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Read a UTF-8 text file (gzip-compressed when it ends in ``.gz``), one sentence a line.
+
+    Lines are split on ``\\n`` only (never on other Unicode line breaks, which would break the
+    line alignment between languages) and stripped of surrounding whitespace.
+
+    Raises:
+        DataError: The file has bytes that are not UTF-8 (names the line) or is not valid gzip.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    lines = []
+    lineno = 0
+    try:
+        with opener(path, "rb") as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                try:
+                    lines.append(raw.decode("utf-8").strip())
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        f"{path}:{lineno}: bytes are not valid UTF-8 ({exc.reason} at byte "
+                        f"{exc.start}: {raw[exc.start : exc.start + 4]!r})"
+                    ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a valid gzip file after line {lineno} ({exc})") from None
+    return lines
+
+
+def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
+    if not directory.is_dir():
+        raise DataError(
+            f"local_dir {directory} is not a directory; expected raw Multi30k files "
+            "{train,val,test_2016_flickr}.{lang}.gz"
+        )
+    available = available_local_languages(directory)
+    for lang in (src_lang, tgt_lang):
+        if lang not in available and not any(
+            _find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()
+        ):
+            raise DataError(f"language {lang!r} not found in {directory}; available: {available}")
+    out = {}
+    for split, stem in MULTI30K_STEMS.items():
+        columns = {}
+        for key, lang in (("src", src_lang), ("tgt", tgt_lang)):
+            path = _find_file(directory, stem, lang)
+            if path is None:
+                raise DataError(
+                    f"missing file {directory / f'{stem}.{lang}.gz'} (or uncompressed "
+                    f"{stem}.{lang}); expected layout {{train,val,test_2016_flickr}}.{{lang}}[.gz]"
+                )
+            columns[key] = (path, read_lines(path))
+        (src_path, src), (tgt_path, tgt) = columns["src"], columns["tgt"]
+        if len(src) != len(tgt):
+            raise DataError(
+                f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
+            )
+        out[split] = datasets.Dataset.from_dict({"src": src, "tgt": tgt}, features=FEATURES)
+    logger.info(
+        "loaded %s %s-%s: %s",
+        directory,
+        src_lang,
+        tgt_lang,
+        {split: len(ds) for split, ds in out.items()},
+    )
+    return datasets.DatasetDict(out)
+
+
+def filter_parallel_dataset(
+    dataset: datasets.DatasetDict,
+    max_length: int | None = 100,
+    splits: Iterable[str] = FILTERED_SPLITS,
+) -> tuple[datasets.DatasetDict, dict[str, FilterStats]]:
+    """Drop empty and over-long pairs from ``splits``; other splits pass through unchanged.
+
+    A pair is empty when either side is empty or whitespace only, and over-long when either
+    side has more than ``max_length`` whitespace-separated words (words, not characters or
+    subwords, so the rule does not depend on the tokenizer). The test split is left alone by
+    default so BLEU always uses the complete reference set.
+
+    Args:
+        dataset: Splits with ``src`` and ``tgt`` string columns.
+        max_length: Maximum words per side; ``None`` disables the length filter.
+        splits: Names of the splits to filter.
+
+    Returns:
+        The filtered ``DatasetDict`` and a ``FilterStats`` for every filtered split.
+    """
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be a positive number of words or None, got {max_length}")
+    out = dict(dataset)
+    stats = {}
+    for split in splits:
+        if split not in dataset:
+            continue
+        ds = dataset[split]
+        keep, empty, too_long = [], 0, 0
+        for i, (src, tgt) in enumerate(zip(ds["src"], ds["tgt"], strict=True)):
+            if not src.strip() or not tgt.strip():
+                empty += 1
+            elif max_length is not None and (
+                len(src.split()) > max_length or len(tgt.split()) > max_length
+            ):
+                too_long += 1
+            else:
+                keep.append(i)
+        if len(keep) < len(ds):
+            ds = ds.select(keep).flatten_indices()
+        out[split] = ds
+        stats[split] = FilterStats(
+            split=split, total=len(keep) + empty + too_long, empty=empty, too_long=too_long
+        )
+        logger.info(
+            "filtered %s: kept %d of %d pairs (%d empty, %d longer than %s words)",
+            split,
+            len(keep),
+            stats[split].total,
+            empty,
+            too_long,
+            max_length,
+        )
+    return datasets.DatasetDict(out), stats
+
+
+def content_hash(dataset: datasets.Dataset | datasets.DatasetDict) -> str:
+    """A SHA-256 of the ``src``/``tgt`` text (and split names), stable across processes."""
+    digest = hashlib.sha256()
+    parts = dataset.items() if isinstance(dataset, datasets.DatasetDict) else [("", dataset)]
+    for split, ds in sorted(parts):
+        digest.update(f"[{split}:{len(ds)}]".encode())
+        for column in ("src", "tgt"):
+            for text in ds[column]:
+                encoded = text.encode("utf-8")
+                digest.update(len(encoded).to_bytes(4, "little"))
+                digest.update(encoded)
+    return digest.hexdigest()

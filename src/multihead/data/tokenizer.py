@@ -1,0 +1,243 @@
+"""A joint byte-level BPE vocabulary over source and target text.
+
+Byte-level BPE (ByteLevel pre-tokenizer without a prefix space, ByteLevel decoder, no
+normalizer) maps any string to tokens and back to exactly the same string, so decoded model
+output is real detokenized text that sacreBLEU can score against raw references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import datasets
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from multihead.data.loading import content_hash
+
+logger = logging.getLogger(__name__)
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3
+_CACHE_VERSION = "bytelevel-bpe-v1"
+
+
+class Tokenizer:
+    """Wraps a ``tokenizers.Tokenizer`` holding a byte-level BPE with fixed special ids.
+
+    ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3. ``encode`` returns subword ids
+    without special tokens; callers add ``<bos>``/``<eos>`` where they need them.
+
+    Args:
+        hf_tokenizer: A trained tokenizer whose first four ids are the special tokens.
+
+    Raises:
+        ValueError: The special tokens are not at ids 0 to 3.
+    """
+
+    def __init__(self, hf_tokenizer: HFTokenizer) -> None:
+        for expected_id, token in enumerate(SPECIAL_TOKENS):
+            actual = hf_tokenizer.token_to_id(token)
+            if actual != expected_id:
+                raise ValueError(
+                    f"special token {token!r} has id {actual}; expected {expected_id} "
+                    f"(special tokens must be {SPECIAL_TOKENS} at ids 0-3)"
+                )
+        # Text such as "<eos>" in a sentence is encoded as ordinary bytes, never as the special
+        # token, so that every string round-trips exactly.
+        hf_tokenizer.encode_special_tokens = True
+        self._hf = hf_tokenizer
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+        """Train a byte-level BPE on ``texts``.
+
+        Args:
+            texts: Training sentences; pass source and target together for a joint vocabulary.
+            vocab_size: Target vocabulary size, special tokens and the 256 byte symbols included.
+            min_frequency: Minimum count for a pair to be merged.
+        """
+        minimum = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+        if vocab_size < minimum:
+            raise ValueError(
+                f"vocab_size must be at least {minimum} (4 special tokens + 256 bytes), "
+                f"got {vocab_size}"
+            )
+        if min_frequency < 1:
+            raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+        hf = HFTokenizer(models.BPE(unk_token=UNK))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(_batched(texts, 1000), trainer=trainer)
+        return cls(hf)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        """Id of ``<pad>`` (0)."""
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        """Id of ``<bos>`` (1)."""
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        """Id of ``<eos>`` (2)."""
+        return 2
+
+    @property
+    def unk_id(self) -> int:
+        """Id of ``<unk>`` (3); byte-level BPE never produces it for text."""
+        return 3
+
+    def encode(self, text: str) -> list[int]:
+        """Subword ids of ``text``, without ``<bos>``/``<eos>``."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Subword ids of each text, encoded in parallel by the Rust tokenizer."""
+        encodings = self._hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def _strip(self, ids: Iterable[int]) -> list[int]:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i not in (self.pad_id, self.bos_id):
+                out.append(i)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``: stops at the first ``<eos>``, skips ``<pad>`` and ``<bos>``.
+
+        Accepts a list or a 1-D tensor of ids.
+        """
+        return self._hf.decode(self._strip(ids), skip_special_tokens=True)
+
+    def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        """``decode`` applied to every row of ``batch`` (a list of lists or a 2-D tensor)."""
+        return self._hf.decode_batch([self._strip(ids) for ids in batch], skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the tokenizer as JSON to ``path`` (atomically) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._hf.save(str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Read a tokenizer written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: ``path`` is not a tokenizer JSON file with the expected special tokens.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{path} is not a tokenizers JSON file: {first}") from None
+        return cls(hf)
+
+    def to_str(self) -> str:
+        """The tokenizer as a JSON string (stored inside checkpoints)."""
+        return self._hf.to_str()
+
+    @classmethod
+    def from_str(cls, text: str) -> Tokenizer:
+        """Rebuild a tokenizer from :meth:`to_str`'s JSON string."""
+        try:
+            hf = HFTokenizer.from_str(text)
+        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"not a tokenizers JSON string: {first}") from None
+        return cls(hf)
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of the serialized tokenizer, for cache keys."""
+        return hashlib.sha256(self._hf.to_str().encode("utf-8")).hexdigest()
+
+
+def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def load_or_train_tokenizer(
+    dataset: datasets.DatasetDict,
+    cache_dir: str | Path,
+    vocab_size: int,
+    min_frequency: int = 2,
+    split: str = "train",
+) -> Tokenizer:
+    """Load a cached joint BPE for ``dataset[split]``, training and caching it on a miss.
+
+    The cache key hashes the split's ``src``/``tgt`` text and the settings, so a change in the
+    data, the filter, the limit or the vocabulary size trains a new tokenizer.
+
+    Args:
+        dataset: Splits with ``src`` and ``tgt`` columns.
+        cache_dir: Directory for cached tokenizers (``<cache_dir>/tokenizers/``).
+        vocab_size: Target vocabulary size.
+        min_frequency: Minimum pair count for a merge.
+        split: The split whose source and target text trains the vocabulary.
+    """
+    if split not in dataset:
+        raise ValueError(f"split {split!r} not in dataset; available: {list(dataset)}")
+    settings = {
+        "version": _CACHE_VERSION,
+        "data": content_hash(dataset[split]),
+        "vocab_size": vocab_size,
+        "min_frequency": min_frequency,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
+    if path.is_file():
+        logger.info("loading cached tokenizer %s", path)
+        return Tokenizer.load(path)
+    ds = dataset[split]
+    logger.info("training a %d-token joint BPE on %d %s pairs", vocab_size, len(ds), split)
+    tokenizer = Tokenizer.train(
+        _interleave(ds["src"], ds["tgt"]), vocab_size=vocab_size, min_frequency=min_frequency
+    )
+    tokenizer.save(path)
+    logger.info("saved tokenizer (%d ids) to %s", tokenizer.vocab_size, path)
+    return tokenizer
+
+
+def _interleave(src: Iterable[str], tgt: Iterable[str]) -> Iterator[str]:
+    for s, t in zip(src, tgt, strict=True):
+        yield s
+        yield t

@@ -1,0 +1,71 @@
+"""Fixtures shared by all tests: where the raw Multi30k lives, and composing real configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import multihead.training  # noqa: F401  (registers the config resolvers)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(REPO_ROOT / "configs")
+
+# Every test runs offline: the Hugging Face Hub is never contacted.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def find_multi30k() -> Path | None:
+    """``$MULTIHEAD_DATA_DIR``, else ``../shared/data/multi30k`` beside the repository."""
+    for candidate in (os.environ.get("MULTIHEAD_DATA_DIR"), REPO_ROOT.parent / "shared/data/multi30k"):
+        if candidate and (Path(candidate) / "train.en.gz").is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir() -> Path:
+    path = find_multi30k()
+    if path is None:
+        pytest.skip(
+            "raw Multi30k not found: set MULTIHEAD_DATA_DIR or put it at "
+            f"{REPO_ROOT.parent / 'shared/data/multi30k'}"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data/tokenizer cache for the whole session, so it is built once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def compose_config(name: str, overrides: list[str]) -> DictConfig:
+    """Compose ``configs/<name>.yaml`` with ``overrides``, exactly as the scripts do."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+@pytest.fixture
+def smoke_config(tmp_path: Path, multi30k_dir: Path, cache_dir: Path):
+    """A factory for the smoke experiment's config, writing into ``tmp_path``."""
+
+    def make(*overrides: str) -> DictConfig:
+        return compose_config(
+            "train",
+            [
+                "experiment=smoke",
+                "logger=csv",
+                f"data.local_dir={multi30k_dir}",
+                f"paths.output_dir={tmp_path}",
+                f"paths.cache_dir={cache_dir}",
+                *overrides,
+            ],
+        )
+
+    return make

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from multihead.data import Tokenizer, TranslationDataModule
+
+
+def make_dm(data_dir: Path, cache: Path, **kwargs) -> TranslationDataModule:
+    settings = dict(
+        local_dir=str(data_dir),
+        vocab_size=1000,
+        max_tokens=600,
+        cache_dir=str(cache),
+        train_limit=2000,
+        val_limit=300,
+        test_limit=200,
+        seed=0,
+    )
+    settings.update(kwargs)
+    return TranslationDataModule(**settings)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def dm(multi30k_dir: Path, cache_dir: Path) -> TranslationDataModule:
+    dm = make_dm(multi30k_dir, cache_dir)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def test_setup_and_batches(dm: TranslationDataModule) -> None:
+    assert {split: len(ds) for split, ds in dm.tokenized.items()} == {
+        "train": 2000,
+        "validation": 300,
+        "test": 200,
+    }
+    assert dm.pad_id == 0 and dm.vocab_size == 1000
+    seen = []
+    for batch in dm.train_dataloader():
+        b, s = batch["src"].shape
+        assert batch["tgt"].shape[0] == b == len(batch["src_text"]) == len(batch["tgt_text"])
+        assert b * max(s, batch["tgt"].shape[1]) <= 600
+        assert (batch["tgt"][:, 0] == dm.tokenizer.bos_id).all()
+        assert 0 < batch["real_token_fraction"] <= 1
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(2000))
+    first = next(iter(dm.train_dataloader()))
+    text = dm.tokenizer.decode(first["tgt"][0])
+    assert text == first["tgt_text"][0]
+
+
+def test_eval_batches_restore_order(dm: TranslationDataModule) -> None:
+    hyps: dict[int, str] = {}
+    for batch in dm.test_dataloader():
+        for i, row in zip(batch["index"].tolist(), batch["tgt"], strict=True):
+            hyps[i] = dm.tokenizer.decode(row)
+    assert [hyps[i] for i in range(200)] == dm.tokenized["test"]["tgt"]
+
+
+def test_second_setup_uses_caches(
+    dm: TranslationDataModule, multi30k_dir: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("retrained instead of loading the cache")
+
+    monkeypatch.setattr(Tokenizer, "train", fail)
+    again = make_dm(multi30k_dir, cache_dir)
+    again.setup("fit")
+    assert again.tokenizer.fingerprint() == dm.tokenizer.fingerprint()
+    assert again.tokenized["train"]["src_ids"][:5] == dm.tokenized["train"]["src_ids"][:5]
+
+
+def test_save_tokenizer(dm: TranslationDataModule, tmp_path: Path) -> None:
+    path = dm.save_tokenizer(tmp_path / "run")
+    assert path == tmp_path / "run" / "tokenizer.json"
+    assert Tokenizer.load(path).fingerprint() == dm.tokenizer.fingerprint()
+
+
+def test_state_dict_resume(dm: TranslationDataModule, multi30k_dir: Path, cache_dir: Path) -> None:
+    it = iter(dm.train_dataloader())
+    for _ in range(4):
+        next(it)
+    state = dm.state_dict()
+    rest = [b["index"].tolist() for b in it]
+
+    resumed = make_dm(multi30k_dir, cache_dir)
+    resumed.load_state_dict(state)  # before setup, as Lightning may do
+    resumed.setup("fit")
+    assert [b["index"].tolist() for b in resumed.train_dataloader()] == rest
+
+
+def test_hub_error_without_local_dir(tmp_path: Path) -> None:
+    from multihead.data import DataError
+
+    dm = TranslationDataModule(cache_dir=str(tmp_path))
+    with pytest.raises(DataError, match="data.local_dir="):
+        dm.setup("fit")
+
+
+class _Recorder(L.LightningModule):
+    """Records the dataset indices of every training batch; learns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch["index"].tolist())
+        return self.weight.sum() * 0.0 + self.weight.square().sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(root: Path, max_steps: int, callbacks: list | None = None) -> L.Trainer:
+    return L.Trainer(
+        default_root_dir=root,
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        enable_checkpointing=callbacks is not None,
+    )
+
+
+@pytest.mark.parametrize("extra_steps", [5, 0], ids=["mid-epoch", "epoch-end"])
+def test_lightning_resume_continues_exactly(
+    multi30k_dir: Path, cache_dir: Path, tmp_path: Path, extra_steps: int
+) -> None:
+    small = dict(train_limit=300, val_limit=20, test_limit=20, max_tokens=400)
+    full_dm = make_dm(multi30k_dir, cache_dir, **small)
+    full = _Recorder()
+    full_dm.setup("fit")
+    per_epoch = len(full_dm.train_sampler)
+    total = per_epoch + per_epoch // 2 + 3
+    _trainer(tmp_path / "full", total).fit(full, datamodule=full_dm)
+    assert len(full.seen) == total
+
+    stop = per_epoch + extra_steps
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=stop, save_top_k=-1
+    )
+    first = _Recorder()
+    _trainer(tmp_path / "a", stop, [checkpoint]).fit(
+        first, datamodule=make_dm(multi30k_dir, cache_dir, **small)
+    )
+    ckpt = next((tmp_path / "ckpt").glob("*.ckpt"))
+    second = _Recorder()
+    with pytest.warns(match="dataloader is not resumable") if extra_steps else nullcontext():
+        _trainer(tmp_path / "b", total).fit(
+            second, datamodule=make_dm(multi30k_dir, cache_dir, **small), ckpt_path=ckpt
+        )
+    assert first.seen + second.seen == full.seen
