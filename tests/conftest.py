@@ -22,7 +22,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 def find_multi30k() -> Path | None:
     """``$MULTIHEAD_DATA_DIR``, else ``../shared/data/multi30k`` beside the repository."""
-    for candidate in (os.environ.get("MULTIHEAD_DATA_DIR"), REPO_ROOT.parent / "shared/data/multi30k"):
+    for candidate in (
+        os.environ.get("MULTIHEAD_DATA_DIR"),
+        REPO_ROOT.parent / "shared/data/multi30k",
+    ):
         if candidate and (Path(candidate) / "train.en.gz").is_file():
             return Path(candidate)
     return None

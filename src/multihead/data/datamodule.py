@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,18 @@ from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
 logger = logging.getLogger(__name__)
 
 _TOKENIZED_VERSION = "tokenized-v1"
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """Hide ``datasets``' progress bars for fast internal steps, then restore them."""
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
 
 
 class TranslationDataModule(L.LightningDataModule):
@@ -134,7 +148,8 @@ class TranslationDataModule(L.LightningDataModule):
         for split in SPLITS:
             ds, limit = raw[split], self.limits[split]
             if limit is not None and limit < len(ds):
-                ds = ds.select(range(limit)).flatten_indices()
+                with quiet_datasets():
+                    ds = ds.select(range(limit)).flatten_indices()
             limited[split] = ds
         raw = datasets.DatasetDict(limited)
         logger.info("pairs per split: %s", {split: len(ds) for split, ds in raw.items()})
@@ -168,16 +183,11 @@ class TranslationDataModule(L.LightningDataModule):
                 ],
             }
 
-        bars = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        try:
+        with quiet_datasets():
             tokenized = raw.map(tokenize, batched=True, batch_size=2000, with_indices=True)
             tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenized.save_to_disk(str(tmp))
-        finally:
-            if bars:
-                datasets.enable_progress_bars()
         try:
             os.replace(tmp, path)
         except OSError:  # another process wrote the same cache entry first

@@ -1,0 +1,231 @@
+"""Batched greedy and beam-search decoding with the decoder's KV caches.
+
+Both decoders encode the source once, then feed one new target token per step: the
+self-attention caches grow by one position, the cross-attention caches hold the memory's
+K/V projected on the first step, and the output projection runs on the new position only.
+A sentence that is finished leaves the running batch (its cache rows are dropped with
+:meth:`DecoderCache.select`), so late steps only pay for the sentences still decoding.
+
+Every step works on whole-batch tensors; each sentence's choices depend on its own rows only,
+so a sentence decodes to the same tokens alone or in a padded batch (batch shapes change
+floating-point rounding only, which could at most flip a near-exact tie).
+
+Length limit, as fairseq: sentence ``i`` may generate at most
+``max_len_i = min(floor(max_len_a * src_len_i + max_len_b), max_positions - 1)`` tokens
+before eos, where ``src_len_i`` counts its non-pad source tokens; a hypothesis still
+running at that length is ended with eos (its score includes eos's log-probability).
+
+The caller puts the model in eval mode (``model.eval()``); decoding runs under
+``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.model.transformer import Transformer
+
+
+def max_output_lengths(
+    src: Tensor, *, pad_id: int, max_len_a: float, max_len_b: float, max_positions: int
+) -> Tensor:
+    """``(B,)`` most tokens each sentence may generate before eos (see the module doc).
+
+    ``max_positions - 1`` is the cap because the decoder is fed bos plus those tokens.
+    """
+    src_len = src.ne(pad_id).sum(dim=1)  # (B,)
+    limit = torch.floor(src_len.double() * max_len_a + max_len_b).long()
+    return limit.clamp(min=0, max=max_positions - 1)
+
+
+def _to_lists(tokens: Tensor, eos_id: int) -> list[list[int]]:
+    """Rows of ``(B, L)`` ids, each cut at its first eos (rows are eos-filled past the end)."""
+    out = []
+    for row in tokens.tolist():
+        out.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return out
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: Transformer,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+) -> list[list[int]]:
+    """Greedy decoding of a batch, one cached step per token.
+
+    Args:
+        model: a :class:`Transformer`, already in eval mode.
+        src: ``(B, S)`` source ids, right-padded with ``model.pad_id``.
+        bos_id: the token that starts every target.
+        eos_id: the token that ends one.
+        max_len_a, max_len_b: at most ``floor(a * src_len + b)`` tokens per sentence.
+
+    Returns:
+        ``B`` lists of token ids, without bos and eos.
+    """
+    B, S = src.shape
+    max_lens = max_output_lengths(
+        src,
+        pad_id=model.pad_id,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        max_positions=model.max_positions,
+    )
+    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
+    memory, src_pad_mask = model.encode(src)  # (B, S, E), (B, S)
+    caches = model.make_decoder_cache(B, num_steps, S)
+
+    output = src.new_full((B, num_steps), eos_id)  # eos past each sentence's end
+    alive = torch.arange(B, device=src.device)  # sentence of each running row
+    tokens = src.new_full((B, 1), bos_id)  # (n, 1), the token fed at this step
+    for step in range(num_steps):
+        logits = model.decode(tokens, memory, src_pad_mask, caches)  # (n, 1, V)
+        next_tokens = logits[:, -1].argmax(dim=-1)  # (n,)
+        # A sentence that already has max_len tokens is ended here.
+        done = next_tokens.eq(eos_id) | max_lens.le(step)
+        output[alive, step] = next_tokens.masked_fill(done, eos_id)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            caches.select(keep)
+            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
+            alive, max_lens, next_tokens = alive[keep], max_lens[keep], next_tokens[keep]
+        tokens = next_tokens[:, None]
+    return _to_lists(output, eos_id)
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 5,
+    length_penalty: float = 1.0,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+) -> list[list[int]]:
+    """Beam search over a batch, fairseq-style, returning each sentence's best hypothesis.
+
+    Scores are sums of log-probabilities. At every step each sentence's ``K = beam_size``
+    live beams propose their ``2K`` best extensions. Those ending in eos *and* ranked in the
+    top ``K`` become finished hypotheses, scored (GNMT/fairseq length normalisation)::
+
+        score = sum(log p(y_t)) / len ** length_penalty
+
+    where ``len`` counts the generated tokens including eos (bos excluded). The best ``K``
+    extensions not ending in eos are the next live beams (with ``2K`` candidates there
+    always are ``K``). A sentence stops once it has ``K`` finished hypotheses (fairseq's
+    rule: live beams are not checked against them, so with ``length_penalty > 0`` a longer
+    hypothesis that might have scored higher is not explored) or when it reaches its length
+    limit, where every live beam is ended with eos. Its result is the finished hypothesis with
+    the best normalised score. With ``beam_size=1`` this is greedy decoding.
+
+    Args:
+        model: a :class:`Transformer`, already in eval mode.
+        src: ``(B, S)`` source ids, right-padded with ``model.pad_id``.
+        bos_id: the token that starts every target.
+        eos_id: the token that ends one.
+        beam_size: ``K``.
+        length_penalty: the exponent above; 0 ranks by raw log-probability, larger values
+            favour longer outputs.
+        max_len_a, max_len_b: at most ``floor(a * src_len + b)`` tokens per sentence.
+
+    Returns:
+        ``B`` lists of token ids, without bos and eos.
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    B, S = src.shape
+    K = beam_size
+    device = src.device
+    max_lens = max_output_lengths(
+        src,
+        pad_id=model.pad_id,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        max_positions=model.max_positions,
+    )
+    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
+    memory, src_pad_mask = model.encode(src)
+    # Rows are sentence-major, (n * K, ...): row i * K + k is beam k of running sentence i.
+    memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, E)
+    src_pad_mask = src_pad_mask.repeat_interleave(K, dim=0)  # (B*K, S)
+    caches = model.make_decoder_cache(B * K, num_steps, S)
+
+    # Only beam 0 is real at the first step, so the K first tokens are K distinct ones.
+    scores = torch.full((B, K), float("-inf"), device=device)  # (n, K) live log-probs
+    scores[:, 0] = 0.0
+    history = src.new_full((B * K, num_steps), eos_id)  # (n*K, steps) tokens of live beams
+    num_finished = torch.zeros(B, dtype=torch.long, device=device)  # (n,)
+    best_score = torch.full((B,), float("-inf"), device=device)  # per sentence, all B
+    best_tokens = src.new_full((B, num_steps), eos_id)
+    alive = torch.arange(B, device=device)  # sentence of each running group of K rows
+    tokens = src.new_full((B * K, 1), bos_id)  # (n*K, 1)
+    beam_offsets = torch.arange(K, device=device)
+    for step in range(num_steps):
+        n = alive.numel()
+        logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*K, V)
+        V = logits.shape[-1]
+        log_probs = F.log_softmax(logits.float(), dim=-1).view(n, K, V)
+        forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
+        if bool(forced.any()):
+            not_eos = torch.arange(V, device=device).ne(eos_id)
+            log_probs = log_probs.masked_fill(forced[:, None, None] & not_eos, float("-inf"))
+        candidates = (scores[:, :, None] + log_probs).view(n, K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=1)  # (n, 2K), best first
+        top_beam = top_index // V  # (n, 2K) the beam each candidate extends
+        top_token = top_index % V
+        top_eos = top_token.eq(eos_id)
+
+        # Finish eos candidates ranked in the top K, up to K finished per sentence.
+        new_finished = top_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
+        if bool(new_finished.any()):
+            free_slots = K - num_finished  # (n,)
+            new_finished &= new_finished.cumsum(dim=1) <= free_slots[:, None]
+            num_finished += new_finished.sum(dim=1)
+            normalised = top_scores[:, :K] / (step + 1) ** length_penalty
+            normalised = normalised.masked_fill(~new_finished, float("-inf"))
+            step_best, position = normalised.max(dim=1)  # (n,)
+            better = step_best > best_score[alive]
+            if bool(better.any()):
+                ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
+                rows = torch.arange(n, device=device) * K + ended_beam  # its history row
+                best_score[alive[better]] = step_best[better]
+                # Its history is eos from column `step` on, so the eos is already there.
+                best_tokens[alive[better]] = history[rows[better]]
+
+        # The next live beams: the best K candidates that do not end in eos.
+        live_scores = top_scores.masked_fill(top_eos, float("-inf"))
+        scores, pick = live_scores.topk(K, dim=1)  # (n, K)
+        next_tokens = top_token.gather(1, pick)  # (n, K)
+        origin = torch.arange(n, device=device)[:, None] * K + top_beam.gather(1, pick)
+        origin = origin.view(-1)  # (n*K,) the row each new beam extends
+        history = history[origin]
+        history[:, step] = next_tokens.view(-1)
+
+        done = num_finished.ge(K) | forced  # (n,)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)  # (n',)
+            if keep.numel() == 0:
+                break
+            keep_rows = (keep[:, None] * K + beam_offsets).view(-1)  # (n'*K,)
+            caches.select(origin[keep_rows])
+            memory, src_pad_mask = memory[keep_rows], src_pad_mask[keep_rows]
+            history = history[keep_rows]
+            scores, next_tokens = scores[keep], next_tokens[keep]
+            alive, max_lens, num_finished = alive[keep], max_lens[keep], num_finished[keep]
+        else:
+            # Beams only move within their sentence, whose memory rows are all the same.
+            caches.select(origin, cross=False)
+        tokens = next_tokens.view(-1, 1)
+    return _to_lists(best_tokens, eos_id)

@@ -1,0 +1,536 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Every attention sublayer is a :class:`~multihead.attention.MultiHeadAttention`, so each of
+the three kinds (encoder self-attention, decoder self-attention, cross-attention) can be MHA,
+GQA or MQA with its own kernel. The file reads top to bottom: feed-forward, the residual
+wrapper, encoder layer, decoder layer, the decoder's KV caches, the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import KVCache, MultiHeadAttention
+from multihead.model.embedding import TransformerEmbedding, make_token_embedding
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+_ATTENTION_KEYS = ("num_heads", "num_kv_heads", "backend")
+_ATTENTION_DEFAULTS: dict[str, Any] = {"num_heads": 8, "num_kv_heads": None, "backend": "sdpa"}
+
+
+class FeedForward(nn.Module):
+    """``linear2(dropout(activation(linear1(x))))``, the position-wise FFN (section 3.3)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, dropout: float) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}"
+            )
+        self.linear1 = nn.Linear(d_model, ffn_dim)
+        self.linear2 = nn.Linear(ffn_dim, d_model)
+        self.activation = ACTIVATIONS[activation]
+        self.dropout = nn.Dropout(dropout)
+        for linear in (self.linear1, self.linear2):  # as fairseq: Xavier, zero bias
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+def _attend(
+    attn: MultiHeadAttention,
+    maps: dict[str, Tensor] | None,
+    name: str,
+    query: Tensor,
+    key_value: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Run ``attn``; when ``maps`` is given also store its weights there under ``name``."""
+    if maps is None:
+        return attn(query, key_value, **kwargs)
+    out, maps[name] = attn(query, key_value, need_weights=True, **kwargs)
+    return out
+
+
+class _ResidualLayer(nn.Module):
+    """Wraps sublayers as ``LN(x + dropout(f(x)))`` (post-LN) or ``x + dropout(f(LN(x)))``."""
+
+    def __init__(self, norm_first: bool, dropout: float) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.dropout = nn.Dropout(dropout)
+
+    def _sublayer_input(self, x: Tensor, norm: nn.LayerNorm) -> Tensor:
+        return norm(x) if self.norm_first else x
+
+    def _sublayer_output(self, x: Tensor, out: Tensor, norm: nn.LayerNorm) -> Tensor:
+        x = x + self.dropout(out)
+        return x if self.norm_first else norm(x)
+
+
+class EncoderLayer(_ResidualLayer):
+    """Self-attention then FFN, each with residual and LayerNorm."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        self_attention: Mapping[str, Any],
+        *,
+        activation: str,
+        norm_first: bool,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+    ) -> None:
+        super().__init__(norm_first, dropout)
+        self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model, ffn_dim, activation, activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor, pad_mask: Tensor, maps: dict[str, Tensor] | None = None) -> Tensor:
+        """``x`` ``(B, S, E)``, ``pad_mask`` ``(B, S)`` True = padding; returns ``(B, S, E)``.
+
+        ``maps``, if given, receives the self-attention weights under ``"self"``.
+        """
+        h = self._sublayer_input(x, self.self_attn_norm)
+        h = _attend(self.self_attn, maps, "self", h, key_padding_mask=pad_mask)
+        x = self._sublayer_output(x, h, self.self_attn_norm)
+        h = self.ffn(self._sublayer_input(x, self.ffn_norm))
+        return self._sublayer_output(x, h, self.ffn_norm)
+
+
+class DecoderLayer(_ResidualLayer):
+    """Causal self-attention, cross-attention to the memory, FFN."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        self_attention: Mapping[str, Any],
+        cross_attention: Mapping[str, Any],
+        *,
+        activation: str,
+        norm_first: bool,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+    ) -> None:
+        super().__init__(norm_first, dropout)
+        self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        self.cross_attn = MultiHeadAttention(d_model, **cross_attention, dropout=attention_dropout)
+        self.cross_attn_norm = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model, ffn_dim, activation, activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d_model)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        memory_pad_mask: Tensor,
+        self_cache: KVCache | None = None,
+        cross_cache: KVCache | None = None,
+        maps: dict[str, Tensor] | None = None,
+    ) -> Tensor:
+        """``x`` ``(B, T, E)``, ``memory`` ``(B, S, E)``, ``memory_pad_mask`` ``(B, S)``.
+
+        With caches ``x`` holds only the new positions. ``maps``, if given, receives the
+        weights under ``"self"`` and ``"cross"``.
+        """
+        # No key padding mask here: targets are right-padded, so under the causal mask a real
+        # token never sees a padded one; only padded queries see padding, and their outputs
+        # are ignored by the loss.
+        h = self._sublayer_input(x, self.self_attn_norm)
+        h = _attend(self.self_attn, maps, "self", h, is_causal=True, kv_cache=self_cache)
+        x = self._sublayer_output(x, h, self.self_attn_norm)
+        h = self._sublayer_input(x, self.cross_attn_norm)
+        h = _attend(
+            self.cross_attn,
+            maps,
+            "cross",
+            h,
+            memory,
+            key_padding_mask=memory_pad_mask,
+            kv_cache=cross_cache,
+        )
+        x = self._sublayer_output(x, h, self.cross_attn_norm)
+        h = self.ffn(self._sublayer_input(x, self.ffn_norm))
+        return self._sublayer_output(x, h, self.ffn_norm)
+
+
+class DecoderCache:
+    """One self-attention and one cross-attention :class:`KVCache` per decoder layer.
+
+    The self-attention caches grow by the decoded positions; the cross-attention caches are
+    filled with the projected memory on the first decoding step and only read afterwards.
+    Made by :meth:`Transformer.make_decoder_cache`.
+    """
+
+    def __init__(self, self_caches: list[KVCache], cross_caches: list[KVCache]) -> None:
+        self.self_caches = self_caches
+        self.cross_caches = cross_caches
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_caches[0].batch_size
+
+    @property
+    def position(self) -> int:
+        """Target positions decoded so far, the ``start_pos`` of the next step."""
+        return self.self_caches[0].size
+
+    def select(self, index: Tensor, *, cross: bool = True) -> None:
+        """Keep batch rows ``index`` (reorder beams, drop finished sentences).
+
+        Pass ``cross=False`` when ``index`` only permutes rows that share the same memory
+        (beams of one sentence): the cross-attention caches are then left as they are
+        instead of being copied.
+        """
+        caches = self.self_caches + self.cross_caches if cross else self.self_caches
+        for cache in caches:
+            cache.select(index)
+
+    def reset(self) -> None:
+        """Forget every position, self and cross (to decode a new batch of the same size)."""
+        for cache in self.self_caches + self.cross_caches:
+            cache.reset()
+
+
+def _attention_config(
+    kind: str, base: Mapping[str, Any] | None, override: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``_ATTENTION_DEFAULTS`` updated by ``base`` then by ``override`` (any Mapping)."""
+    config = dict(_ATTENTION_DEFAULTS)
+    for name, mapping in (("attention", base), (kind, override)):
+        if mapping is None:
+            continue
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"{name} must be a mapping or None, got {type(mapping).__name__}")
+        unknown = set(mapping) - set(_ATTENTION_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(_ATTENTION_KEYS)}"
+            )
+        config.update(mapping)
+    return config
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer for translation.
+
+    Post-LN as in the original paper by default; ``norm_first=True`` gives pre-LN with a
+    final LayerNorm on the encoder and decoder outputs. Dropout follows fairseq: ``dropout``
+    on the embeddings and on each sublayer's output, ``attention_dropout`` on the attention
+    weights, ``activation_dropout`` inside the FFN.
+
+    Initialisation (as fairseq): token embeddings ``normal(0, E^-0.5)`` with the padding row
+    zero (then scaled by ``sqrt(E)`` in the forward pass); an untied output projection the
+    same; FFN weights Xavier-uniform with zero biases; attention as
+    :class:`~multihead.attention.MultiHeadAttention`; LayerNorm weight 1, bias 0.
+
+    Args:
+        src_vocab_size: source vocabulary size.
+        tgt_vocab_size: target vocabulary size.
+        d_model: ``E``.
+        ffn_dim: inner size of the feed-forward sublayers.
+        num_encoder_layers: encoder depth.
+        num_decoder_layers: decoder depth.
+        dropout: on embeddings and sublayer outputs.
+        attention_dropout: on attention weights.
+        activation_dropout: after the FFN activation.
+        activation: ``"relu"`` or ``"gelu"``.
+        norm_first: pre-LN instead of post-LN.
+        positional: ``"sinusoidal"`` or ``"learned"``.
+        max_positions: the longest source or target sequence (bos included).
+        share_embeddings: tie the source, target and output embeddings (one matrix); needs
+            ``src_vocab_size == tgt_vocab_size`` (a joint vocabulary).
+        tie_output: tie the output projection to the target embedding. Implied by
+            ``share_embeddings``.
+        pad_id: the padding token id, in both vocabularies.
+        attention: ``num_heads`` (default 8), ``num_kv_heads`` (default ``None`` = MHA) and
+            ``backend`` (default ``"sdpa"``) for every attention sublayer.
+        encoder_self_attention, decoder_self_attention, cross_attention: keys that override
+            ``attention`` for one kind of sublayer, e.g. ``{"num_kv_heads": 1}`` for the
+            decoder self-attention only. Any ``Mapping`` (an omegaconf ``DictConfig`` too).
+
+    Shapes:
+        src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.
+
+    Example:
+        >>> model = Transformer(src_vocab_size=100, tgt_vocab_size=100, d_model=32,
+        ...     ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2,
+        ...     attention={"num_heads": 4}, decoder_self_attention={"num_kv_heads": 1})
+        >>> model(torch.randint(1, 100, (2, 7)), torch.randint(1, 100, (2, 5))).shape
+        torch.Size([2, 5, 100])
+        >>> model.head_config["decoder_self_attention"]["variant"]
+        'mqa'
+    """
+
+    def __init__(
+        self,
+        *,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        d_model: int = 512,
+        ffn_dim: int = 2048,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        positional: str = "sinusoidal",
+        max_positions: int = 1024,
+        share_embeddings: bool = True,
+        tie_output: bool = True,
+        pad_id: int = 0,
+        attention: Mapping[str, Any] | None = None,
+        encoder_self_attention: Mapping[str, Any] | None = None,
+        decoder_self_attention: Mapping[str, Any] | None = None,
+        cross_attention: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="
+                f"{src_vocab_size} != tgt_vocab_size={tgt_vocab_size}; set "
+                "share_embeddings=False or build a joint vocabulary"
+            )
+        if num_encoder_layers < 1 or num_decoder_layers < 1:
+            raise ValueError(
+                f"num_encoder_layers and num_decoder_layers must be >= 1, got "
+                f"{num_encoder_layers} and {num_decoder_layers}"
+            )
+        overrides = (encoder_self_attention, decoder_self_attention, cross_attention)
+        self.attention_config = {
+            kind: _attention_config(kind, attention, override)
+            for kind, override in zip(ATTENTION_KINDS, overrides, strict=True)
+        }
+        self.d_model = d_model
+        self.pad_id = pad_id
+        self.max_positions = max_positions
+        self.norm_first = norm_first
+
+        src_token = make_token_embedding(src_vocab_size, d_model, pad_id)
+        tgt_token = (
+            src_token if share_embeddings else make_token_embedding(tgt_vocab_size, d_model, pad_id)
+        )
+        embedding_args = dict(positional=positional, max_positions=max_positions, dropout=dropout)
+        self.encoder_embedding = TransformerEmbedding(src_token, **embedding_args)
+        self.decoder_embedding = TransformerEmbedding(tgt_token, **embedding_args)
+
+        layer_args = dict(
+            activation=activation,
+            norm_first=norm_first,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            activation_dropout=activation_dropout,
+        )
+        enc_cfg, dec_cfg, cross_cfg = self.attention_config.values()
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(d_model, ffn_dim, enc_cfg, **layer_args) for _ in range(num_encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(d_model, ffn_dim, dec_cfg, cross_cfg, **layer_args)
+            for _ in range(num_decoder_layers)
+        )
+        # Pre-LN leaves the residual stream unnormalised; post-LN already ends with a norm.
+        self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+
+        # No bias, as fairseq: with tying the logits are dot products with the embeddings.
+        self.output_projection = nn.Linear(d_model, tgt_vocab_size, bias=False)
+        if share_embeddings or tie_output:
+            self.output_projection.weight = tgt_token.weight
+        else:
+            nn.init.normal_(self.output_projection.weight, mean=0.0, std=d_model**-0.5)
+
+    # ------------------------------------------------------------------ forward passes
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits.
+
+        Args:
+            src: ``(B, S)`` source ids, right-padded with ``pad_id``.
+            tgt_in: ``(B, T)`` target ids shifted right (bos first), right-padded.
+
+        Returns:
+            ``(B, T, V)`` logits; position ``t`` predicts target token ``t + 1``.
+        """
+        memory, src_pad_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_pad_mask)
+
+    def encode(
+        self, src: Tensor, maps: list[dict[str, Tensor]] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Encode ``src`` ``(B, S)``.
+
+        Args:
+            src: ``(B, S)`` source ids, right-padded with ``pad_id``.
+            maps: if given, one dict per layer with its self-attention weights is appended.
+
+        Returns:
+            ``(memory, src_pad_mask)``: ``(B, S, E)`` and ``(B, S)`` bool, True = padding.
+        """
+        if src.dim() != 2:
+            raise ValueError(f"src must be (B, S) token ids, got shape {tuple(src.shape)}")
+        src_pad_mask = src.eq(self.pad_id)  # (B, S)
+        x = self.encoder_embedding(src)  # (B, S, E)
+        for layer in self.encoder_layers:
+            layer_maps = None if maps is None else {}
+            x = layer(x, src_pad_mask, layer_maps)
+            if maps is not None:
+                maps.append(layer_maps)
+        return self.encoder_norm(x), src_pad_mask
+
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        src_pad_mask: Tensor,
+        caches: DecoderCache | None = None,
+        start_pos: int | None = None,
+        maps: list[dict[str, Tensor]] | None = None,
+    ) -> Tensor:
+        """Decoder logits for ``tgt_in``, optionally one step of incremental decoding.
+
+        Args:
+            tgt_in: ``(B, T)`` target ids. With ``caches``, only the new positions.
+            memory: ``(B, S, E)`` from :meth:`encode`. With ``caches`` it is projected into
+                the cross-attention caches on the first call and only checked afterwards.
+            src_pad_mask: ``(B, S)`` bool, True = padding.
+            caches: a :class:`DecoderCache` from :meth:`make_decoder_cache`, updated in place.
+            start_pos: position of ``tgt_in[:, 0]``. Defaults to the positions already in
+                ``caches`` (0 without caches); an explicit value must agree with them.
+            maps: if given, one dict per layer with its ``"self"`` and ``"cross"`` attention
+                weights is appended.
+
+        Returns:
+            ``(B, T, V)`` logits. The output projection, the largest matmul when decoding,
+            only runs on the positions fed, so an incremental step costs ``(B, 1, V)``.
+        """
+        if tgt_in.dim() != 2:
+            raise ValueError(f"tgt_in must be (B, T) token ids, got shape {tuple(tgt_in.shape)}")
+        cached = 0 if caches is None else caches.position
+        if start_pos is None:
+            start_pos = cached
+        elif caches is not None and start_pos != cached:
+            raise ValueError(
+                f"start_pos={start_pos} disagrees with the {cached} positions in the caches"
+            )
+        x = self.decoder_embedding(tgt_in, start_pos)  # (B, T, E)
+        for i, layer in enumerate(self.decoder_layers):
+            self_cache = None if caches is None else caches.self_caches[i]
+            cross_cache = None if caches is None else caches.cross_caches[i]
+            layer_maps = None if maps is None else {}
+            x = layer(x, memory, src_pad_mask, self_cache, cross_cache, layer_maps)
+            if maps is not None:
+                maps.append(layer_maps)
+        return self.output_projection(self.decoder_norm(x))  # (B, T, V)
+
+    def make_decoder_cache(self, batch_size: int, max_tgt_len: int, src_len: int) -> DecoderCache:
+        """Empty caches to decode ``batch_size`` rows.
+
+        Args:
+            batch_size: rows decoded together (sentences times beams).
+            max_tgt_len: the most target positions that will be fed, bos included.
+            src_len: ``S``, the memory length.
+        """
+        layers = self.decoder_layers
+        return DecoderCache(
+            [layer.self_attn.make_kv_cache(batch_size, max_tgt_len) for layer in layers],
+            [layer.cross_attn.make_kv_cache(batch_size, src_len) for layer in layers],
+        )
+
+    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+        """Attention weights of every layer, from the ``math`` path, for diagnostics.
+
+        Call it under ``torch.no_grad()`` in eval mode (attention dropout would otherwise
+        apply to the weights as in training).
+
+        Returns:
+            ``{"encoder_self": [(B, H, S, S)] * num_encoder_layers,
+            "decoder_self": [(B, H, T, T)] * num_decoder_layers,
+            "cross": [(B, H, T, S)] * num_decoder_layers}``.
+        """
+        encoder_maps: list[dict[str, Tensor]] = []
+        decoder_maps: list[dict[str, Tensor]] = []
+        memory, src_pad_mask = self.encode(src, encoder_maps)
+        self.decode(tgt_in, memory, src_pad_mask, maps=decoder_maps)
+        return {
+            "encoder_self": [m["self"] for m in encoder_maps],
+            "decoder_self": [m["self"] for m in decoder_maps],
+            "cross": [m["cross"] for m in decoder_maps],
+        }
+
+    # ------------------------------------------------------------------ summaries
+    def num_parameters(self) -> int:
+        """Trainable and frozen parameters, tied matrices counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def attention_parameters(self) -> int:
+        """Parameters of the attention sublayers (projections and biases)."""
+        return sum(
+            p.numel()
+            for m in self.modules()
+            if isinstance(m, MultiHeadAttention)
+            for p in m.parameters()
+        )
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """K/V cache bytes per decoded target token and sentence, all decoder layers.
+
+        Only the decoder self-attention caches grow with the target; the cross-attention
+        cache holds one entry per *source* token, see
+        :meth:`cross_kv_cache_bytes_per_source_token`.
+        """
+        return sum(layer.self_attn.kv_cache_bytes_per_token(dtype) for layer in self.decoder_layers)
+
+    def cross_kv_cache_bytes_per_source_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """Cross-attention K/V cache bytes per source token and sentence, all layers."""
+        return sum(
+            layer.cross_attn.kv_cache_bytes_per_token(dtype) for layer in self.decoder_layers
+        )
+
+    @property
+    def head_config(self) -> dict[str, dict[str, Any]]:
+        """The heads of each sublayer kind, read from the layers themselves.
+
+        Returns:
+            ``{kind: {"variant": "mha" | "gqa" | "mqa", "num_heads": H, "num_kv_heads": G,
+            "backend": name}}`` for the three kinds of :data:`ATTENTION_KINDS`.
+        """
+        first = {
+            "encoder_self_attention": self.encoder_layers[0].self_attn,
+            "decoder_self_attention": self.decoder_layers[0].self_attn,
+            "cross_attention": self.decoder_layers[0].cross_attn,
+        }
+        return {
+            kind: {
+                "variant": attn.variant,
+                "num_heads": attn.num_heads,
+                "num_kv_heads": attn.num_kv_heads,
+                "backend": attn.backend,
+            }
+            for kind, attn in first.items()
+        }
+
+    @property
+    def head_tag(self) -> str:
+        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``."""
+        parts = []
+        for short, cfg in zip(("enc", "dec", "cross"), self.head_config.values(), strict=True):
+            kv = f"kv{cfg['num_kv_heads']}" if cfg["variant"] == "gqa" else ""
+            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}")
+        backends = sorted({cfg["backend"] for cfg in self.head_config.values()})
+        return "_".join(parts + ["-".join(backends)])

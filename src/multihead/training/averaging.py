@@ -1,0 +1,59 @@
+"""Checkpoint averaging (Vaswani et al. average the last 5 or 20 checkpoints)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from multihead.training.checkpoint import read_checkpoint
+
+_STEP = re.compile(r"step(\d+)\.ckpt$")
+
+
+def recent_checkpoints(ckpt_dir: str | Path, last: int) -> list[Path]:
+    """The ``last`` newest ``step<N>.ckpt`` files in ``ckpt_dir``, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+    if last < 1:
+        raise ValueError(f"last={last}; expected at least 1 checkpoint to average")
+    found = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP.search(p.name)))
+    if not found:
+        raise FileNotFoundError(f"no step<N>.ckpt checkpoints in {ckpt_dir}")
+    return [p for _, p in found[-last:]]
+
+
+def average_checkpoints(paths: list[Path]) -> dict:
+    """A checkpoint whose weights are the mean of ``paths``' weights.
+
+    Everything else (config, tokenizer, optimiser state) is taken from the last one, so
+    the result loads anywhere the last checkpoint does.
+    """
+    ckpts = [read_checkpoint(p) for p in paths]
+    averaged = ckpts[-1]
+    keys = averaged["state_dict"].keys()
+    for c, p in zip(ckpts, paths, strict=True):
+        if c["state_dict"].keys() != keys:
+            raise ValueError(f"{p} has different parameters from {paths[-1]}; cannot average")
+    for key in keys:
+        tensors = [c["state_dict"][key] for c in ckpts]
+        if tensors[0].is_floating_point():
+            averaged["state_dict"][key] = (
+                torch.stack([t.float() for t in tensors]).mean(0).to(tensors[0].dtype)
+            )
+    averaged["multihead"]["averaged_from"] = [str(p) for p in paths]
+    return averaged
+
+
+def save_new(obj: dict, out: str | Path) -> Path:
+    """``torch.save`` to ``out``, refusing to overwrite anything."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new out= path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(obj, tmp)
+    tmp.rename(out)
+    return out

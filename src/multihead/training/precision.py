@@ -1,0 +1,29 @@
+"""The ``precision: auto`` setting, resolved once per run."""
+
+from __future__ import annotations
+
+import torch
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
+
+# Measured with scripts/benchmark_training.py on the 2-core CPU machines (docs/benchmarks.md).
+CPU_AUTO_PRECISION = "bf16-mixed"
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """Turn ``auto`` into a concrete Lightning precision for ``accelerator``.
+
+    ``auto`` picks bf16-mixed on GPUs that support bf16, 16-mixed (fp16 with loss scaling)
+    on older GPUs, and :data:`CPU_AUTO_PRECISION` on CPU.
+    """
+    precision = str(precision)
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={precision!r}; expected one of {', '.join(PRECISIONS)}"
+        )
+    if precision != "auto":
+        return precision
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return CPU_AUTO_PRECISION

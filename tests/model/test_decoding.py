@@ -1,0 +1,155 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
+
+from multihead.model import beam_search, greedy_decode, max_output_lengths
+
+LIMITS = dict(max_len_a=1.0, max_len_b=4)
+
+
+def _max_len(row: torch.Tensor, max_len_a: float, max_len_b: float, max_positions: int) -> int:
+    real = int(row.ne(PAD).sum())
+    return min(math.floor(max_len_a * real + max_len_b), max_positions - 1)
+
+
+def naive_greedy(model, src_row, max_len):
+    """One sentence, no cache, no padding: rerun the full forward at every step."""
+    src = src_row[src_row.ne(PAD)][None]  # (1, S_real)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_len:
+            logits = model(src, torch.tensor([[BOS, *out]]))
+            token = int(logits[0, -1].argmax())
+            if token == EOS:
+                break
+            out.append(token)
+    return out
+
+
+def naive_beam(model, src_row, max_len, beam_size, length_penalty):
+    """The documented fairseq rule, written out for one sentence without caches."""
+    src = src_row[src_row.ne(PAD)][None]
+    K = beam_size
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    finished: list[tuple[float, list[int]]] = []
+    with torch.no_grad():
+        for step in range(max_len + 1):
+            candidates = []
+            for b, (tokens, score) in enumerate(beams):
+                logits = model(src, torch.tensor([[BOS, *tokens]]))[0, -1]
+                log_probs = F.log_softmax(logits.float(), dim=-1)
+                for v, lp in enumerate(log_probs.tolist()):
+                    if step == max_len and v != EOS:
+                        continue
+                    candidates.append((score + lp, b, v))
+            candidates.sort(key=lambda c: -c[0])
+            top = candidates[: 2 * K]
+            for score, b, v in top[:K]:
+                if v == EOS and len(finished) < K:
+                    finished.append((score / (step + 1) ** length_penalty, beams[b][0]))
+            if len(finished) >= K or step == max_len:
+                break
+            live = [c for c in top if c[2] != EOS][:K]
+            beams = [(beams[b][0] + [v], score) for score, b, v in live]
+    best = max(finished, key=lambda f: f[0])
+    return best[1]
+
+
+def test_max_output_lengths_formula():
+    src = torch.tensor([[5, 6, 7, 8, 9], [5, 6, PAD, PAD, PAD], [5, PAD, PAD, PAD, PAD]])
+    lengths = max_output_lengths(src, pad_id=PAD, max_len_a=1.5, max_len_b=2, max_positions=100)
+    assert lengths.tolist() == [9, 5, 3]  # floor(1.5 * 5 + 2), floor(1.5 * 2 + 2), ...
+    capped = max_output_lengths(src, pad_id=PAD, max_len_a=1.5, max_len_b=2, max_positions=6)
+    assert capped.tolist() == [5, 5, 3]
+
+
+def test_output_lengths_respect_the_limit():
+    model = tiny_model()  # tied random model: rarely says eos, so most hit the limit
+    src = random_src(6, 8, seed=3)
+    limits = max_output_lengths(src, pad_id=PAD, max_positions=model.max_positions, **LIMITS)
+    for decode in (greedy_decode, beam_search):
+        outputs = decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+        assert all(len(o) <= n for o, n in zip(outputs, limits.tolist(), strict=True))
+        assert any(len(o) == n for o, n in zip(outputs, limits.tolist(), strict=True))
+        assert all(EOS not in o for o in outputs)
+    # max_positions caps the length: bos plus 7 tokens fill 8 positions.
+    short = tiny_model(max_positions=8)
+    outputs = greedy_decode(short, src, bos_id=BOS, eos_id=EOS, max_len_a=5.0, max_len_b=5)
+    assert max(len(o) for o in outputs) <= 7
+    zero = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_len_a=0.0, max_len_b=0)
+    assert zero == [[]] * 6
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_greedy_matches_uncached_reference(seed):
+    model = decoding_model(seed)
+    src = random_src(8, 9, seed=seed, min_len=2)
+    outputs = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+    expected = [naive_greedy(model, row, _max_len(row, **LIMITS, max_positions=64)) for row in src]
+    assert outputs == expected
+    assert len({len(o) for o in outputs}) > 2  # the test covers varied stopping points
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_beam_size_one_is_greedy(norm_first):
+    model = decoding_model(1)
+    if norm_first:
+        model = tiny_model(1, norm_first=True, share_embeddings=False, tie_output=False)
+    src = random_src(8, 9, seed=5, min_len=2)
+    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+    beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=1, **LIMITS)
+    assert beam == greedy
+
+
+@pytest.mark.parametrize(("beam_size", "length_penalty"), [(3, 1.0), (4, 0.0), (2, 0.6)])
+def test_beam_matches_uncached_reference(beam_size, length_penalty):
+    model = decoding_model(2)
+    src = random_src(6, 8, seed=7, min_len=2)
+    outputs = beam_search(
+        model,
+        src,
+        bos_id=BOS,
+        eos_id=EOS,
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+        **LIMITS,
+    )
+    expected = [
+        naive_beam(model, row, _max_len(row, **LIMITS, max_positions=64), beam_size, length_penalty)
+        for row in src
+    ]
+    assert outputs == expected
+
+
+@pytest.mark.parametrize("variant", [None, 1])
+def test_decoding_does_not_depend_on_batch_size(variant):
+    model = decoding_model(1)
+    if variant is not None:
+        model = tiny_model(
+            1,
+            share_embeddings=False,
+            tie_output=False,
+            decoder_self_attention={"num_kv_heads": variant},
+        )
+    src = random_src(8, 10, seed=11, min_len=2)  # mixed lengths, one unpadded row
+    for decode, kwargs in ((beam_search, {"beam_size": 5}), (greedy_decode, {})):
+        batched = decode(model, src, bos_id=BOS, eos_id=EOS, **kwargs, **LIMITS)
+        alone = [
+            decode(model, row[row.ne(PAD)][None], bos_id=BOS, eos_id=EOS, **kwargs, **LIMITS)[0]
+            for row in src
+        ]
+        assert batched == alone
+
+
+def test_decoding_leaves_model_state_alone():
+    model = decoding_model(1)
+    src = random_src(3, 5)
+    greedy_decode(model, src, bos_id=BOS, eos_id=EOS)
+    beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=2)
+    assert not model.training
+    assert not torch.is_inference_mode_enabled()
+    with pytest.raises(ValueError, match="beam_size must be >= 1, got 0"):
+        beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=0)

@@ -1,0 +1,25 @@
+import torch
+from tiny_models import BOS, EOS, PAD, tiny_model
+
+from multihead.model import beam_search, greedy_decode
+
+
+def test_tiny_model_memorises_one_pair():
+    model = tiny_model(0, attention={"num_heads": 4, "num_kv_heads": 2}).train()
+    src = torch.tensor([[5, 9, 13, 7, 21, EOS]])
+    target = [11, 30, 4, 17, 8, 25, 6]
+    tgt_in = torch.tensor([[BOS, *target]])
+    tgt_out = torch.tensor([[*target, EOS]])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        logits = model(src, tgt_in)
+        loss = torch.nn.functional.cross_entropy(
+            logits.view(-1, logits.shape[-1]), tgt_out.view(-1), ignore_index=PAD
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05
+    model.eval()
+    assert greedy_decode(model, src, bos_id=BOS, eos_id=EOS) == [target]
+    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3) == [target]

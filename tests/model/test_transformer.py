@@ -1,0 +1,221 @@
+import pytest
+import torch
+from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
+
+from multihead.attention import MultiHeadAttention
+from multihead.model import Transformer
+
+VARIANTS = {"mha": None, "gqa": 2, "mqa": 1}
+
+
+def test_forward_shapes_and_pad_mask():
+    model = tiny_model()
+    src = random_src(3, 7)
+    tgt = torch.randint(3, VOCAB, (3, 5))
+    assert model(src, tgt).shape == (3, 5, VOCAB)
+    memory, pad = model.encode(src)
+    assert memory.shape == (3, 7, 32)
+    assert torch.equal(pad, src.eq(PAD))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+def test_post_and_pre_ln_train_step(norm_first, positional):
+    model = tiny_model(norm_first=norm_first, positional=positional, dropout=0.1).train()
+    assert isinstance(model.encoder_norm, torch.nn.LayerNorm) == norm_first
+    logits = model(random_src(2, 6), torch.randint(3, VOCAB, (2, 4)))
+    logits.logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_gelu_and_bad_activation():
+    assert tiny_model(activation="gelu")(random_src(1, 3), torch.tensor([[BOS]])).isfinite().all()
+    with pytest.raises(ValueError, match="'swish'.*relu, gelu"):
+        tiny_model(activation="swish")
+
+
+def test_share_embeddings_needs_equal_vocab_sizes():
+    with pytest.raises(ValueError, match="src_vocab_size=40 != tgt_vocab_size=50"):
+        tiny_model(tgt_vocab_size=50)
+    model = tiny_model(tgt_vocab_size=50, share_embeddings=False)
+    assert model(random_src(2, 4), torch.tensor([[BOS], [BOS]])).shape == (2, 1, 50)
+
+
+def test_embedding_tying():
+    shared = tiny_model()
+    w = shared.encoder_embedding.token.weight
+    assert shared.decoder_embedding.token.weight is w
+    assert shared.output_projection.weight is w
+    untied = tiny_model(share_embeddings=False, tie_output=True)
+    assert untied.decoder_embedding.token.weight is not untied.encoder_embedding.token.weight
+    assert untied.output_projection.weight is untied.decoder_embedding.token.weight
+    separate = tiny_model(share_embeddings=False, tie_output=False)
+    assert separate.output_projection.weight is not separate.decoder_embedding.token.weight
+    # Tied matrices are counted once.
+    E, V = 32, VOCAB
+    assert separate.num_parameters() - shared.num_parameters() == 2 * V * E
+
+
+def test_pad_rows_of_embeddings_start_at_zero():
+    model = tiny_model(share_embeddings=False, tie_output=False)
+    assert torch.all(model.encoder_embedding.token.weight[PAD] == 0)
+    assert torch.all(model.decoder_embedding.token.weight[PAD] == 0)
+
+
+def test_per_sublayer_attention_overrides_reach_their_layers():
+    model = tiny_model(
+        attention={"num_heads": 4, "backend": "math"},
+        decoder_self_attention={"num_kv_heads": 1},
+        cross_attention={"num_kv_heads": 2, "backend": "sdpa"},
+    )
+    for layer in model.encoder_layers:
+        assert (layer.self_attn.num_kv_heads, layer.self_attn.backend) == (4, "math")
+    for layer in model.decoder_layers:
+        assert (layer.self_attn.num_kv_heads, layer.self_attn.backend) == (1, "math")
+        assert (layer.cross_attn.num_kv_heads, layer.cross_attn.backend) == (2, "sdpa")
+    assert model.head_config == {
+        "encoder_self_attention": {
+            "variant": "mha",
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "backend": "math",
+        },
+        "decoder_self_attention": {
+            "variant": "mqa",
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "backend": "math",
+        },
+        "cross_attention": {"variant": "gqa", "num_heads": 4, "num_kv_heads": 2, "backend": "sdpa"},
+    }
+    assert model.head_tag == "enc-mha4_dec-mqa4_cross-gqa4kv2_math-sdpa"
+
+
+def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"})
+    override = omegaconf.OmegaConf.create({"num_kv_heads": 2})
+    model = tiny_model(attention=cfg, decoder_self_attention=override)
+    assert model.head_config["decoder_self_attention"]["variant"] == "gqa"
+    assert model.head_config["encoder_self_attention"]["variant"] == "mha"
+    with pytest.raises(ValueError, match=r"\['heads'\] in cross_attention"):
+        tiny_model(cross_attention={"heads": 2})
+    with pytest.raises(TypeError, match="attention must be a mapping"):
+        tiny_model(attention=4)
+
+
+def test_parameter_and_cache_counts():
+    model = tiny_model(decoder_self_attention={"num_kv_heads": 1})
+    attention = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, MultiHeadAttention)
+        for p in m.parameters()
+    )
+    assert model.attention_parameters() == attention
+    # Decoder self-attention, MQA: 2 layers * (K + V) * 1 head * head_dim 8 * 4 bytes.
+    assert model.kv_cache_bytes_per_token() == 2 * 2 * 1 * 8 * 4
+    assert model.kv_cache_bytes_per_token(torch.bfloat16) == 2 * 2 * 1 * 8 * 2
+    assert model.cross_kv_cache_bytes_per_source_token() == 2 * 2 * 4 * 8 * 4
+
+
+def test_padding_does_not_change_other_positions():
+    model = tiny_model()
+    src = random_src(1, 5)
+    tgt = torch.randint(3, VOCAB, (1, 4))
+    padded_src = torch.cat([src, torch.full((1, 3), PAD)], dim=1)
+    padded_tgt = torch.cat([tgt, torch.full((1, 2), PAD)], dim=1)
+    ref = model(src, tgt)
+    out = model(padded_src, padded_tgt)[:, :4]
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_incremental_decoding_matches_full_forward(norm_first, variant):
+    model = tiny_model(
+        norm_first=norm_first,
+        attention={"num_heads": 4, "num_kv_heads": VARIANTS[variant]},
+    )
+    B, S, T = 3, 7, 6
+    src = random_src(B, S)
+    tgt = torch.randint(3, VOCAB, (B, T))
+    tgt[:, 0] = BOS
+    full = model(src, tgt)
+    memory, pad = model.encode(src)
+    caches = model.make_decoder_cache(B, T, S)
+    # A prompt of 3 positions at once (causal mask within the chunk), then one at a time.
+    steps = [model.decode(tgt[:, :3], memory, pad, caches)]
+    for t in range(3, T):
+        steps.append(model.decode(tgt[:, t : t + 1], memory, pad, caches, start_pos=t))
+    assert caches.position == T
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_decoder_cache_select_and_reset():
+    model = tiny_model()
+    src = random_src(3, 5)
+    tgt = torch.randint(3, VOCAB, (3, 4))
+    full = model(src, tgt)
+    memory, pad = model.encode(src)
+    caches = model.make_decoder_cache(3, 4, 5)
+    first = model.decode(tgt[:, :2], memory, pad, caches)
+    assert torch.allclose(first, full[:, :2], atol=1e-5)
+    keep = torch.tensor([2, 0])
+    caches.select(keep)
+    rest = model.decode(tgt[keep, 2:], memory[keep], pad[keep], caches)
+    assert caches.batch_size == 2
+    assert torch.allclose(rest, full[keep, 2:], atol=1e-5)
+    caches.reset()
+    assert caches.position == 0
+
+
+def test_start_pos_must_agree_with_cache():
+    model = tiny_model()
+    memory, pad = model.encode(random_src(1, 3))
+    caches = model.make_decoder_cache(1, 4, 3)
+    with pytest.raises(ValueError, match="start_pos=2 disagrees with the 0 positions"):
+        model.decode(torch.tensor([[BOS]]), memory, pad, caches, start_pos=2)
+
+
+def test_attention_maps_shapes_and_normalisation():
+    model = tiny_model(decoder_self_attention={"num_kv_heads": 1})
+    src = random_src(2, 6, min_len=3)
+    tgt = torch.randint(3, VOCAB, (2, 4))
+    with torch.no_grad():
+        maps = model.attention_maps(src, tgt)
+    assert [m.shape for m in maps["encoder_self"]] == [(2, 4, 6, 6)] * 2
+    assert [m.shape for m in maps["decoder_self"]] == [(2, 4, 4, 4)] * 2
+    assert [m.shape for m in maps["cross"]] == [(2, 4, 4, 6)] * 2
+    for kind in maps.values():
+        for weights in kind:
+            assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+    pad = src.eq(PAD)[:, None, None, :]
+    assert torch.all(maps["cross"][0].masked_select(pad) == 0)
+    assert torch.all(maps["decoder_self"][1].triu(1) == 0)
+
+
+def test_constructor_is_keyword_only_with_plain_values():
+    with pytest.raises(TypeError):
+        Transformer(VOCAB, VOCAB)  # type: ignore[misc]
+
+
+def test_hydra_instantiate_with_nested_attention_configs():
+    hydra_utils = pytest.importorskip("hydra.utils")
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create(
+        {
+            "_target_": "multihead.model.Transformer",
+            "src_vocab_size": VOCAB,
+            "tgt_vocab_size": VOCAB,
+            "d_model": 32,
+            "ffn_dim": 64,
+            "num_encoder_layers": 1,
+            "num_decoder_layers": 1,
+            "attention": {"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"},
+            "decoder_self_attention": {"num_kv_heads": 2},
+            "encoder_self_attention": None,
+        }
+    )
+    model = hydra_utils.instantiate(cfg)
+    assert model.head_tag == "enc-mha4_dec-gqa4kv2_cross-mha4_sdpa"

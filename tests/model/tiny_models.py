@@ -1,0 +1,54 @@
+"""Tiny models and inputs shared by the model tests (d_model 32, 2 + 2 layers, CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from multihead.model import Transformer
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 40
+
+
+def tiny_model(seed: int = 0, **overrides: Any) -> Transformer:
+    """A tiny eval-mode Transformer without dropout, so outputs are deterministic."""
+    torch.manual_seed(seed)
+    kwargs: dict[str, Any] = dict(
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        d_model=32,
+        ffn_dim=64,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout=0.0,
+        max_positions=64,
+        pad_id=PAD,
+        attention={"num_heads": 4},
+    )
+    kwargs.update(overrides)
+    return Transformer(**kwargs).eval()
+
+
+def decoding_model(seed: int = 1) -> Transformer:
+    """A random model whose outputs vary and end at varied lengths.
+
+    With tied embeddings a random post-LN decoder mostly repeats its input token, so the
+    output projection is untied and sharpened, and eos is made likelier.
+    """
+    model = tiny_model(seed, share_embeddings=False, tie_output=False)
+    with torch.no_grad():
+        model.output_projection.weight.mul_(3.0)
+        model.output_projection.weight[EOS].mul_(2.0)
+    return model
+
+
+def random_src(batch: int, max_len: int, seed: int = 0, min_len: int = 1) -> torch.Tensor:
+    """``(batch, max_len)`` ids in ``[3, VOCAB)`` right-padded to varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, VOCAB, (batch, max_len), generator=g)
+    lengths = torch.randint(min_len, max_len + 1, (batch,), generator=g)
+    lengths[0] = max_len  # at least one row without padding
+    src[torch.arange(max_len)[None, :] >= lengths[:, None]] = PAD
+    return src
