@@ -100,8 +100,8 @@ def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
                 f"backend {name!r} (SDPA pinned to {kernel.name}) cannot run these inputs: "
                 f"device={q.device.type}, dtype={q.dtype}, head_dim={q.shape[-1]}, "
                 f"mask={mask_kind}, dropout={dropout_p}. PyTorch says: "
-                f"{str(err).splitlines()[0]} Backends that can run on {q.device.type}/"
-                f"{q.dtype}: {', '.join(available_backends(q.device, q.dtype))}"
+                f"{str(err).splitlines()[0]} Other backends that run on {q.device.type}/"
+                f"{q.dtype}: {', '.join(_others(name, q.device, q.dtype))}"
             ) from err
 
     attention.__doc__ = f"SDPA pinned to the {kernel.name} kernel with ``sdpa_kernel``."
@@ -115,14 +115,24 @@ _compiled_flex: Callable | None = None
 def flex_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
-    """FlexAttention: compiled on CUDA, eager (unfused, for correctness) elsewhere."""
+    """FlexAttention: compiled on CUDA; eager elsewhere (unfused, forward only)."""
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
     if dropout_p > 0:
         raise BackendUnavailableError(
             f"backend 'flex' does not support attention dropout (got dropout={dropout_p}); "
-            "use dropout=0.0 or another backend"
+            f"use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
+        )
+    if (
+        q.device.type != "cuda"
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
+        # PyTorch's FlexAttention has no backward off CUDA: forward (inference) only here.
+        raise BackendUnavailableError(
+            f"backend 'flex' has no backward on {q.device.type} (inference only there); "
+            f"for training use one of {', '.join(_others('flex', q.device, q.dtype))}"
         )
     B, H, L, _ = q.shape
     S = k.shape[2]
@@ -164,15 +174,15 @@ def flash_attn_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
     """The flash-attn package; padded keys go through its varlen kernel."""
-    import flash_attn
-
     if mask.has_attn_mask:
         raise BackendUnavailableError(
             "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "
-            "arbitrary attn_mask; use 'sdpa', 'math' or 'flex' for that"
+            f"arbitrary attn_mask; backends that take one on {q.device.type}/{q.dtype}: "
+            f"{', '.join(n for n in _others('flash_attn', q.device, q.dtype) if n in _MASKED)}"
         )
+    import flash_attn
+
     B, H, L, D = q.shape
-    G, S = k.shape[1], k.shape[2]
     # flash-attn wants (B, L, H, D); the layer's (B, H, L, D) are transposed views of that.
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
     # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
@@ -212,6 +222,14 @@ BACKENDS: dict[str, Kernel] = {
 }
 
 
+# Backends that accept an arbitrary (bool or float) attn_mask on every device they run on.
+_MASKED = ("math", "sdpa", "efficient", "flex")
+
+
+def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+    return [n for n in available_backends(device, dtype) if n != name]
+
+
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why backend ``name`` cannot run on ``device``/``dtype``, or ``None`` if it can."""
     half = dtype in (torch.float16, torch.bfloat16)
@@ -221,7 +239,9 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> s
     if name == "flash":
         if device.type == "cpu" or (cuda and half):
             return None
-        return f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
+        return (
+            f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
+        )
     if name == "efficient":
         return None if cuda else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})"
     if name == "cudnn":

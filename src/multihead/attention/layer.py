@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from multihead.attention.backends import (
     BACKENDS,
     BackendUnavailableError,
+    available_backends,
     check_backend,
     default_scale,
     math_attention_with_weights,
@@ -115,19 +116,27 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        here = torch.device("cpu" if device is None else device)
+        can_run = available_backends(here, dtype or torch.float32)
+        runnable = ", ".join(can_run)
         if backend not in BACKENDS:
             raise ValueError(
-                f"unknown attention backend {backend!r}; expected one of {', '.join(BACKENDS)}"
+                f"unknown attention backend {backend!r}; expected one of {', '.join(BACKENDS)} "
+                f"(on {here.type}/{dtype or torch.float32} these can run: {runnable})"
             )
         if backend == "flex" and dropout > 0:
             raise ValueError(
                 f"backend 'flex' does not support attention dropout (got dropout={dropout}); "
-                "use dropout=0.0 or another backend"
+                "use dropout=0.0 or another backend, e.g. one of "
+                f"{', '.join(n for n in can_run if n != 'flex')}"
             )
         if backend == "flash_attn":
             reason = unavailable_reason(backend, torch.device("cuda"), torch.float16)
             if reason is not None:
-                raise BackendUnavailableError(f"attention backend 'flash_attn': {reason}")
+                raise BackendUnavailableError(
+                    f"attention backend 'flash_attn': {reason}. Backends that can run on "
+                    f"{here.type}/{dtype or torch.float32}: {runnable}"
+                )
 
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -222,9 +231,7 @@ class MultiHeadAttention(nn.Module):
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}"
-            )
+            raise ValueError(f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}")
         B, L, E = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
         if key_value is query:
@@ -292,9 +299,7 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ conversions
     @classmethod
-    def from_torch(
-        cls, module: nn.MultiheadAttention, backend: str = "sdpa"
-    ) -> MultiHeadAttention:
+    def from_torch(cls, module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
         """An equivalent layer with ``module``'s weights.
 
         The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
@@ -338,8 +343,7 @@ class MultiHeadAttention(nn.Module):
         G, D, E = self.num_kv_heads, self.head_dim, self.embed_dim
         if num_kv_heads <= 0 or G % num_kv_heads != 0:
             raise ValueError(
-                f"cannot pool {G} K/V heads into {num_kv_heads}: "
-                f"num_kv_heads must divide {G}"
+                f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
             )
         weight = self.in_proj.weight
         new = MultiHeadAttention(

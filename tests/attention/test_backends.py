@@ -1,0 +1,288 @@
+"""Every backend against the written-out math path: outputs and gradients."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from multihead import BackendUnavailableError, MultiHeadAttention
+from multihead.attention import available_backends
+from multihead.attention.backends import BACKENDS
+from multihead.attention.masks import build_attention_mask
+
+E, H = 32, 4
+B, L = 2, 6
+CPU_BACKENDS = available_backends("cpu", torch.float32)
+CUDA = torch.cuda.is_available()
+KV_HEADS = {"mha": None, "gqa": 2, "mqa": 1}
+
+
+def make_masks(kind: str, batch: int = B, length: int = L) -> dict:
+    """Keyword arguments for forward: one kind of mask, none fully masking a row."""
+    gen = torch.Generator().manual_seed(1)
+    pad = torch.zeros(batch, length, dtype=torch.bool)
+    pad[1, length - 2 :] = True
+    if kind == "none":
+        return {}
+    if kind == "padding":
+        return {"key_padding_mask": pad}
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "causal+padding":
+        return {"is_causal": True, "key_padding_mask": pad}
+    if kind == "bool":
+        mask = torch.rand(length, length, generator=gen) < 0.3
+        mask.fill_diagonal_(False)
+        return {"attn_mask": mask}
+    if kind == "float":
+        return {"attn_mask": torch.randn(batch, 1, length, length, generator=gen)}
+    if kind == "float+padding":
+        return {"attn_mask": torch.randn(length, length, generator=gen), "key_padding_mask": pad}
+    raise ValueError(kind)
+
+
+MASK_KINDS = ["none", "padding", "causal", "causal+padding", "bool", "float", "float+padding"]
+
+
+def pair(backend: str, num_kv_heads, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    ref = MultiHeadAttention(E, H, num_kv_heads, backend="math", device=device, dtype=dtype)
+    other = MultiHeadAttention(E, H, num_kv_heads, backend=backend, device=device, dtype=dtype)
+    other.load_state_dict(ref.state_dict())
+    return ref, other
+
+
+def run_with_grads(layer, x, memory, kwargs):
+    x = x.clone().requires_grad_()
+    memory = None if memory is None else memory.clone().requires_grad_()
+    layer.zero_grad()
+    out = layer(x, memory, **kwargs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out))
+    grads = [x.grad] + ([] if memory is None else [memory.grad])
+    grads += [p.grad for p in layer.parameters()]
+    return out, grads
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("variant", KV_HEADS)
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b not in ("math", "flex")])
+def test_backend_matches_math_outputs_and_grads(backend, variant, mask_kind):
+    ref, other = pair(backend, KV_HEADS[variant])
+    x = torch.randn(B, L, E)
+    kwargs = make_masks(mask_kind)
+    out_ref, grads_ref = run_with_grads(ref, x, None, kwargs)
+    out, grads = run_with_grads(other, x, None, kwargs)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", KV_HEADS)
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b not in ("math", "flex")])
+def test_backend_matches_math_cross_attention(backend, variant):
+    ref, other = pair(backend, KV_HEADS[variant])
+    x, memory = torch.randn(B, L, E), torch.randn(B, L + 3, E)
+    kwargs = make_masks("padding", length=L + 3)
+    out_ref, grads_ref = run_with_grads(ref, x, memory, kwargs)
+    out, grads = run_with_grads(other, x, memory, kwargs)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("variant", KV_HEADS)
+def test_flex_matches_math_forward_on_cpu(variant, mask_kind):
+    # PyTorch's FlexAttention has no backward on CPU, so only the forward is compared here;
+    # the gradient comparison runs on CUDA (test_cuda_backend_matches_math).
+    ref, flex = pair("flex", KV_HEADS[variant])
+    x = torch.randn(B, L, E)
+    kwargs = make_masks(mask_kind)
+    with torch.no_grad():
+        torch.testing.assert_close(flex(x, **kwargs), ref(x, **kwargs), atol=1e-5, rtol=1e-4)
+
+
+def test_flex_training_on_cpu_raises_and_lists_backends():
+    layer = MultiHeadAttention(E, H, backend="flex")
+    with pytest.raises(BackendUnavailableError, match=r"no backward on cpu.*math, sdpa"):
+        layer(torch.randn(B, L, E))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("variant", KV_HEADS)
+def test_fully_masked_rows_give_zeros_and_finite_grads(backend, variant):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, KV_HEADS[variant], backend=backend, bias=False)
+    x = torch.randn(B, L, E, requires_grad=backend != "flex")
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1] = True  # every key of sentence 1 is padding
+    float_mask = torch.zeros(L, L)
+    float_mask[2] = float("-inf")  # query row 2 sees nothing
+    for kwargs in ({"key_padding_mask": pad}, {"attn_mask": float_mask}):
+        with torch.set_grad_enabled(backend != "flex"):
+            out = layer(x, **kwargs)
+        assert not out.isnan().any()
+        # Without biases an empty attention row is exactly zero after the output projection.
+        empty = out[1] if "key_padding_mask" in kwargs else out[:, 2]
+        assert torch.equal(empty, torch.zeros_like(empty))
+        if backend != "flex":
+            out.sum().backward()
+            assert torch.isfinite(x.grad).all()
+            assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+            x.grad = None
+            layer.zero_grad()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bf16_autocast_on_cpu(backend):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 2, backend=backend)
+    x = torch.randn(B, L, E, requires_grad=backend != "flex")
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[0] = True  # a fully masked sentence: -inf must survive bf16 without NaN
+    mask = torch.zeros(L, L).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -1e30)
+    with torch.set_grad_enabled(backend != "flex"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, key_padding_mask=pad, attn_mask=mask)
+        with torch.no_grad():
+            ref = layer(x.detach(), key_padding_mask=pad, attn_mask=mask)
+    assert out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
+    if backend != "flex":
+        out.float().sum().backward()
+        assert torch.isfinite(x.grad).all()
+
+
+def test_mask_never_uses_a_large_finite_negative():
+    mask = build_attention_mask(
+        key_padding_mask=torch.tensor([[False, True]]),
+        attn_mask=torch.zeros(2, 2),
+        is_causal=True,
+        batch_size=1,
+        num_heads=1,
+        q_len=2,
+        kv_len=2,
+        dtype=torch.float16,
+        device=torch.device("cpu"),
+    )
+    finite_negatives = mask.tensor[torch.isfinite(mask.tensor) & (mask.tensor < 0)]
+    assert finite_negatives.numel() == 0
+    assert torch.isneginf(mask.tensor).any()
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("backend", ["efficient", "cudnn"])
+@pytest.mark.skipif(CUDA, reason="checks the error raised where CUDA is missing")
+def test_cuda_only_backend_on_cpu_raises_with_runnable_list(backend):
+    layer = MultiHeadAttention(E, H, backend=backend)
+    with pytest.raises(BackendUnavailableError, match=rf"'{backend}'.*cpu.*math, sdpa, flash"):
+        layer(torch.randn(B, L, E))
+
+
+def test_unknown_backend_lists_backends():
+    with pytest.raises(ValueError, match=r"'nope'.*math, sdpa, flash, efficient, cudnn, flex"):
+        MultiHeadAttention(E, H, backend="nope")
+
+
+def test_flex_with_dropout_raises():
+    with pytest.raises(ValueError, match=r"dropout=0.1.*math, sdpa"):
+        MultiHeadAttention(E, H, dropout=0.1, backend="flex")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here"
+)
+def test_flash_attn_missing_package_raises():
+    with pytest.raises(BackendUnavailableError, match=r"flash-attn.*not installed.*math, sdpa"):
+        MultiHeadAttention(E, H, backend="flash_attn")
+
+
+def test_flash_attn_rejects_an_arbitrary_mask_before_running():
+    q = torch.randn(1, H, L, 8)
+    mask = build_attention_mask(
+        key_padding_mask=None,
+        attn_mask=torch.zeros(L, L, dtype=torch.bool),
+        is_causal=False,
+        batch_size=1,
+        num_heads=H,
+        q_len=L,
+        kv_len=L,
+        dtype=q.dtype,
+        device=q.device,
+    )
+    with pytest.raises(BackendUnavailableError, match=r"arbitrary attn_mask.*math, sdpa"):
+        BACKENDS["flash_attn"](q, q, q, mask, 0.0, 1.0)
+
+
+def test_available_backends_by_device_and_dtype():
+    assert available_backends("cpu", torch.float32) == ["math", "sdpa", "flash", "flex"]
+    cuda_fp32 = available_backends("cuda", torch.float32)
+    assert "flash" not in cuda_fp32 and "cudnn" not in cuda_fp32 and "efficient" in cuda_fp32
+    assert {"flash", "efficient", "cudnn"} <= set(available_backends("cuda", torch.float16))
+
+
+# --------------------------------------------------------------------------- CUDA
+CUDA_BACKENDS = ["sdpa", "flash", "efficient", "cudnn", "flex", "flash_attn", "math"]
+NO_ARBITRARY_MASK = {"flash", "flash_attn"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the efficient, cudnn, flash_attn kernels)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "float"])
+@pytest.mark.parametrize("variant", KV_HEADS)
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_cuda_backend_matches_math(backend, variant, mask_kind, dtype):
+    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    ref, other = pair(backend, KV_HEADS[variant], device="cuda", dtype=dtype)
+    x = torch.randn(B, 16, E, device="cuda", dtype=dtype)
+    kwargs = {
+        k: v.cuda() if torch.is_tensor(v) else v for k, v in make_masks(mask_kind, B, 16).items()
+    }
+    if backend in NO_ARBITRARY_MASK and mask_kind in ("float", "padding"):
+        if backend == "flash_attn" and mask_kind == "padding":
+            pass  # flash-attn takes padding through its varlen kernel
+        else:
+            with pytest.raises(BackendUnavailableError, match="math"):
+                other(x, **kwargs)
+            return
+    try:
+        out, grads = run_with_grads(other, x, None, kwargs)
+    except BackendUnavailableError as err:
+        # cuDNN's mask and GQA support depends on the cuDNN version; the error must say why.
+        assert backend == "cudnn" and "math" in str(err)
+        pytest.skip(f"cudnn cannot run this case here: {err}")
+    out_ref, grads_ref = run_with_grads(ref, x, None, kwargs)
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), out_ref.float(), **tol)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g.float(), g_ref.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "efficient", "cudnn", "flex", "math"])
+def test_cuda_fully_masked_rows(backend, dtype):
+    layer = MultiHeadAttention(E, H, 2, backend=backend, bias=False, device="cuda", dtype=dtype)
+    x = torch.randn(B, L, E, device="cuda", dtype=dtype, requires_grad=True)
+    pad = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+    pad[1] = True
+    try:
+        out = layer(x, key_padding_mask=pad)
+    except BackendUnavailableError as err:
+        assert backend == "cudnn" and "math" in str(err)
+        pytest.skip(f"cudnn cannot take a padding mask here: {err}")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_flash_in_fp32_on_cuda_raises():
+    layer = MultiHeadAttention(E, H, backend="flash", device="cuda")
+    with pytest.raises(BackendUnavailableError, match=r"'flash'.*float32.*math, sdpa, efficient"):
+        layer(torch.randn(B, L, E, device="cuda"))

@@ -1,0 +1,110 @@
+"""Incremental decoding through the KV cache equals one full pass."""
+
+import pytest
+import torch
+
+from multihead import KVCache, MultiHeadAttention
+
+E, H = 32, 4
+B, L, S = 2, 7, 5
+BACKENDS = ["math", "sdpa", "flash"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+def test_token_by_token_self_attention_equals_causal_pass(backend, num_kv_heads):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, num_kv_heads, backend=backend).eval()
+    x = torch.randn(B, L, E)
+    cache = layer.make_kv_cache(B, L)
+    with torch.no_grad():
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
+        full = layer(x, is_causal=True)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert cache.size == L
+    assert cache.k.shape == (B, num_kv_heads or H, L, E // H)  # only G heads are stored
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_then_decode_equals_causal_pass(backend):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 2, backend=backend).eval()
+    x = torch.randn(B, L, E)
+    cache = layer.make_kv_cache(B, L)
+    with torch.no_grad():
+        prefix = layer(x[:, :4], is_causal=True, kv_cache=cache)
+        chunk = layer(x[:, 4:6], is_causal=True, kv_cache=cache)  # L < S: bottom-right causal
+        last = layer(x[:, 6:], is_causal=True, kv_cache=cache)
+        full = layer(x, is_causal=True)
+    torch.testing.assert_close(torch.cat([prefix, chunk, last], 1), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+def test_cross_attention_through_cache_equals_full_pass(backend, num_kv_heads):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, num_kv_heads, backend=backend).eval()
+    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, -2:] = True
+    cache = layer.make_kv_cache(B, S)
+    with torch.no_grad():
+        steps = []
+        for t in range(L):
+            # After the first step a different memory must change nothing: K/V come from the cache.
+            mem = memory if t == 0 else torch.randn(B, S, E)
+            steps.append(layer(x[:, t : t + 1], mem, key_padding_mask=pad, kv_cache=cache))
+        full = layer(x, memory, key_padding_mask=pad)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert cache.size == S
+
+
+def test_cross_attention_projects_memory_once(monkeypatch):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 1).eval()  # K/V rows (2*D) differ from Q rows (E)
+    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
+    cache = layer.make_kv_cache(B, S)
+    projected_rows = []
+    linear = torch.nn.functional.linear
+
+    def counting_linear(inp, weight, bias=None):
+        projected_rows.append(weight.shape[0])
+        return linear(inp, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
+    with torch.no_grad():
+        for t in range(L):
+            layer(x[:, t : t + 1], memory, kv_cache=cache)
+    kv_rows = 2 * 1 * (E // H)
+    assert projected_rows.count(kv_rows) == 1  # K/V of the memory: once, on the first step
+    assert projected_rows.count(E) == 2 * L  # Q and the output projection: every step
+
+
+def test_decode_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 1).eval()
+    x = torch.randn(B, L, E)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = layer.make_kv_cache(B, L)
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
+        full = layer(x, is_causal=True)
+    assert cache.k.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_cache_bytes_select_reset_and_overflow():
+    layer = MultiHeadAttention(E, H, 1)
+    cache = layer.make_kv_cache(3, 4)
+    assert isinstance(cache, KVCache)
+    k = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 2, E // H)
+    cache.update(k, k)
+    assert cache.size == 2
+    assert cache.nbytes() == 2 * layer.kv_cache_bytes_per_token() * 3
+    assert layer.kv_cache_bytes_per_token() == 2 * 1 * (E // H) * 4
+    cache.select(torch.tensor([2, 0]))
+    assert cache.batch_size == 2
+    assert cache.get()[0][:, 0, 0, 0].tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match=r"holds 2 of 4 positions, cannot add 3"):
+        cache.update(torch.zeros(2, 1, 3, E // H), torch.zeros(2, 1, 3, E // H))
+    cache.reset()
+    assert cache.size == 0 and cache.get()[0].shape[2] == 0

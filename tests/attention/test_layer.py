@@ -1,0 +1,230 @@
+"""The layer's projections, conversions and argument checks (CPU, tiny sizes)."""
+
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import multihead.attention.kv_cache
+import multihead.attention.layer
+from multihead import MultiHeadAttention
+
+E, H = 32, 4
+B, L, S = 2, 6, 9
+
+
+# --------------------------------------------------------------------------- parameters
+@pytest.mark.parametrize("num_kv_heads", [None, 4, 2, 1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_counts(num_kv_heads, bias):
+    layer = MultiHeadAttention(E, H, num_kv_heads, bias=bias)
+    G, D = num_kv_heads or H, E // H
+    weights = E * E + 2 * E * G * D + E * E
+    biases = (E + 2 * G * D + E) if bias else 0
+    assert sum(p.numel() for p in layer.parameters()) == weights + biases
+    if num_kv_heads in (None, H):
+        assert weights == 4 * E * E
+
+
+def test_variant_names():
+    assert MultiHeadAttention(E, H).variant == "mha"
+    assert MultiHeadAttention(E, H, 2).variant == "gqa"
+    assert MultiHeadAttention(E, H, 1).variant == "mqa"
+
+
+# --------------------------------------------------------------------------- from_torch
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+@pytest.mark.parametrize(
+    "masks", ["none", "padding", "bool", "float", "float+padding", "causal_float"]
+)
+def test_from_torch_matches_nn_multihead_attention_in_training(backend, masks):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=True).train()
+    nn.init.normal_(ref.in_proj_bias)
+    nn.init.normal_(ref.out_proj.bias)
+    layer = MultiHeadAttention.from_torch(ref, backend=backend)
+    assert layer.training
+    x, mem = torch.randn(B, L, E, requires_grad=True), torch.randn(B, S, E, requires_grad=True)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, -3:] = True
+    bool_mask = torch.rand(L, S) < 0.3
+    bool_mask[:, 0] = False
+    kwargs = {
+        "none": {},
+        "padding": {"key_padding_mask": pad},
+        "bool": {"attn_mask": bool_mask},
+        "float": {"attn_mask": torch.randn(L, S)},
+        "float+padding": {"attn_mask": torch.randn(L, S), "key_padding_mask": pad},
+    }.get(masks)
+    if masks == "causal_float":  # self-attention with nn.Transformer's float causal mask
+        causal = nn.Transformer.generate_square_subsequent_mask(L)
+        expected, _ = ref(x, x, x, attn_mask=causal, need_weights=False)
+        got = layer(x, attn_mask=causal)
+        got_causal = layer(x, is_causal=True)
+        torch.testing.assert_close(got_causal, expected, atol=1e-5, rtol=1e-4)
+        inputs = [x]
+    else:
+        expected, _ = ref(x, mem, mem, need_weights=False, **kwargs)
+        got = layer(x, mem, **kwargs)
+        inputs = [x, mem]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    grad_out = torch.randn_like(got)
+    ref_grads = torch.autograd.grad(expected, [*inputs, ref.in_proj_weight], grad_out)
+    got_grads = torch.autograd.grad(got, [*inputs, layer.in_proj.weight], grad_out)
+    for g, g_ref in zip(got_grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_from_torch_need_weights_match():
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=True)
+    layer = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(B, L, E)
+    out_ref, w_ref = ref(x, x, x, need_weights=True, average_attn_weights=False)
+    out, w = layer(x, need_weights=True)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- GQA / MQA
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_gqa_with_repeated_kv_weights_equals_mha(num_kv_heads, backend):
+    torch.manual_seed(0)
+    gqa = MultiHeadAttention(E, H, num_kv_heads, backend=backend)
+    mha = MultiHeadAttention(E, H, backend=backend)
+    D, G = E // H, num_kv_heads
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            q, k, v = getattr(gqa.in_proj, name).split([E, G * D, G * D])
+
+            def repeat(t):  # (G*D, ...) -> (H*D, ...): each K/V head serves H/G query heads
+                return t.reshape(G, 1, D, *t.shape[1:]).expand(G, H // G, D, *t.shape[1:])
+
+            full = torch.cat(
+                [q, repeat(k).reshape(H * D, *q.shape[1:]), repeat(v).reshape(H * D, *q.shape[1:])]
+            )
+            getattr(mha.in_proj, name).copy_(full)
+        mha.out_proj.load_state_dict(gqa.out_proj.state_dict())
+    x = torch.randn(B, L, E)
+    torch.testing.assert_close(gqa(x, is_causal=True), mha(x, is_causal=True), atol=1e-5, rtol=1e-4)
+
+
+def test_with_kv_heads_mean_pools_by_hand():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(E, H)
+    nn.init.normal_(mha.in_proj.bias)
+    gqa = mha.with_kv_heads(2)
+    D = E // H
+    w, b = mha.in_proj.weight, mha.in_proj.bias
+    k_heads = [w[E + h * D : E + (h + 1) * D] for h in range(H)]
+    v_heads = [w[2 * E + h * D : 2 * E + (h + 1) * D] for h in range(H)]
+    kb = [b[E + h * D : E + (h + 1) * D] for h in range(H)]
+    expected_w = torch.cat(
+        [w[:E]]
+        + [(k_heads[0] + k_heads[1]) / 2, (k_heads[2] + k_heads[3]) / 2]
+        + [(v_heads[0] + v_heads[1]) / 2, (v_heads[2] + v_heads[3]) / 2]
+    )
+    torch.testing.assert_close(gqa.in_proj.weight, expected_w)
+    torch.testing.assert_close(
+        gqa.in_proj.bias[E : E + 2 * D], torch.cat([(kb[0] + kb[1]) / 2, (kb[2] + kb[3]) / 2])
+    )
+    torch.testing.assert_close(gqa.out_proj.weight, mha.out_proj.weight)
+    mqa = mha.with_kv_heads(1)
+    torch.testing.assert_close(mqa.in_proj.weight[E : E + D], torch.stack(k_heads).mean(0))
+    assert mqa.num_kv_heads == 1 and sum(p.numel() for p in mqa.parameters()) < sum(
+        p.numel() for p in gqa.parameters()
+    )
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_with_kv_heads_is_exact_when_heads_in_a_group_are_identical(num_kv_heads):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(E, H)
+    D, r = E // H, H // num_kv_heads
+    with torch.no_grad():
+        for t in (mha.in_proj.weight, mha.in_proj.bias):
+            for start in (E, 2 * E):  # K and V rows
+                heads = t[start : start + E].view(num_kv_heads, r, D, *t.shape[1:])
+                heads.copy_(heads[:, :1].expand_as(heads))
+    converted = mha.with_kv_heads(num_kv_heads)
+    x, mem = torch.randn(B, L, E), torch.randn(B, S, E)
+    assert torch.equal(converted(x, is_causal=True), mha(x, is_causal=True))
+    assert torch.equal(converted(x, mem), mha(x, mem))
+
+
+def test_with_kv_heads_rejects_a_non_divisor():
+    with pytest.raises(ValueError, match=r"4 K/V heads into 3"):
+        MultiHeadAttention(E, H).with_kv_heads(3)
+
+
+# --------------------------------------------------------------------------- masks
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+@pytest.mark.parametrize("num_kv_heads", [None, 1])
+def test_padded_keys_are_ignored(backend, num_kv_heads):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, num_kv_heads, backend=backend)
+    x, mem = torch.randn(B, L, E), torch.randn(B, S, E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[0, -4:] = True
+    pad[1, -1:] = True
+    changed = mem.clone()
+    changed[pad] = torch.randn(int(pad.sum()), E) * 100
+    assert torch.equal(layer(x, mem, key_padding_mask=pad), layer(x, changed, key_padding_mask=pad))
+    # Self-attention: the padded positions' outputs may change, the others must not.
+    y1, y2 = layer(mem, key_padding_mask=pad), layer(changed, key_padding_mask=pad)
+    torch.testing.assert_close(y1[~pad], y2[~pad], atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- errors
+def test_embed_dim_not_divisible_by_heads():
+    with pytest.raises(ValueError, match=r"embed_dim \(30\).*num_heads \(4\)"):
+        MultiHeadAttention(30, 4)
+
+
+def test_heads_not_divisible_by_kv_heads():
+    with pytest.raises(ValueError, match=r"num_heads \(4\).*num_kv_heads \(3\)"):
+        MultiHeadAttention(E, H, 3)
+
+
+def test_key_value_embed_size_mismatch():
+    layer = MultiHeadAttention(E, H)
+    with pytest.raises(ValueError, match=r"E=32.*\(2, 9, 16\)"):
+        layer(torch.randn(B, L, E), torch.randn(B, S, 16))
+
+
+def test_query_embed_size_mismatch():
+    with pytest.raises(ValueError, match=r"E=32.*\(2, 6, 16\)"):
+        MultiHeadAttention(E, H)(torch.randn(B, L, 16))
+
+
+@pytest.mark.parametrize("shape", [(L, S + 1), (3, 1, L, L), (H + 1, L, L)])
+def test_attn_mask_that_does_not_broadcast(shape):
+    layer = MultiHeadAttention(E, H)
+    pattern = rf"attn_mask of shape \({', '.join(map(str, shape))}\).*\(2, 4, 6, 6\)"
+    with pytest.raises(ValueError, match=pattern):
+        layer(torch.randn(B, L, E), attn_mask=torch.zeros(shape, dtype=torch.bool))
+
+
+def test_key_padding_mask_wrong_shape():
+    layer = MultiHeadAttention(E, H)
+    with pytest.raises(ValueError, match=r"\(2, 9\).*got \(2, 8\)"):
+        layer(
+            torch.randn(B, L, E),
+            torch.randn(B, S, E),
+            key_padding_mask=torch.zeros(B, 8, dtype=torch.bool),
+        )
+
+
+def test_bad_dropout():
+    with pytest.raises(ValueError, match=r"1.5"):
+        MultiHeadAttention(E, H, dropout=1.5)
+
+
+# --------------------------------------------------------------------------- docs
+@pytest.mark.parametrize("module", [multihead.attention.layer, multihead.attention.kv_cache])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0

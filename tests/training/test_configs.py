@@ -1,0 +1,153 @@
+"""Every config option composes and instantiates; bad values fail with one clear line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+
+from multihead.training.precision import resolve_precision
+from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+
+
+def base(tmp_path: Path) -> list[str]:
+    return [f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"]
+
+
+@pytest.mark.parametrize("attention", options("attention"))
+@pytest.mark.parametrize("model", options("model"))
+def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> None:
+    cfg = compose_config("train", [f"model={model}", f"attention={attention}", *base(tmp_path)])
+    net = instantiate(cfg.model, src_vocab_size=100, tgt_vocab_size=100, pad_id=0)
+    kinds = net.head_config
+    assert {k["variant"] for k in kinds.values()} == {attention}
+    logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
+    assert logits.shape == (2, 4, 100)
+
+
+@pytest.mark.parametrize("data", options("data"))
+def test_data_options_instantiate(data, tmp_path) -> None:
+    cfg = compose_config("train", [f"data={data}", *base(tmp_path)])
+    dm = instantiate(cfg.data)
+    assert dm.src_lang == cfg.data.src_lang and dm.tgt_lang == cfg.data.tgt_lang
+
+
+@pytest.mark.parametrize("data", ["iwslt2017", "wmt14"])
+def test_hub_datasets_fail_clearly_offline(data, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = compose_config("train", [f"data={data}", *base(tmp_path)])
+    with pytest.raises(ValueError, match="local_dir"):
+        instantiate(cfg.data).prepare_data()
+
+
+@pytest.mark.parametrize("trainer", options("trainer"))
+def test_trainer_options_instantiate(trainer, tmp_path) -> None:
+    cfg = compose_config("train", [f"trainer={trainer}", *base(tmp_path)])
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        pytest.skip(f"trainer={trainer} needs a CUDA GPU")
+    precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    assert isinstance(instantiate(cfg.trainer, precision=precision), Trainer)
+
+
+@pytest.mark.parametrize("logger", options("logger"))
+def test_logger_options_instantiate(logger, tmp_path) -> None:
+    cfg = compose_config("train", [f"logger={logger}", *base(tmp_path)])
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    assert len(loggers) == (0 if logger == "none" else 1)
+
+
+def test_callbacks_and_module_instantiate(tmp_path) -> None:
+    cfg = compose_config("train", base(tmp_path))
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    assert len(callbacks) == len(cfg.callbacks)
+    optimizer = instantiate(cfg.module.optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    scheduler = instantiate(cfg.module.scheduler)(optimizer)
+    assert scheduler.get_last_lr()[0] == pytest.approx(5e-4 / 4000)
+
+
+def test_required_overrides_compose(tmp_path) -> None:
+    cfg = compose_config(
+        "train",
+        [
+            "attention=gqa",
+            "attention.num_kv_heads=2",
+            "attention.backend=flash",
+            "attention.num_heads=8",
+            "trainer.max_steps=7",
+            "trainer.precision=bf16-mixed",
+            "data.local_dir=/some/dir",
+            "data.src_lang=de",
+            "data.tgt_lang=en",
+            "logger=csv",
+            *base(tmp_path),
+        ],
+    )
+    assert cfg.model.attention == {"num_heads": 8, "num_kv_heads": 2, "backend": "flash"}
+    assert cfg.run_name == "gqa-h8-kv2-flash"
+    assert (cfg.data.src_lang, cfg.data.tgt_lang, cfg.data.local_dir) == ("de", "en", "/some/dir")
+    assert cfg.trainer.max_steps == 7 and cfg.trainer.precision == "bf16-mixed"
+
+
+def test_precision_auto_and_errors() -> None:
+    assert resolve_precision("32-true", "cpu") == "32-true"
+    assert resolve_precision("auto", "cpu") in ("32-true", "bf16-mixed")
+    with pytest.raises(ValueError, match="'fp8'.*32-true, bf16-mixed, 16-mixed"):
+        resolve_precision("fp8", "cpu")
+
+
+def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+
+
+def test_config_typo_gives_hydra_error(tmp_path) -> None:
+    result = run_script("train.py", "attention=gqx", f"paths.log_dir={tmp_path}")
+    assert result.returncode != 0
+    assert "Could not find 'attention/gqx'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("attention.num_heads=3", "embed_dim (32) must be divisible by num_heads (3)"),
+        ("attention.num_kv_heads=3", "num_heads (4) must be divisible by num_kv_heads (3)"),
+        ("attention.backend=fast", "unknown attention backend 'fast'"),
+        ("trainer.precision=fp8", "trainer.precision='fp8'"),
+        ("data.src_lang=xx", "'xx'"),
+    ],
+)
+def test_bad_config_values_fail_in_one_line(override, message, tmp_path, multi30k_dir) -> None:
+    result = run_script(
+        "train.py",
+        "experiment=smoke",
+        "logger=csv",
+        f"data.local_dir={multi30k_dir}",
+        f"paths.log_dir={tmp_path}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        override,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]

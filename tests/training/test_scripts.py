@@ -1,0 +1,135 @@
+"""evaluate.py, translate.py and average_checkpoints.py on a checkpoint trained here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from multihead.training.averaging import average_checkpoints, recent_checkpoints
+from multihead.training.checkpoint import load_translator, read_checkpoint
+from multihead.training.evaluation import evaluate_checkpoint
+from multihead.training.run import train
+from tests.conftest import compose_config
+from tests.training.test_configs import run_script
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=smoke",
+            "logger=csv",
+            f"data.local_dir={multi30k_dir}",
+            f"paths.output_dir={out}",
+            f"paths.cache_dir={cache_dir}",
+            "trainer.max_steps=20",
+            "trainer.val_check_interval=10",
+            "test=false",
+        ],
+    )
+    train(cfg)
+    return out
+
+
+def test_checkpoint_is_self_contained(run_dir: Path) -> None:
+    translator = load_translator(run_dir / "checkpoints" / "last.ckpt")
+    assert not translator.model.training
+    assert translator.config["data"]["tgt_lang"] == "de"
+    assert translator.tokenizer.decode(translator.tokenizer.encode("Ein Hund.")) == "Ein Hund."
+
+
+def test_evaluate_writes_hypotheses_and_scores(run_dir, tmp_path, multi30k_dir) -> None:
+    result = evaluate_checkpoint(
+        str(run_dir / "checkpoints" / "last.ckpt"),
+        tmp_path,
+        split="test",
+        beam_size=2,
+        limit=12,
+        local_dir=str(multi30k_dir),
+    )
+    lines = (tmp_path / "hypotheses.test.txt").read_text().splitlines()
+    assert len(lines) == 12 == result["sentences"]
+    assert json.loads((tmp_path / "scores.json").read_text())["bleu"] == result["bleu"]
+    assert "nrefs:1|case:mixed" in result["bleu_signature"]
+
+
+def test_evaluate_script_prints_bleu(run_dir, tmp_path, multi30k_dir) -> None:
+    result = run_script(
+        "evaluate.py",
+        f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "limit=5",
+        "beam_size=1",
+        f"local_dir={multi30k_dir}",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "BLEU" in result.stdout
+    assert len((tmp_path / "hypotheses.test.txt").read_text().splitlines()) == 5
+
+
+def test_translate_script_reads_stdin(run_dir) -> None:
+    result = run_script(
+        "translate.py",
+        f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "beam_size=2",
+        stdin="A dog runs.\nTwo men are talking.\n",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(result.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("evaluate.py", ["ckpt=/nonexistent/x.ckpt"], "checkpoint not found: /nonexistent/x.ckpt"),
+        ("translate.py", ["ckpt=/nonexistent/x.ckpt"], "checkpoint not found"),
+        ("evaluate.py", ["ckpt=CKPT", "split=dev"], "split='dev'; expected one of"),
+        ("translate.py", ["ckpt=CKPT", "input=/nonexistent.txt"], "input file not found"),
+    ],
+)
+def test_script_errors_are_one_line(script, args, message, run_dir, tmp_path) -> None:
+    ckpt = str(run_dir / "checkpoints" / "last.ckpt")
+    args = [a.replace("CKPT", ckpt) for a in args]
+    result = run_script(script, *args, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert message in result.stderr
+
+
+def test_foreign_checkpoint_is_rejected_and_left_alone(tmp_path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        read_checkpoint(bad)
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.ckpt")
+    with pytest.raises(ValueError, match="is not a multihead checkpoint"):
+        read_checkpoint(tmp_path / "foreign.ckpt")
+    assert bad.read_bytes() == b"not a checkpoint"
+
+
+def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
+    paths = recent_checkpoints(run_dir / "checkpoints", last=2)
+    assert [p.name for p in paths] == ["step10.ckpt", "step20.ckpt"]
+    averaged = average_checkpoints(paths)
+    a, b = (read_checkpoint(p)["state_dict"] for p in paths)
+    key = "model.decoder_layers.0.self_attn.in_proj.weight"
+    torch.testing.assert_close(averaged["state_dict"][key], (a[key] + b[key]) / 2)
+
+    out = tmp_path / "avg.ckpt"
+    result = run_script(
+        "average_checkpoints.py", f"ckpt_dir={run_dir / 'checkpoints'}", "last=2", f"out={out}"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert load_translator(out).config == load_translator(paths[-1]).config
+    before = out.read_bytes()
+    again = run_script(
+        "average_checkpoints.py", f"ckpt_dir={run_dir / 'checkpoints'}", "last=2", f"out={out}"
+    )
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert out.read_bytes() == before
