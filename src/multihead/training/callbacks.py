@@ -31,10 +31,24 @@ class ThroughputMonitor(pl.Callback):
         self.pad_id = 0
         self.log_every_n_steps = log_every_n_steps
         self._reset()
+        self.total_tgt_tokens = self.total_src_tokens = 0
+        self.total_seconds = 0.0
+        self.peak_memory_mb = 0.0
 
     def _reset(self) -> None:
         self._src = self._tgt = self._steps = 0
         self._start: float | None = None
+
+    def summary(self) -> dict[str, float]:
+        """Throughput over all logged windows of the run, and peak memory."""
+        if self.total_seconds == 0:
+            return {}
+        return {
+            "perf/train_tgt_tokens_per_s": self.total_tgt_tokens / self.total_seconds,
+            "perf/train_tokens_per_s": (self.total_src_tokens + self.total_tgt_tokens)
+            / self.total_seconds,
+            "perf/peak_memory_mb": self.peak_memory_mb,
+        }
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.pad_id = pl_module.tokenizer.pad_id
@@ -53,12 +67,16 @@ class ThroughputMonitor(pl.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         seconds = time.perf_counter() - self._start
+        self.total_src_tokens += self._src
+        self.total_tgt_tokens += self._tgt
+        self.total_seconds += seconds
+        self.peak_memory_mb = peak_memory_mb(pl_module.device)
         pl_module.log_dict(
             {
                 "perf/src_tokens_per_s": self._src / seconds,
                 "perf/tgt_tokens_per_s": self._tgt / seconds,
                 "perf/tokens_per_s": (self._src + self._tgt) / seconds,
-                "perf/peak_memory_mb": peak_memory_mb(pl_module.device),
+                "perf/peak_memory_mb": self.peak_memory_mb,
             }
         )
         self._reset()

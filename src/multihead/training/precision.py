@@ -7,7 +7,7 @@ import torch
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
 
 # Measured with scripts/benchmark_training.py on the 2-core CPU machines (docs/benchmarks.md).
-CPU_AUTO_PRECISION = "bf16-mixed"
+CPU_AUTO_PRECISION = "32-true"
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from multihead.training.callbacks import ThroughputMonitor
+from multihead.training.config import head_variant
+from multihead.training.inference import translate
 from multihead.training.precision import resolve_precision
 from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
 
@@ -23,17 +30,60 @@ def build_model(cfg: DictConfig, vocab_size: int, pad_id: int):
     )
 
 
-def run_summary(model) -> dict[str, Any]:
-    """Figures worth a column in the runs table: sizes and the KV-cache cost."""
+def model_summary(cfg: DictConfig, model) -> dict[str, Any]:
+    """Figures worth a column in the runs table: head settings, sizes, KV-cache cost."""
+    heads = cfg.attention
     return {
+        "run_name": cfg.run_name,
+        "variant": head_variant(heads.num_heads, heads.num_kv_heads),
+        "num_heads": heads.num_heads,
+        "num_kv_heads": heads.num_kv_heads or heads.num_heads,
+        "backend": heads.backend,
+        "head_tag": model.head_tag,
         "params/total": model.num_parameters(),
         "params/attention": model.attention_parameters(),
-        "kv_cache/bytes_per_token_fp32": model.kv_cache_bytes_per_token(),
+        "kv_cache/bytes_per_token": model.kv_cache_bytes_per_token(),
     }
 
 
+def decode_summary(
+    module, datamodule, split: str, limit: int | None, beam_size: int, batch_size: int
+) -> dict[str, float]:
+    """Sentences per second of greedy and beam search (with the KV cache) on ``split``."""
+    sentences = list(datamodule.tokenized[split]["src"])[:limit]
+    model = module.model.eval()
+    result = {}
+    for name, beam in (("greedy", 1), (f"beam{beam_size}", beam_size)):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            translate(
+                model,
+                datamodule.tokenizer,
+                sentences,
+                beam_size=beam,
+                batch_size=batch_size,
+                max_len_a=module.decode_settings["max_len_a"],
+                max_len_b=module.decode_settings["max_len_b"],
+            )
+        result[f"decode/{name}_sentences_per_s"] = len(sentences) / (time.perf_counter() - start)
+    return result
+
+
+def training_summary(trainer: pl.Trainer) -> dict[str, float]:
+    """Whole-run training throughput and peak memory, from the ThroughputMonitor."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            return callback.summary()
+    return {}
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Train (and by default test) as ``cfg`` says; return the final metrics."""
+    """Train (and by default test) as ``cfg`` says.
+
+    Returns the run summary (also written to ``<run dir>/summary.json``): head settings,
+    parameter counts, KV-cache bytes per token, training and decoding throughput, peak
+    memory and the final metrics.
+    """
     pl.seed_everything(cfg.seed, workers=True)
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
     if "wandb" in (cfg.get("logger") or {}):
@@ -49,9 +99,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
     # Set after instantiate: Hydra would try to instantiate the _target_s inside it.
     module.run_config = config
-    summary = run_summary(model)
-    log.info("model: %s", model.head_config)
-    log.info("parameters: %s", summary)
+    summary = model_summary(cfg, model)
+    log.info("model: %s", summary)
 
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
@@ -61,8 +110,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     for logger in trainer.loggers:
         logger.log_hyperparams({**config, **summary, "precision": precision})
-        if isinstance(logger, WandbLogger):
-            logger.experiment.summary.update(summary)  # comparable in wandb's runs table
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -73,7 +120,32 @@ def train(cfg: DictConfig) -> dict[str, float]:
             )
             trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        summary.update(training_summary(trainer))
+        if cfg.summary.decode_speed:
+            summary.update(
+                decode_summary(
+                    module,
+                    datamodule,
+                    cfg.summary.split,
+                    cfg.summary.limit,
+                    cfg.summary.beam_size,
+                    cfg.summary.batch_size,
+                )
+            )
+        summary.update(metrics)
+        write_summary(run_dir, summary, trainer)
     finally:
         finish_wandb()
     log.info("run directory: %s", run_dir)
-    return metrics
+    return summary
+
+
+def write_summary(run_dir: str, summary: dict[str, Any], trainer: pl.Trainer) -> None:
+    """``summary.json`` in the run directory, and the same figures in wandb's run summary."""
+    path = Path(run_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(summary)
+    log.info("summary: %s", json.dumps(summary, sort_keys=True))

@@ -1,0 +1,107 @@
+"""Training-step throughput of the project's model, per precision, measured in one run.
+
+    python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k [overrides]
+
+Composes configs/train.yaml with the overrides (so model, attention and batching are the
+ones a real run uses), then times forward + backward + Adam step on real Multi30k batches.
+Precisions are interleaved block by block, so machine noise hits them alike. It prints
+real (non-padding) target and source tokens per second and the ratio to the first precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import multihead.training  # noqa: F401
+from multihead.training.run import build_model
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def autocast(precision: str):
+    if precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "32-true":
+        return contextlib.nullcontext()
+    raise ValueError(f"precision {precision!r}; expected 32-true or bf16-mixed on CPU")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for configs/train.yaml")
+    parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--blocks", type=int, default=4, help="timed blocks per precision")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["paths.output_dir=outputs/benchmark", *args.overrides])
+    torch.manual_seed(cfg.seed)
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    batches = []
+    for batch in dm.train_dataloader():
+        batches.append(batch)
+        if len(batches) == args.steps:
+            break
+    pad = dm.pad_id
+    tgt_tokens = sum(int((b["tgt"][:, 1:] != pad).sum()) for b in batches)
+    src_tokens = sum(int((b["src"] != pad).sum()) for b in batches)
+
+    runs = {}
+    for precision in args.precisions:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, dm.vocab_size, pad)
+        module = instantiate(cfg.module, model=model, tokenizer=dm.tokenizer)
+        optimizer = module.configure_optimizers()["optimizer"]
+        runs[precision] = (module.train(), optimizer)
+
+    def step_block(precision: str) -> float:
+        module, optimizer = runs[precision]
+        start = time.perf_counter()
+        for batch in batches:
+            with autocast(precision):
+                loss, _ = module.loss(batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for precision in args.precisions:  # warm-up
+        step_block(precision)
+    times: dict[str, list[float]] = {p: [] for p in args.precisions}
+    for _ in range(args.blocks):
+        for precision in args.precisions:
+            times[precision].append(step_block(precision))
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens, "
+        f"params {runs[args.precisions[0]][0].model.num_parameters():,}"
+    )
+    print("| precision | s/step | target tok/s | src+tgt tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    base = None
+    for precision in args.precisions:
+        seconds = statistics.median(times[precision])
+        base = base or seconds
+        print(
+            f"| {precision} | {seconds / len(batches):.3f} | {tgt_tokens / seconds:,.0f} | "
+            f"{(src_tokens + tgt_tokens) / seconds:,.0f} | {base / seconds:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
