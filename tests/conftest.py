@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -29,6 +31,16 @@ def find_multi30k() -> Path | None:
         if candidate and (Path(candidate) / "train.en.gz").is_file():
             return Path(candidate)
     return None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread() -> Iterator[None]:
+    # Test models are tiny: intra-op threads only add overhead, and when the two cores are
+    # shared with other jobs OpenMP threads wait on each other (tests ran ~50x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
@@ -41,11 +42,17 @@ def head_tags(num_heads: int, num_kv_heads: int | None, backend: str) -> list[st
     ]
 
 
+def path_name(path: str) -> str:
+    """The last component of ``path`` (e.g. a sweep directory's time stamp)."""
+    return Path(str(path)).name
+
+
 def register_resolvers() -> None:
     for name, fn in (
         ("head_tag", head_tag),
         ("head_tags", head_tags),
         ("head_variant", head_variant),
+        ("path_name", path_name),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

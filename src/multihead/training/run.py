@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.training.callbacks import ThroughputMonitor
+from multihead.training.checkpoint import model_state_dict, read_checkpoint
 from multihead.training.config import head_variant
 from multihead.training.inference import translate
 from multihead.training.precision import resolve_precision
@@ -28,6 +29,37 @@ def build_model(cfg: DictConfig, vocab_size: int, pad_id: int):
     return instantiate(
         cfg.model, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, pad_id=pad_id
     )
+
+
+def initialise_from(model, path: str, tokenizer) -> None:
+    """Load the network weights of checkpoint ``path`` into ``model`` (nothing else).
+
+    Raises:
+        ValueError: the checkpoint was trained with another tokenizer, or its weights do
+            not fit ``model`` (e.g. other K/V head counts than the configured ones).
+    """
+    ckpt = read_checkpoint(path)
+    if ckpt["multihead"]["tokenizer"] != tokenizer.to_str():
+        raise ValueError(
+            f"init_from={path} was trained with another tokenizer than this run's data "
+            "settings produce; use the same data (name, languages, vocab_size, limits)"
+        )
+    state = model_state_dict(ckpt)
+    mine = model.state_dict()
+    for key, value in state.items():
+        if key in mine and mine[key].shape != value.shape:
+            raise ValueError(
+                f"init_from={path}: {key} has shape {tuple(value.shape)} in the checkpoint but "
+                f"{tuple(mine[key].shape)} in this model; match the model/attention settings "
+                "(e.g. attention.decoder_self_attention.num_kv_heads) to the checkpoint's"
+            )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"init_from={path} does not fit this model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}; match the model settings to the checkpoint's"
+        )
+    log.info("initialised the model from %s", path)
 
 
 def model_summary(cfg: DictConfig, model) -> dict[str, Any]:
@@ -95,6 +127,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule.save_tokenizer(run_dir)
 
     model = build_model(cfg, datamodule.vocab_size, datamodule.pad_id)
+    if cfg.get("init_from"):
+        initialise_from(model, cfg.init_from, datamodule.tokenizer)
     config = OmegaConf.to_container(cfg, resolve=True)
     module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
     # Set after instantiate: Hydra would try to instantiate the _target_s inside it.

@@ -1,0 +1,575 @@
+"""Compare finished training runs: one table row per run, ratios against MHA, and plots.
+
+What ``scripts/compare.py`` does. Runs come from a directory (any directory below which run
+directories hold a ``summary.json``, e.g. a Hydra multirun directory) or from a wandb group
+through the public API. Validation curves are read from the run's ``csv/metrics.csv``
+(``logger=csv``), else from the history records of its offline wandb file
+(``wandb/offline-run-*/run-*.wandb``, ``logger=wandb`` without an API key).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+CURVE_KEYS = ("val/bleu", "val/loss")
+STEP_KEY = "trainer/global_step"  # Lightning's step, the ``step`` column of metrics.csv
+VARIANT_ORDER = {"mha": 0, "gqa": 1, "mqa": 2}
+OUTPUT_FILES = (
+    "comparison.md",
+    "comparison.csv",
+    "bleu_vs_decode_speed.png",
+    "bleu_vs_kv_cache.png",
+    "validation_curves.png",
+)
+MISSING = "–"
+
+# A curve: (step, value) pairs sorted by step.
+Curve = list[tuple[int, float]]
+
+
+@dataclass
+class RunResult:
+    """One run: its ``summary.json`` figures and its validation curves.
+
+    ``source`` says where it came from (a run directory or a wandb run path) and
+    ``curve_source`` where the curves came from: ``csv``, ``wandb-offline``, ``wandb-api``
+    or ``none``.
+    """
+
+    source: str
+    summary: dict[str, Any]
+    curves: dict[str, Curve] = field(default_factory=dict)
+    curve_source: str = "none"
+    label: str = ""
+
+    def get(self, key: str) -> Any:
+        return self.summary.get(key)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading runs
+
+
+def find_run_dirs(root: str | os.PathLike) -> list[Path]:
+    """Every directory at or below ``root`` that holds a ``summary.json``, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"runs={root}: no such directory (expected a multirun or run directory "
+            f"containing {SUMMARY_FILE} files)"
+        )
+    dirs = sorted({p.parent for p in root.rglob(SUMMARY_FILE) if p.is_file()})
+    if not dirs:
+        raise FileNotFoundError(
+            f"runs={root}: no {SUMMARY_FILE} found below it (expected the directory of "
+            "finished training runs, e.g. outputs/train/multiruns/<time>)"
+        )
+    return dirs
+
+
+def read_metrics_csv(path: str | os.PathLike, keys: tuple[str, ...] = CURVE_KEYS) -> dict:
+    """``{key: [(step, value), ...]}`` from a Lightning CSVLogger ``metrics.csv``.
+
+    Rows are sparse (each logging call writes its own row), so empty cells are skipped.
+    """
+    curves: dict[str, Curve] = {key: [] for key in keys}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = _number(row.get("step"))
+            if step is None:
+                continue
+            for key in keys:
+                value = _number(row.get(key))
+                if value is not None:
+                    curves[key].append((int(step), value))
+    return {key: sorted(points) for key, points in curves.items() if points}
+
+
+# The offline .wandb file is a LevelDB-style log: a 7-byte header (":W&B", magic 0xBEE1,
+# version 0), then 32 KiB blocks of chunks, each "<crc32:u32><length:u16><type:u8>" + data.
+# A record too long for the rest of a block is split into FIRST, MIDDLE..., LAST chunks; a
+# block tail shorter than a chunk header is zero padding. Each record is a protobuf
+# wandb_internal_pb2.Record. (wandb >= 0.20 no longer ships a Python reader for it.)
+_WANDB_HEADER = struct.Struct("<4sHB")
+_CHUNK_HEADER = struct.Struct("<IHB")
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def iter_wandb_records(path: str | os.PathLike) -> Iterator[bytes]:
+    """The serialized records of an offline ``run-*.wandb`` file, in order.
+
+    Stops quietly at a truncated or corrupt chunk (a run killed mid-write), keeping what
+    came before it.
+    """
+    data = Path(path).read_bytes()
+    if len(data) < _WANDB_HEADER.size:
+        raise ValueError(f"{path}: not a wandb run file (only {len(data)} bytes)")
+    ident, magic, version = _WANDB_HEADER.unpack_from(data)
+    if ident != b":W&B" or magic != 0xBEE1 or version != 0:
+        raise ValueError(f"{path}: not a wandb run file (header {ident!r}, {magic:#x})")
+    pos = _WANDB_HEADER.size
+    pending: bytes | None = None
+    while True:
+        if _BLOCK - pos % _BLOCK < _CHUNK_HEADER.size:
+            pos += _BLOCK - pos % _BLOCK  # zero padding at the end of a block
+        if pos + _CHUNK_HEADER.size > len(data):
+            return
+        checksum, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
+        chunk = data[pos + _CHUNK_HEADER.size : pos + _CHUNK_HEADER.size + length]
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return
+        pos += _CHUNK_HEADER.size + length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind in (_MIDDLE, _LAST) and pending is not None:
+            pending += chunk
+            if kind == _LAST:
+                yield pending
+                pending = None
+        else:
+            return
+
+
+def read_wandb_history(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The history rows (``wandb.log`` calls) of an offline ``run-*.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for data in iter_wandb_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row = {}
+        for item in record.history.item:
+            key = item.key or "/".join(item.nested_key)
+            try:
+                row[key] = json.loads(item.value_json)
+            except ValueError:
+                continue
+        rows.append(row)
+    return rows
+
+
+def curves_from_history(
+    rows: list[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS
+) -> dict[str, Curve]:
+    """``{key: [(step, value), ...]}`` from history rows, stepped by the trainer step."""
+    curves: dict[str, Curve] = {}
+    for row in rows:
+        step = _number(row.get(STEP_KEY, row.get("_step")))
+        if step is None:
+            continue
+        for key in keys:
+            value = _number(row.get(key))
+            if value is not None:
+                curves.setdefault(key, []).append((int(step), value))
+    return {key: sorted(points) for key, points in curves.items()}
+
+
+def read_run_dir(run_dir: str | os.PathLike) -> RunResult:
+    """A run directory's ``summary.json`` and its validation curves (csv, else wandb)."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{run_dir / SUMMARY_FILE}: not valid JSON ({err})") from None
+    run = RunResult(source=str(run_dir), summary=summary)
+    metrics_csv = run_dir / "csv" / "metrics.csv"
+    if metrics_csv.is_file():
+        run.curves, run.curve_source = read_metrics_csv(metrics_csv), "csv"
+        return run
+    # A resumed run has one offline directory per attempt: read them in order.
+    wandb_files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    if wandb_files:
+        rows = [row for path in wandb_files for row in read_wandb_history(path)]
+        run.curves, run.curve_source = curves_from_history(rows), "wandb-offline"
+    return run
+
+
+def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
+    """Every run below ``root`` (see ``find_run_dirs``), labelled and sorted."""
+    runs = [read_run_dir(d) for d in find_run_dirs(root)]
+    return label_and_sort(runs, root=Path(root))
+
+
+def load_wandb_group(
+    group: str, project: str, entity: str | None = None, keys: tuple[str, ...] = CURVE_KEYS
+) -> list[RunResult]:
+    """The runs of a wandb group, through the public API (needs network and an API key)."""
+    from multihead.training.wandb_setup import has_wandb_api_key
+
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled") or not has_wandb_api_key():
+        raise ValueError(
+            f"group={group} reads runs from the wandb API, which needs an API key and "
+            "WANDB_MODE unset or online; for offline runs use runs=PATH"
+        )
+    import wandb
+
+    path = f"{entity}/{project}" if entity else project
+    try:
+        api_runs = list(wandb.Api().runs(path, filters={"group": group}))
+        runs = []
+        for api_run in api_runs:
+            summary = {k: v for k, v in api_run.summary_metrics.items() if not k.startswith("_")}
+            summary.setdefault("run_name", api_run.name)
+            rows = []
+            for key in keys:  # one call per key: history(keys=...) keeps rows with all keys
+                rows += api_run.history(keys=[STEP_KEY, key], pandas=False)
+            run = RunResult(source=f"{path}/{api_run.id}", summary=summary)
+            run.curves, run.curve_source = curves_from_history(rows, keys), "wandb-api"
+            runs.append(run)
+    except wandb.errors.CommError as err:
+        raise ValueError(f"wandb API, project {path}: {err}") from None
+    if not runs:
+        raise ValueError(f"wandb project {path} has no runs in group {group!r}")
+    return label_and_sort(runs)
+
+
+def label_and_sort(runs: list[RunResult], root: Path | None = None) -> list[RunResult]:
+    """Sort by heads, then K/V heads (MHA, GQA, MQA), backend; label runs by run_name.
+
+    Runs sharing a run_name (seeds, repeated sweeps) get their directory appended.
+    """
+
+    def sort_key(run: RunResult):
+        heads = _number(run.get("num_heads"))
+        kv = _number(run.get("num_kv_heads"))
+        return (
+            heads if heads is not None else math.inf,
+            VARIANT_ORDER.get(run.get("variant"), len(VARIANT_ORDER)),
+            -kv if kv is not None else math.inf,
+            str(run.get("backend") or ""),
+            str(run.get("run_name") or ""),
+            run.source,
+        )
+
+    runs = sorted(runs, key=sort_key)
+    names = [str(run.get("run_name") or Path(run.source).name) for run in runs]
+    for run, name in zip(runs, names, strict=True):
+        run.label = name
+        if names.count(name) > 1:
+            where = Path(run.source)
+            if root is not None and where.is_relative_to(root):
+                where = where.relative_to(root)
+            run.label = f"{name} [{where}]"
+    return runs
+
+
+# ---------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str  # summary key (``beam`` means the decode/beam<k>_sentences_per_s key)
+    fmt: str
+
+
+COLUMNS = (
+    Column("variant", "variant", "s"),
+    Column("heads", "num_heads", "d"),
+    Column("kv heads", "num_kv_heads", "d"),
+    Column("backend", "backend", "s"),
+    Column("params", "params/total", ",d"),
+    Column("attention params", "params/attention", ",d"),
+    Column("KV-cache bytes/token", "kv_cache/bytes_per_token", ",d"),
+    Column("train tgt tok/s", "perf/train_tgt_tokens_per_s", ",.0f"),
+    Column("greedy sent/s", "decode/greedy_sentences_per_s", ",.1f"),
+    Column("beam sent/s", "beam", ",.1f"),
+    Column("peak MB", "perf/peak_memory_mb", ",.0f"),
+    Column("val BLEU", "val/bleu", ".2f"),
+    Column("test BLEU", "test/bleu", ".2f"),
+)
+
+# Ratios against the MHA run with the same number of heads: (header, key, kind).
+RATIOS = (
+    ("KV-cache ×", "kv_cache/bytes_per_token", "ratio"),
+    ("attention params ×", "params/attention", "ratio"),
+    ("train tok/s ×", "perf/train_tgt_tokens_per_s", "ratio"),
+    ("greedy ×", "decode/greedy_sentences_per_s", "ratio"),
+    ("beam ×", "beam", "ratio"),
+    ("test BLEU Δ", "test/bleu", "diff"),
+)
+
+_BEAM_KEY = re.compile(r"decode/beam(\d+)_sentences_per_s")
+
+
+def beam_key(summary: dict[str, Any]) -> str | None:
+    """The summary key of beam-search speed, e.g. ``decode/beam5_sentences_per_s``."""
+    return next((k for k in sorted(summary) if _BEAM_KEY.fullmatch(k)), None)
+
+
+def value(run: RunResult, key: str) -> Any:
+    """A figure of ``run`` by column key; ``None`` when missing."""
+    if key == "beam":
+        key = beam_key(run.summary) or ""
+    return run.summary.get(key)
+
+
+def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
+    """The MHA run with ``run``'s number of heads (same backend preferred), if any.
+
+    MHA runs themselves have no baseline: only GQA and MQA runs are compared with MHA.
+    """
+    if run.get("variant") == "mha":
+        return None
+    candidates = [
+        other
+        for other in runs
+        if other.get("variant") == "mha" and other.get("num_heads") == run.get("num_heads")
+    ]
+    same_backend = [c for c in candidates if c.get("backend") == run.get("backend")]
+    return (same_backend or candidates or [None])[0]
+
+
+def ratio_row(run: RunResult, base: RunResult) -> dict[str, float | None]:
+    row = {}
+    for header, key, kind in RATIOS:
+        mine, theirs = _number(value(run, key)), _number(value(base, key))
+        if mine is None or theirs is None or (kind == "ratio" and theirs == 0):
+            row[header] = None
+        else:
+            row[header] = mine / theirs if kind == "ratio" else mine - theirs
+    return row
+
+
+def table_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """One dict per run: ``run`` and the raw value of every column (``None`` if missing)."""
+    return [{"run": run.label, **{c.header: value(run, c.key) for c in COLUMNS}} for run in runs]
+
+
+def format_cell(raw: Any, fmt: str) -> str:
+    if raw is None or (isinstance(raw, float) and math.isnan(raw)):
+        return MISSING
+    if fmt == "s":
+        return str(raw)
+    number = _number(raw)
+    if number is None:
+        return str(raw)
+    if fmt.endswith("d"):
+        number = round(number)
+    return format(number, fmt)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def comparison_markdown(runs: list[RunResult], source: str) -> str:
+    """The text of ``comparison.md``: the runs table, ratios vs MHA, plots, notes."""
+    headers = ["run"] + [c.header for c in COLUMNS]
+    rows = [[run.label] + [format_cell(value(run, c.key), c.fmt) for c in COLUMNS] for run in runs]
+    parts = [
+        f"# Run comparison\n\n{len(runs)} runs from `{source}`.\n",
+        markdown_table(headers, rows),
+    ]
+
+    beams = sorted({k for run in runs if (k := beam_key(run.summary))})
+    if beams:
+        parts.append(f"\nbeam sent/s: `{'`, `'.join(beams)}`.")
+
+    ratio_lines = []
+    for run in runs:
+        base = mha_baseline(run, runs)
+        if base is None:
+            continue
+        ratios = ratio_row(run, base)
+        ratio_lines.append(
+            [run.label, base.label]
+            + [format_cell(ratios[h], "+.2f" if kind == "diff" else ".2f") for h, _, kind in RATIOS]
+        )
+    if ratio_lines:
+        parts.append("\n## Against MHA with the same number of heads\n")
+        parts.append(
+            "× is this run's figure divided by the MHA run's (KV-cache below 1 is smaller, "
+            "speed above 1 is faster); Δ is the difference in BLEU points.\n"
+        )
+        parts.append(markdown_table(["run", "MHA run"] + [h for h, _, _ in RATIOS], ratio_lines))
+
+    parts.append("\n## Plots\n")
+    parts.append("![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n")
+    parts.append("![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n")
+    parts.append("![validation curves](validation_curves.png)\n")
+
+    parts.append("## Sources\n")
+    for run in runs:
+        parts.append(f"- {run.label}: `{run.source}` (validation curves: {run.curve_source})")
+    return "\n".join(parts) + "\n"
+
+
+def write_csv(runs: list[RunResult], path: Path) -> None:
+    """Every column, unformatted, plus the ratios vs MHA and each run's source."""
+    ratio_headers = [h for h, _, _ in RATIOS]
+    fields = ["run", *[c.header for c in COLUMNS], *ratio_headers, "source"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for run, row in zip(runs, table_rows(runs), strict=True):
+            base = mha_baseline(run, runs)
+            ratios = ratio_row(run, base) if base is not None else {}
+            row.update({h: ratios.get(h) for h in ratio_headers}, source=run.source)
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+# ---------------------------------------------------------------------------------------
+# Plots
+
+
+def _annotated_scatter(ax, points: list[tuple[float, float, str]], marker: str, label: str):
+    if not points:
+        return
+    xs, ys, names = zip(*points, strict=True)
+    ax.scatter(xs, ys, marker=marker, label=label)
+    for x, y, name in points:
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+
+
+def _points(runs: list[RunResult], x_key: str, y_key: str = "test/bleu"):
+    points = []
+    for run in runs:
+        x, y = _number(value(run, x_key)), _number(value(run, y_key))
+        if x is not None and y is not None:
+            points.append((x, y, run.label))
+    return points
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what}", ha="center", va="center", transform=ax.transAxes)
+
+
+def plot_bleu_vs_decode_speed(runs: list[RunResult], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for ax, key, title, marker in (
+        (axes[0], "decode/greedy_sentences_per_s", "greedy", "o"),
+        (axes[1], "beam", "beam search", "^"),
+    ):
+        points = _points(runs, key)
+        _annotated_scatter(ax, points, marker, title)
+        if not points:
+            _no_data(ax, f"test BLEU and {title} speed")
+        ax.set_xlabel(f"{title} decoding, sentences/s")
+        ax.set_title(f"test BLEU vs {title} speed")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test BLEU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bleu_vs_kv_cache(runs: list[RunResult], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    points = _points(runs, "kv_cache/bytes_per_token")
+    _annotated_scatter(ax, points, "o", "runs")
+    if not points:
+        _no_data(ax, "test BLEU and KV-cache size")
+    ax.set_xlabel("KV-cache bytes per decoded token")
+    ax.set_ylabel("test BLEU")
+    ax.set_title("test BLEU vs KV-cache size")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_validation_curves(runs: list[RunResult], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(6 * len(CURVE_KEYS), 4.5))
+    for ax, key in zip(axes, CURVE_KEYS, strict=True):
+        drawn = False
+        for run in runs:
+            curve = run.curves.get(key)
+            if curve:
+                steps, values = zip(*curve, strict=True)
+                ax.plot(steps, values, marker=".", label=run.label)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            _no_data(ax, f"{key} history")
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def write_comparison(runs: list[RunResult], out_dir: str | os.PathLike, source: str) -> list[Path]:
+    """Write the files named in ``OUTPUT_FILES`` into ``out_dir`` (created if needed).
+
+    Only those files are written; earlier copies of them are overwritten, nothing else in
+    ``out_dir`` is touched. Returns their paths.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"out={out} is a file; expected a directory for the comparison")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in OUTPUT_FILES]
+    md, table, speed, kv, curves = paths
+    md.write_text(comparison_markdown(runs, source))
+    write_csv(runs, table)
+    plot_bleu_vs_decode_speed(runs, speed)
+    plot_bleu_vs_kv_cache(runs, kv)
+    plot_validation_curves(runs, curves)
+    return paths
+
+
+def compare(
+    out: str | os.PathLike,
+    runs: str | os.PathLike | None = None,
+    group: str | None = None,
+    project: str = "multihead",
+    entity: str | None = None,
+) -> tuple[list[RunResult], list[Path]]:
+    """Read the runs below ``runs`` or in wandb ``group`` and write the comparison to ``out``."""
+    if (runs is None) == (group is None):
+        raise ValueError(
+            f"give exactly one of runs=PATH or group=NAME (got runs={runs}, group={group})"
+        )
+    if runs is not None:
+        results, source = load_local_runs(runs), str(runs)
+    else:
+        results = load_wandb_group(group, project, entity)
+        source = f"wandb {entity + '/' if entity else ''}{project}, group {group}"
+    return results, write_comparison(results, out, source)
+
+
+def _number(raw: Any) -> float | None:
+    """``raw`` as a float, or ``None`` for missing, empty, non-numeric or NaN values."""
+    if raw is None or raw == "" or isinstance(raw, bool):
+        return None
+    try:
+        number = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number

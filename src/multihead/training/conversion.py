@@ -1,0 +1,181 @@
+"""MHA to GQA/MQA conversion of a trained checkpoint (scripts/convert_kv_heads.py).
+
+As in the GQA paper (Ainslie et al., 2023), each attention sublayer in scope keeps its
+query heads and gets ``num_kv_heads`` K/V heads, each the mean of a group of the trained
+K/V projection heads (:meth:`~multihead.attention.MultiHeadAttention.with_kv_heads`). The
+converted checkpoint is then uptrained for a small fraction of the original steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from multihead.model.transformer import ATTENTION_KINDS, Transformer
+from multihead.training.averaging import save_new
+from multihead.training.checkpoint import load_translator, read_checkpoint
+
+# The GQA paper converts the decoder; "all" also converts the encoder self-attention.
+SCOPES = {
+    "decoder": ("decoder_self_attention", "cross_attention"),
+    "all": ATTENTION_KINDS,
+}
+# What a converted checkpoint keeps: the weights, the rebuild recipe, and where it was in
+# training. Optimiser, scheduler, loop and callback states describe the old shapes.
+_KEPT = ("state_dict", "multihead", "epoch", "global_step", "pytorch-lightning_version")
+
+
+def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
+    """The attention kinds that ``scope`` names, in :data:`ATTENTION_KINDS` order.
+
+    Args:
+        scope: ``"decoder"`` (decoder self- and cross-attention), ``"all"``, one kind, or
+            a list of kinds, e.g. ``["decoder_self_attention", "cross_attention"]``.
+    """
+    accepted = f"{', '.join(SCOPES)}, or a list of {', '.join(ATTENTION_KINDS)}"
+    if isinstance(scope, str):
+        if scope in SCOPES:
+            return SCOPES[scope]
+        names = [scope]
+    elif isinstance(scope, Sequence):
+        names = [str(name) for name in scope]
+    else:
+        raise ValueError(f"unknown scope {scope!r}; expected {accepted}")
+    unknown = [name for name in names if name not in ATTENTION_KINDS]
+    if unknown or not names:
+        raise ValueError(f"unknown scope {scope!r}; expected {accepted}")
+    return tuple(kind for kind in ATTENTION_KINDS if kind in names)
+
+
+def _sublayers(model: Transformer, kind: str) -> list[tuple[Any, str]]:
+    """``(parent layer, attribute name)`` of every attention sublayer of ``kind``."""
+    if kind == "encoder_self_attention":
+        return [(layer, "self_attn") for layer in model.encoder_layers]
+    name = "self_attn" if kind == "decoder_self_attention" else "cross_attn"
+    return [(layer, name) for layer in model.decoder_layers]
+
+
+def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -> Transformer:
+    """Replace the attention sublayers of ``kinds`` by mean-pooled ``num_kv_heads`` copies.
+
+    Changes ``model`` in place and returns it.
+
+    Raises:
+        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads.
+    """
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
+        raise TypeError(f"num_kv_heads must be an integer, got {num_kv_heads!r}")
+    for kind in kinds:
+        for parent, name in _sublayers(model, kind):
+            setattr(parent, name, getattr(parent, name).with_kv_heads(num_kv_heads))
+        model.attention_config[kind]["num_kv_heads"] = num_kv_heads
+    return model
+
+
+def _converted_config(config: dict, num_kv_heads: int, kinds: Sequence[str]) -> dict:
+    """The run config with ``num_kv_heads`` set for ``kinds``, so it rebuilds the result."""
+    config = copy.deepcopy(config)
+    # model.<kind> is what the Transformer is built from; attention.<kind> is the source
+    # it was interpolated from in train.yaml, kept in step so the config reads true.
+    for section in (config["model"], config.get("attention")):
+        if section is None:
+            continue
+        for kind in kinds:
+            section[kind] = {**(section.get(kind) or {}), "num_kv_heads": num_kv_heads}
+    if set(kinds) == set(ATTENTION_KINDS):
+        config["model"]["attention"]["num_kv_heads"] = num_kv_heads
+        if config.get("attention") is not None:
+            config["attention"]["num_kv_heads"] = num_kv_heads
+    return config
+
+
+def convert_checkpoint(
+    path: str | Path, num_kv_heads: int, scope: str | Sequence[str] = "decoder"
+) -> dict[str, Any]:
+    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads.
+
+    The result loads with :func:`~multihead.training.checkpoint.load_translator` and can
+    initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
+    cannot resume one. ``ckpt["multihead"]["converted_from"]`` records the conversion.
+
+    Args:
+        path: a ``.ckpt`` written by ``scripts/train.py``.
+        num_kv_heads: ``G``; must divide the current K/V heads of every converted sublayer.
+        scope: see :func:`resolve_scope`.
+    """
+    kinds = resolve_scope(scope)
+    ckpt = read_checkpoint(path)
+    model = load_translator(path).model
+    before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
+    convert_model(model, num_kv_heads, kinds)
+
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
+    if set(state) != old_keys:  # only shapes change; a different key set is a bug here
+        raise RuntimeError(f"conversion changed the parameter names: {set(state) ^ old_keys}")
+    converted = {key: ckpt[key] for key in _KEPT if key in ckpt}
+    converted["state_dict"] = {
+        **{k: v for k, v in ckpt["state_dict"].items() if not k.startswith("model.")},
+        **state,
+    }
+    extra = dict(ckpt["multihead"])
+    extra["config"] = _converted_config(extra["config"], num_kv_heads, kinds)
+    extra["converted_from"] = {
+        "path": str(path),
+        "num_kv_heads": num_kv_heads,
+        "scope": list(kinds),
+        "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
+    }
+    converted["multihead"] = extra
+    return converted
+
+
+def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -> list[str]:
+    """The ``scripts/train.py`` overrides that rebuild ``converted`` and start from ``out``.
+
+    The original run's own overrides are taken from ``<run dir>/.hydra/overrides.yaml``
+    (the checkpoint sits in ``<run dir>/checkpoints/``) when that file exists, less
+    ``ckpt_path``, ``paths.output_dir``, ``hydra.*`` and the head counts set here.
+    """
+    info = converted["multihead"]["converted_from"]
+    kinds, num_kv_heads = info["scope"], info["num_kv_heads"]
+    heads: list[str] = []
+    if set(kinds) == set(ATTENTION_KINDS):
+        heads.append(f"attention.num_kv_heads={num_kv_heads}")
+    # ++ adds the key or overrides it: the per-kind sections are empty dicts by default.
+    heads += [f"++attention.{kind}.num_kv_heads={num_kv_heads}" for kind in kinds]
+    # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
+    ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
+    ours |= {"ckpt_path", "init_from", "paths.output_dir"}
+
+    previous: list[str] = []
+    recorded = Path(ckpt_path).resolve().parent.parent / ".hydra" / "overrides.yaml"
+    if recorded.is_file():
+        for override in OmegaConf.load(recorded):
+            key = str(override).lstrip("+~").split("=", 1)[0]
+            if key not in ours and not key.startswith("hydra."):
+                previous.append(str(override))
+    return [*previous, f"init_from={out}", *heads]
+
+
+def convert_kv_heads(
+    ckpt: str | Path, num_kv_heads: int, out: str | Path, scope: str | Sequence[str] = "decoder"
+) -> tuple[Path, list[str]]:
+    """Convert ``ckpt`` and save it to ``out`` (never overwritten).
+
+    Returns:
+        ``(out, overrides)``: the path written and the ``scripts/train.py`` overrides
+        that uptrain from it (see :func:`uptrain_overrides`).
+
+    Raises:
+        FileExistsError: ``out`` exists.
+    """
+    if Path(out).exists():  # before the work; save_new checks again when writing
+        raise FileExistsError(f"{out} already exists; choose a new out= path")
+    converted = convert_checkpoint(ckpt, num_kv_heads, scope)
+    written = save_new(converted, out)
+    return written, uptrain_overrides(ckpt, written, converted)

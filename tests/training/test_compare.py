@@ -1,0 +1,199 @@
+"""scripts/compare.py: the runs table, ratios vs MHA, CSV, plots, curves and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from multihead.training.comparison import (
+    OUTPUT_FILES,
+    compare,
+    find_run_dirs,
+    iter_wandb_records,
+    load_local_runs,
+    load_wandb_group,
+    read_metrics_csv,
+    read_wandb_history,
+)
+from tests.training.test_configs import run_script
+
+# A real offline run file written by wandb 0.31 (wandb.init(mode="offline") + wandb.log):
+# train/loss at steps 9..39, val/loss and val/bleu at steps 19 and 39. It lives outside a
+# wandb/ directory because .gitignore ignores those; the tests copy it into place.
+WANDB_FIXTURE = Path(__file__).parent / "fixtures" / "compare" / "run-mqa-h4-kv1.wandb"
+
+METRICS_CSV = """\
+epoch,lr-Adam,step,train/loss,val/bleu,val/loss
+,1.1e-06,9,,,
+0,,9,7.3,,
+0,,19,,1.5,6.4
+0,,39,,2.5,5.9
+"""
+
+
+def summary(variant: str, heads: int, kv: int, **figures) -> dict:
+    name = f"{variant}-h{heads}-kv{kv}-sdpa"
+    return {
+        "run_name": name,
+        "variant": variant,
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "backend": "sdpa",
+        "head_tag": name,
+        "params/total": 70000 + 1000 * kv,
+        "params/attention": 20000 + 1000 * kv,
+        "kv_cache/bytes_per_token": 128 * kv,
+        "perf/train_tgt_tokens_per_s": 30000.0,
+        "perf/peak_memory_mb": 500.0,
+        "decode/greedy_sentences_per_s": 400.0 / kv,
+        "decode/beam5_sentences_per_s": 100.0 / kv,
+        "val/bleu": 2.5,
+        "test/bleu": 20.0 + kv,
+        **figures,
+    }
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    """A multirun directory: MHA and GQA with csv logs, MQA with an offline wandb run."""
+    root = tmp_path / "multiruns" / "2026-01-01_00-00-00"
+    jobs = {
+        "0": summary("gqa", 4, 2),
+        "1": summary("mqa", 4, 1, **{"decode/beam5_sentences_per_s": None}),
+        "2": summary("mha", 4, 4),
+    }
+    for job, figures in jobs.items():
+        (root / job).mkdir(parents=True)
+        (root / job / "summary.json").write_text(json.dumps(figures))
+    for job in ("0", "2"):
+        (root / job / "csv").mkdir()
+        (root / job / "csv" / "metrics.csv").write_text(METRICS_CSV)
+    offline = root / "1" / "wandb" / "offline-run-20260101_000000-4n2u03de"
+    offline.mkdir(parents=True)
+    shutil.copy(WANDB_FIXTURE, offline / "run-4n2u03de.wandb")
+    (root / "3" / ".hydra").mkdir(parents=True)  # a crashed job: no summary.json, skipped
+    return root
+
+
+def test_runs_are_found_and_sorted_mha_gqa_mqa(runs_dir: Path) -> None:
+    assert [p.name for p in find_run_dirs(runs_dir)] == ["0", "1", "2"]
+    runs = load_local_runs(runs_dir)
+    assert [r.label for r in runs] == ["mha-h4-kv4-sdpa", "gqa-h4-kv2-sdpa", "mqa-h4-kv1-sdpa"]
+    assert [r.curve_source for r in runs] == ["csv", "csv", "wandb-offline"]
+
+
+def test_metrics_csv_curves_skip_empty_cells(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text(METRICS_CSV)
+    assert read_metrics_csv(path) == {
+        "val/bleu": [(19, 1.5), (39, 2.5)],
+        "val/loss": [(19, 6.4), (39, 5.9)],
+    }
+
+
+def test_wandb_offline_history_is_read(runs_dir: Path) -> None:
+    rows = read_wandb_history(WANDB_FIXTURE)
+    assert [r["train/loss"] for r in rows if "train/loss" in r] == [6.55, 6.05, 5.55, 5.05]
+    mqa = load_local_runs(runs_dir)[2]
+    assert mqa.curves == {
+        "val/bleu": [(19, 0.19), (39, 0.39)],
+        "val/loss": [(19, 6.025), (39, 5.525)],
+    }
+
+
+def _chunk(kind: int, data: bytes) -> bytes:
+    crc = zlib.crc32(data, zlib.crc32(bytes([kind])))
+    return struct.pack("<IHB", crc, len(data), kind) + data
+
+
+def test_wandb_records_split_across_blocks_are_joined(tmp_path: Path) -> None:
+    # Block 1: header, a FULL record, then the FIRST part of a long one that fills the block
+    # to 3 bytes short of its end (zero padding); block 2: its LAST part, then a FULL one.
+    header = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+    small = _chunk(1, b"a" * 10)
+    first_len = 32768 - len(header) - len(small) - 7 - 3
+    long_record = b"x" * first_len + b"y" * 50
+    data = header + small + _chunk(2, long_record[:first_len]) + b"\0" * 3
+    data += _chunk(4, long_record[first_len:]) + _chunk(1, b"b" * 5)
+    data += _chunk(1, b"c" * 5)[:-2]  # truncated at the end: dropped
+    path = tmp_path / "run-x.wandb"
+    path.write_bytes(data)
+    assert list(iter_wandb_records(path)) == [b"a" * 10, long_record, b"b" * 5]
+
+
+def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    runs, paths = compare(out, runs=runs_dir)
+    assert [p.name for p in paths] == list(OUTPUT_FILES)
+
+    md = (out / "comparison.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| run | variant | heads | kv heads | backend | params |")
+    assert table[1] == (
+        "| mha-h4-kv4-sdpa | mha | 4 | 4 | sdpa | 74,000 | 24,000 | 512 | 30,000 | 100.0 | 25.0"
+        " | 500 | 2.50 | 24.00 |"
+    )
+    assert table[3].startswith("| mqa-h4-kv1-sdpa | mqa | 4 | 1 | sdpa | 71,000 | 21,000 | 128 |")
+    assert "| 400.0 | – | 500 |" in table[3]  # the missing beam speed
+    # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam ×, test BLEU Δ
+    assert "| gqa-h4-kv2-sdpa | mha-h4-kv4-sdpa | 0.50 | 0.92 | 1.00 | 2.00 | 2.00 | -2.00 |" in md
+    assert "| mqa-h4-kv1-sdpa | mha-h4-kv4-sdpa | 0.25 | 0.88 | 1.00 | 4.00 | – | -3.00 |" in md
+    for name in OUTPUT_FILES[2:]:
+        assert f"]({name})" in md
+
+    with open(out / "comparison.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run"] for r in rows] == ["mha-h4-kv4-sdpa", "gqa-h4-kv2-sdpa", "mqa-h4-kv1-sdpa"]
+    assert float(rows[2]["KV-cache ×"]) == 0.25 and rows[0]["KV-cache ×"] == ""
+    assert rows[2]["beam sent/s"] == "" and float(rows[2]["greedy sent/s"]) == 400.0
+
+    for name in OUTPUT_FILES[2:]:
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_rerun_overwrites_only_its_own_files(runs_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    (out / "comparison.md").write_text("old")
+    compare(out, runs=runs_dir)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "comparison.md").read_text().startswith("# Run comparison")
+    assert sorted(p.name for p in out.iterdir()) == sorted([*OUTPUT_FILES, "notes.txt"])
+
+
+def test_duplicate_run_names_get_their_directory(runs_dir: Path) -> None:
+    shutil.copytree(runs_dir / "2", runs_dir / "4")
+    labels = [r.label for r in load_local_runs(runs_dir)]
+    assert labels[:2] == ["mha-h4-kv4-sdpa [2]", "mha-h4-kv4-sdpa [4]"]
+
+
+def test_empty_or_missing_runs_dir_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"runs={tmp_path}: no summary.json found"):
+        compare(tmp_path / "out", runs=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        compare(tmp_path / "out", runs=tmp_path / "nope")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="exactly one of runs=PATH or group=NAME"):
+        compare(tmp_path / "out")
+
+
+def test_wandb_group_offline_is_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(ValueError, match="group=sweep1 reads runs from the wandb API"):
+        load_wandb_group("sweep1", "multihead")
+
+
+def test_script_writes_the_comparison(runs_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    result = run_script("compare.py", f"runs={runs_dir}", f"out={out}")
+    assert result.returncode == 0, result.stderr
+    assert "compared 3 runs" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES)

@@ -1,0 +1,234 @@
+"""MHA to GQA/MQA checkpoint conversion: exact pooling, round trip, clear refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from multihead.attention import MultiHeadAttention
+from multihead.model import Transformer
+from multihead.training.checkpoint import load_translator, read_checkpoint
+from multihead.training.conversion import (
+    convert_checkpoint,
+    convert_kv_heads,
+    convert_model,
+    resolve_scope,
+)
+from multihead.training.evaluation import evaluate_checkpoint
+from multihead.training.run import train
+from tests.conftest import compose_config
+from tests.training.test_configs import run_script
+
+
+def tiny_model(backend: str = "sdpa") -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(
+        src_vocab_size=50,
+        tgt_vocab_size=50,
+        d_model=16,
+        ffn_dim=32,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        attention={"num_heads": 4, "backend": backend},
+    ).eval()
+
+
+def sublayers(model: Transformer) -> dict[str, list[MultiHeadAttention]]:
+    return {
+        "encoder_self_attention": [layer.self_attn for layer in model.encoder_layers],
+        "decoder_self_attention": [layer.self_attn for layer in model.decoder_layers],
+        "cross_attention": [layer.cross_attn for layer in model.decoder_layers],
+    }
+
+
+def make_groups_identical(attn: MultiHeadAttention, groups: int) -> None:
+    """Copy the first K/V head of each group over the others: pooling is then lossless."""
+    G, D, E = attn.num_kv_heads, attn.head_dim, attn.embed_dim
+    with torch.no_grad():
+        for param in (attn.in_proj.weight, attn.in_proj.bias):
+            for start in (E, E + G * D):  # the K rows, then the V rows
+                heads = param[start : start + G * D].view(groups, G // groups, D, -1)
+                heads.copy_(heads[:, :1].expand_as(heads))
+
+
+@pytest.mark.parametrize("scope", ["decoder", "all"])
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_identical_heads_in_each_group_convert_exactly(scope, backend) -> None:
+    model = tiny_model(backend)
+    for kind in resolve_scope(scope):
+        for attn in sublayers(model)[kind]:
+            make_groups_identical(attn, groups=2)
+    src, tgt_in = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    src[0, 5:] = 0  # some padding
+    with torch.no_grad():
+        before = model(src, tgt_in)
+        convert_model(model, 2, resolve_scope(scope))
+        after = model(src, tgt_in)
+    torch.testing.assert_close(after, before)
+    converted = {"decoder_self_attention", "cross_attention"}
+    if scope == "all":
+        converted.add("encoder_self_attention")
+    for kind, cfg in model.head_config.items():
+        assert cfg["num_kv_heads"] == (2 if kind in converted else 4)
+        assert cfg["backend"] == backend
+
+
+def test_pooling_is_the_mean_of_each_groups_rows() -> None:
+    model = tiny_model()
+    old = model.decoder_layers[1].cross_attn
+    w, b = old.in_proj.weight.detach().clone(), old.in_proj.bias.detach().clone()
+    convert_model(model, 1, ["cross_attention"])  # MQA: one K/V head, the mean of all 4
+    new = model.decoder_layers[1].cross_attn
+    E, D = 16, 4
+    k_rows = [w[E + h * D : E + (h + 1) * D] for h in range(4)]
+    v_rows = [w[E + 16 + h * D : E + 16 + (h + 1) * D] for h in range(4)]
+    expected_w = torch.cat([w[:E], sum(k_rows) / 4, sum(v_rows) / 4])
+    k_bias = [b[E + h * D : E + (h + 1) * D] for h in range(4)]
+    v_bias = [b[E + 16 + h * D : E + 16 + (h + 1) * D] for h in range(4)]
+    expected_b = torch.cat([b[:E], sum(k_bias) / 4, sum(v_bias) / 4])
+    assert new.in_proj.weight.shape == (E + 2 * D, E)
+    torch.testing.assert_close(new.in_proj.weight, expected_w)
+    torch.testing.assert_close(new.in_proj.bias, expected_b)
+    torch.testing.assert_close(new.out_proj.weight, old.out_proj.weight)
+    assert model.decoder_layers[0].self_attn.num_kv_heads == 4  # not in scope
+
+
+def test_scope_names() -> None:
+    assert resolve_scope("decoder") == ("decoder_self_attention", "cross_attention")
+    assert len(resolve_scope("all")) == 3
+    assert resolve_scope(["cross_attention", "encoder_self_attention"]) == (
+        "encoder_self_attention",
+        "cross_attention",
+    )
+    with pytest.raises(ValueError, match="unknown scope 'encoder'; expected decoder, all"):
+        resolve_scope("encoder")
+    with pytest.raises(ValueError, match="unknown scope"):
+        resolve_scope(["cross"])
+    with pytest.raises(ValueError, match="unknown scope"):
+        resolve_scope([])
+
+
+# ---------------------------------------------------------------------- real checkpoints
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=smoke",
+            "logger=csv",
+            f"data.local_dir={multi30k_dir}",
+            f"paths.output_dir={out}",
+            f"paths.cache_dir={cache_dir}",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "test=false",
+            "summary.decode_speed=false",
+        ],
+    )
+    train(cfg)
+    # What Hydra records for a run started from the command line.
+    (out / ".hydra").mkdir()
+    (out / ".hydra" / "overrides.yaml").write_text(
+        f"- experiment=smoke\n- data.local_dir={multi30k_dir}\n- paths.output_dir={out}\n"
+        "- ckpt_path=null\n- logger=csv\n"
+    )
+    return out / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("scope", ["decoder", "all"])
+def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
+    out = tmp_path / "converted.ckpt"
+    written, overrides = convert_kv_heads(trained, 2, out, scope)
+    assert written == out
+
+    translator = load_translator(out)
+    heads = translator.model.head_config
+    expected_kv = {
+        "encoder_self_attention": 2 if scope == "all" else 4,
+        "decoder_self_attention": 2,
+        "cross_attention": 2,
+    }
+    assert {kind: cfg["num_kv_heads"] for kind, cfg in heads.items()} == expected_kv
+
+    # The same weights as converting the loaded original in memory.
+    reference = convert_model(load_translator(trained).model, 2, resolve_scope(scope))
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(translator.model.state_dict()[name], tensor, rtol=0, atol=0)
+
+    ckpt = read_checkpoint(out)
+    assert ckpt["multihead"]["converted_from"] == {
+        "path": str(trained),
+        "num_kv_heads": 2,
+        "scope": list(resolve_scope(scope)),
+        "previous_num_kv_heads": {kind: 4 for kind in resolve_scope(scope)},
+    }
+    assert not {"optimizer_states", "lr_schedulers", "loops", "callbacks"} & set(ckpt)
+    assert ckpt["global_step"] == read_checkpoint(trained)["global_step"]
+    assert ckpt["multihead"]["config"]["attention"]["num_kv_heads"] == (
+        2 if scope == "all" else None
+    )
+
+    # The printed overrides compose and rebuild the converted architecture.
+    assert f"init_from={out}" in overrides
+    assert not any(o.startswith(("ckpt_path=", "paths.output_dir=")) for o in overrides)
+    composed = compose_config(
+        "train",
+        [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
+    )
+    assert composed.init_from == str(out)
+    tok = translator.tokenizer
+    rebuilt = instantiate(
+        composed.model,
+        src_vocab_size=tok.vocab_size,
+        tgt_vocab_size=tok.vocab_size,
+        pad_id=tok.pad_id,
+    )
+    assert rebuilt.head_config == heads
+    rebuilt.load_state_dict(translator.model.state_dict())
+
+
+def test_converted_checkpoint_evaluates(trained, tmp_path, multi30k_dir) -> None:
+    out = tmp_path / "mqa.ckpt"
+    convert_kv_heads(trained, 1, out, ["decoder_self_attention"])
+    result = evaluate_checkpoint(
+        str(out), tmp_path, split="test", beam_size=2, limit=4, local_dir=str(multi30k_dir)
+    )
+    assert result["sentences"] == 4
+    assert len((tmp_path / "hypotheses.test.txt").read_text().splitlines()) == 4
+
+
+def test_refuses_to_overwrite_and_bad_head_counts(trained, tmp_path) -> None:
+    out = tmp_path / "exists.ckpt"
+    out.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert_kv_heads(trained, 2, out)
+    assert out.read_bytes() == b"precious"
+    with pytest.raises(ValueError, match="cannot pool 4 K/V heads into 3"):
+        convert_checkpoint(trained, 3)
+    with pytest.raises(ValueError, match="unknown scope 'encoder'"):
+        convert_checkpoint(trained, 2, "encoder")
+
+
+def test_script_prints_uptrain_command_and_fails_in_one_line(trained, tmp_path) -> None:
+    out = tmp_path / "gqa.ckpt"
+    result = run_script(
+        "convert_kv_heads.py",
+        f"ckpt={trained}",
+        "num_kv_heads=2",
+        f"out={out}",
+        "scope=[decoder_self_attention,cross_attention]",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert out.is_file()
+    command = result.stdout.strip().splitlines()[-1]
+    assert command.startswith("python scripts/train.py experiment=smoke")
+    assert f"init_from={out}" in command
+    assert "++attention.cross_attention.num_kv_heads=2" in command
+
+    again = run_script("convert_kv_heads.py", f"ckpt={trained}", "num_kv_heads=2", f"out={out}")
+    assert again.returncode == 2
+    assert again.stderr.strip() == f"error: {out} already exists; choose a new out= path"

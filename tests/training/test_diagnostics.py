@@ -1,0 +1,202 @@
+"""Attention maps and head similarity: per-head outputs, the metric, the callback's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import WandbLogger
+
+from multihead.attention import MultiHeadAttention
+from multihead.data import Tokenizer, collate
+from multihead.model import Transformer
+from multihead.training.diagnostics import AttentionMapLogger, head_outputs, head_similarity
+from tests.conftest import compose_config
+
+SENTENCES = [
+    ("A dog runs in the park.", "Ein Hund rennt im Park."),
+    ("Two men are talking.", "Zwei Männer unterhalten sich."),
+    ("A girl reads a book.", "Ein Mädchen liest ein Buch."),
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.train([t for pair in SENTENCES for t in pair] * 5, vocab_size=300)
+
+
+def tiny_model(vocab_size: int, backend: str = "sdpa", layers: int = 2) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(
+        src_vocab_size=vocab_size,
+        tgt_vocab_size=vocab_size,
+        d_model=16,
+        ffn_dim=32,
+        num_encoder_layers=layers,
+        num_decoder_layers=layers,
+        attention={"num_heads": 4, "backend": backend},
+        decoder_self_attention={"num_kv_heads": 2},
+        cross_attention={"num_kv_heads": 1},
+    ).eval()
+
+
+def examples(tokenizer: Tokenizer) -> list[dict]:
+    return [
+        {
+            "src": src,
+            "tgt": tgt,
+            "src_ids": tokenizer.encode(src),
+            "tgt_ids": tokenizer.encode(tgt),
+            "index": i,
+        }
+        for i, (src, tgt) in enumerate(SENTENCES)
+    ]
+
+
+def test_head_outputs_recombine_into_each_layers_output(tokenizer) -> None:
+    model = tiny_model(tokenizer.vocab_size)
+    batch = collate(examples(tokenizer), pad_id=0, bos_id=1, eos_id=2)
+    src, tgt_in = batch["src"], batch["tgt"][:, :-1]
+    layer_outputs = {}
+
+    def record(module, args, out) -> None:  # the first call: the plain sdpa forward
+        layer_outputs.setdefault(module, out)
+
+    hooks = [
+        module.register_forward_hook(record)
+        for module in model.modules()
+        if isinstance(module, MultiHeadAttention)
+    ]
+    with torch.no_grad():
+        model(src, tgt_in)  # the sdpa path
+        maps, outputs = head_outputs(model, src, tgt_in)
+    for hook in hooks:
+        hook.remove()
+
+    sublayers = {
+        "encoder_self": [layer.self_attn for layer in model.encoder_layers],
+        "decoder_self": [layer.self_attn for layer in model.decoder_layers],
+        "cross": [layer.cross_attn for layer in model.decoder_layers],
+    }
+    for kind, attns in sublayers.items():
+        assert len(maps[kind]) == len(outputs[kind]) == 2
+        for attn, heads in zip(attns, outputs[kind], strict=True):
+            B, H, L, D = heads.shape
+            assert H == 4 and D == 4
+            recombined = attn.out_proj(heads.transpose(1, 2).reshape(B, L, H * D))
+            torch.testing.assert_close(recombined, layer_outputs[attn])
+
+
+def test_head_similarity_extremes_and_hand_computation() -> None:
+    torch.manual_seed(0)
+    one = torch.randn(2, 1, 5, 3)
+    assert head_similarity(one.expand(2, 4, 5, 3)) == pytest.approx(1.0)
+    assert head_similarity(torch.cat([one, -one], dim=1)) == pytest.approx(-1.0)
+    assert head_similarity(one) != head_similarity(one)  # NaN: a single head
+
+    heads = torch.randn(1, 3, 2, 4)
+    mask = torch.tensor([[True, False]])  # only the first query position is real
+    h = heads[0, :, 0]
+    cos = torch.nn.functional.cosine_similarity
+    expected = (cos(h[0], h[1], dim=0) + cos(h[0], h[2], dim=0) + cos(h[1], h[2], dim=0)) / 3
+    assert head_similarity(heads, mask) == pytest.approx(float(expected), abs=1e-6)
+
+
+class RecordingWandb(WandbLogger):
+    """A WandbLogger that records calls instead of starting a wandb run."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict] = []
+        self.images: dict[str, tuple[list, list]] = {}
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_image(self, key, images, step=None, **kwargs) -> None:
+        self.images[key] = (images, kwargs["caption"])
+
+
+def fake_run(tokenizer: Tokenizer, model: Transformer, root: Path):
+    trainer = SimpleNamespace(
+        sanity_checking=False,
+        is_global_zero=True,
+        global_step=7,
+        default_root_dir=str(root),
+        log_dir=None,
+        loggers=[RecordingWandb()],
+        datamodule=SimpleNamespace(tokenized={"validation": examples(tokenizer)}),
+    )
+    module = SimpleNamespace(model=model.train(), tokenizer=tokenizer, device=torch.device("cpu"))
+    return trainer, module
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_callback_writes_maps_and_logs_similarity(tokenizer, tmp_path, backend) -> None:
+    model = tiny_model(tokenizer.vocab_size, backend, layers=1)
+    trainer, module = fake_run(tokenizer, model, tmp_path)
+    callback = AttentionMapLogger(num_sentences=2, max_tokens_shown=5)
+    callback.on_validation_end(trainer, module)
+
+    out = tmp_path / "attention_maps"
+    names = sorted(p.name for p in out.iterdir())
+    expected = sorted(
+        [
+            f"step7_{kind}_layer{i}_sent{j}.png"
+            for kind in ("encoder_self", "decoder_self", "cross")
+            for i in range(1)
+            for j in range(2)
+        ]
+        + ["step7_head_similarity.png"]
+    )
+    assert names == expected
+    for path in out.iterdir():
+        assert path.read_bytes()[:8] == PNG_MAGIC
+    assert model.training  # the train/eval mode is restored
+
+    similarity = callback.last_similarity
+    assert {kind: len(v) for kind, v in similarity.items()} == {
+        "encoder_self": 1,
+        "decoder_self": 1,
+        "cross": 1,
+    }
+    assert all(-1.0 <= s <= 1.0 for values in similarity.values() for s in values)
+    logger = trainer.loggers[0]
+    assert logger.metrics[0]["diagnostics/head_similarity/cross/layer0"] == similarity["cross"][0]
+    images, captions = logger.images["attention_maps/encoder_self/layer0"]
+    assert len(images) == 2 and captions == [SENTENCES[0][0], SENTENCES[1][0]]
+    assert "diagnostics/head_similarity" in logger.images
+
+
+def test_callback_skips_sanity_check_and_honours_every_n_val(tokenizer, tmp_path) -> None:
+    trainer, module = fake_run(tokenizer, tiny_model(tokenizer.vocab_size, layers=1), tmp_path)
+    callback = AttentionMapLogger(num_sentences=1, every_n_val=2, out_dir=str(tmp_path / "maps"))
+    trainer.sanity_checking = True
+    callback.on_validation_end(trainer, module)
+    assert not (tmp_path / "maps").exists()
+    trainer.sanity_checking = False
+    for step in (10, 20, 30):
+        trainer.global_step = step
+        callback.on_validation_end(trainer, module)
+    steps = {p.name.split("_")[0] for p in (tmp_path / "maps").iterdir()}
+    assert steps == {"step10", "step30"}
+
+
+def test_bad_arguments_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="num_sentences must be >= 1, got 0"):
+        AttentionMapLogger(num_sentences=0)
+
+
+def test_diagnostics_callbacks_config_extends_default(tmp_path) -> None:
+    cfg = compose_config(
+        "train",
+        ["callbacks=diagnostics", f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"],
+    )
+    default = compose_config("train", [f"paths.output_dir={tmp_path}"])
+    assert set(cfg.callbacks) == set(default.callbacks) | {"attention_maps"}
+    callback = instantiate(cfg.callbacks.attention_maps)
+    assert isinstance(callback, AttentionMapLogger)
+    assert callback.out_dir == str(tmp_path / "attention_maps")
