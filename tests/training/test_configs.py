@@ -64,7 +64,7 @@ def test_trainer_options_instantiate(trainer, tmp_path) -> None:
 def test_logger_options_instantiate(logger, tmp_path) -> None:
     cfg = compose_config("train", [f"logger={logger}", *base(tmp_path)])
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    assert len(loggers) == (0 if logger == "none" else 1)
+    assert len(loggers) == {"none": 0, "wandb_csv": 2}.get(logger, 1)
 
 
 def test_callbacks_and_module_instantiate(tmp_path) -> None:

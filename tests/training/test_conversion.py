@@ -227,7 +227,7 @@ def test_script_prints_uptrain_command_and_fails_in_one_line(trained, tmp_path) 
     command = result.stdout.strip().splitlines()[-1]
     assert command.startswith("python scripts/train.py experiment=smoke")
     assert f"init_from={out}" in command
-    assert "++attention.cross_attention.num_kv_heads=2" in command
+    assert "attention.cross_attention.num_kv_heads=2" in command
 
     again = run_script("convert_kv_heads.py", f"ckpt={trained}", "num_kv_heads=2", f"out={out}")
     assert again.returncode == 2

@@ -209,7 +209,11 @@ class DecoderCache:
 def _attention_config(
     kind: str, base: Mapping[str, Any] | None, override: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """``_ATTENTION_DEFAULTS`` updated by ``base`` then by ``override`` (any Mapping)."""
+    """``_ATTENTION_DEFAULTS`` updated by ``base`` then by ``override`` (any Mapping).
+
+    A ``None`` value in ``override`` means "as in ``base``", so a config can list every key
+    of a per-kind section and set only the ones it changes.
+    """
     config = dict(_ATTENTION_DEFAULTS)
     for name, mapping in (("attention", base), (kind, override)):
         if mapping is None:
@@ -221,7 +225,9 @@ def _attention_config(
             raise ValueError(
                 f"unknown key(s) {sorted(unknown)} in {name}; expected {list(_ATTENTION_KEYS)}"
             )
-        config.update(mapping)
+        config.update(
+            mapping if mapping is base else {k: v for k, v in mapping.items() if v is not None}
+        )
     return config
 
 
@@ -261,7 +267,8 @@ class Transformer(nn.Module):
             ``backend`` (default ``"sdpa"``) for every attention sublayer.
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one kind of sublayer, e.g. ``{"num_kv_heads": 1}`` for the
-            decoder self-attention only. Any ``Mapping`` (an omegaconf ``DictConfig`` too).
+            decoder self-attention only; ``None`` values inherit from ``attention``. Any
+            ``Mapping`` (an omegaconf ``DictConfig`` too).
 
     Shapes:
         src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.

@@ -146,8 +146,7 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
     heads: list[str] = []
     if set(kinds) == set(ATTENTION_KINDS):
         heads.append(f"attention.num_kv_heads={num_kv_heads}")
-    # ++ adds the key or overrides it: the per-kind sections are empty dicts by default.
-    heads += [f"++attention.{kind}.num_kv_heads={num_kv_heads}" for kind in kinds]
+    heads += [f"attention.{kind}.num_kv_heads={num_kv_heads}" for kind in kinds]
     # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     ours |= {"ckpt_path", "init_from", "paths.output_dir"}

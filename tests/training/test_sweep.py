@@ -1,0 +1,61 @@
+"""experiment=compare_heads: the expected jobs, and a tiny real multirun on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import CONFIG_DIR
+from tests.training.test_configs import run_script
+
+EXPECTED = {  # (num_heads, num_kv_heads) of every job
+    (8, 8),
+    (8, 4),
+    (8, 2),
+    (8, 1),  # MHA, GQA at two group sizes, MQA
+    (4, 4),
+    (2, 2),
+    (1, 1),  # the head-count axis at the same width
+}
+
+
+def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        sweep = compose("train", ["experiment=compare_heads"], return_hydra_config=True)
+        heads = sweep.hydra.sweeper.params.heads.split(",")
+        jobs = set()
+        for option in heads:
+            cfg = compose("train", ["experiment=compare_heads", f"heads={option}"])
+            jobs.add(
+                (
+                    cfg.model.attention.num_heads,
+                    cfg.model.attention.num_kv_heads or cfg.model.attention.num_heads,
+                )
+            )
+            assert cfg.trainer.max_steps == 600 and cfg.seed == 1234  # budget=cpu, fixed seed
+    assert jobs == EXPECTED
+
+
+def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> None:
+    result = run_script(
+        "train.py",
+        "-m",
+        "experiment=compare_heads",
+        "budget=smoke",
+        "logger=csv",
+        f"data.local_dir={multi30k_dir}",
+        f"hydra.sweep.dir={tmp_path}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "summary.limit=4",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in tmp_path.glob("*/summary.json")]
+    assert {(s["num_heads"], s["num_kv_heads"]) for s in summaries} == EXPECTED
+    for s in summaries:
+        assert s["kv_cache/bytes_per_token"] > 0 and s["decode/greedy_sentences_per_s"] > 0
+    kv = {(s["num_heads"], s["num_kv_heads"]): s["kv_cache/bytes_per_token"] for s in summaries}
+    assert kv[(8, 1)] * 8 == kv[(8, 8)]  # MQA caches one K/V head instead of eight
