@@ -145,3 +145,18 @@ def test_collate() -> None:
     assert batch["real_token_fraction"] == pytest.approx((4 + 2 + 3 + 6) / (8 + 12))
     with pytest.raises(ValueError, match="empty list"):
         collate([], pad_id=0, bos_id=1, eos_id=2)
+
+
+def test_ranks_share_out_the_same_batches() -> None:
+    lengths = [5 + (i * 7) % 23 for i in range(300)]
+    whole = TokenBucketSampler(lengths, max_tokens=64, seed=3)
+    shards = [
+        TokenBucketSampler(lengths, max_tokens=64, seed=3, num_replicas=3, rank=r) for r in range(3)
+    ]
+    batches = list(whole)
+    per_rank = [list(s) for s in shards]
+    assert all(len(b) == len(batches) // 3 == len(s) for b, s in zip(per_rank, shards, strict=True))
+    for rank, got in enumerate(per_rank):
+        assert got == batches[rank::3][: len(batches) // 3]
+    with pytest.raises(ValueError, match="rank must be in"):
+        TokenBucketSampler(lengths, max_tokens=64, num_replicas=2, rank=2)

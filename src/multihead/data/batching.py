@@ -58,10 +58,20 @@ class TokenBucketSampler(Sampler[list[int]]):
         max_tokens: Budget of ``num_sentences * longest_length`` per batch.
         shuffle: Shuffle for training; ``False`` gives the deterministic evaluation order.
         seed: Base seed; epoch ``e`` uses the generator seeded with ``(seed, e)``.
+        num_replicas, rank: for distributed training. Every rank builds the same batches and
+            keeps every ``num_replicas``-th one from position ``rank`` (the surplus at the end
+            is dropped so all ranks take the same number of steps).
     """
 
     def __init__(
-        self, lengths: Sequence[int], *, max_tokens: int, shuffle: bool = True, seed: int = 0
+        self,
+        lengths: Sequence[int],
+        *,
+        max_tokens: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
@@ -70,9 +80,13 @@ class TokenBucketSampler(Sampler[list[int]]):
             )
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
         too_long = int((self.lengths > max_tokens).sum())
         if too_long:
             logger.warning(
@@ -108,12 +122,17 @@ class TokenBucketSampler(Sampler[list[int]]):
     def _batches(self, epoch: int) -> list[list[int]]:
         if not self.shuffle:
             order = np.argsort(-self.lengths, kind="stable")
-            return pack_batches(order, self.lengths, self.max_tokens)
-        rng = np.random.default_rng((self.seed, epoch))
-        perm = rng.permutation(len(self.lengths))
-        order = perm[np.argsort(self.lengths[perm], kind="stable")]
-        batches = pack_batches(order, self.lengths, self.max_tokens)
-        return [batches[i] for i in rng.permutation(len(batches))]
+            batches = pack_batches(order, self.lengths, self.max_tokens)
+        else:
+            rng = np.random.default_rng((self.seed, epoch))
+            perm = rng.permutation(len(self.lengths))
+            order = perm[np.argsort(self.lengths[perm], kind="stable")]
+            batches = pack_batches(order, self.lengths, self.max_tokens)
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        if self.num_replicas == 1:
+            return batches
+        per_rank = len(batches) // self.num_replicas
+        return batches[self.rank :: self.num_replicas][:per_rank]
 
     def __len__(self) -> int:
         return self._num_batches

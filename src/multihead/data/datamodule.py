@@ -246,11 +246,15 @@ class TranslationDataModule(L.LightningDataModule):
     def train_sampler(self) -> TokenBucketSampler:
         """The resumable training batch sampler (created on first use)."""
         if self._train_sampler is None:
+            # Under DDP each rank takes its own share of the (identical) batch list.
+            trainer = self.trainer
             sampler = TokenBucketSampler(
                 self.tokenized["train"]["length"],
                 max_tokens=self.max_tokens,
                 shuffle=True,
                 seed=self.seed,
+                num_replicas=trainer.world_size if trainer is not None else 1,
+                rank=trainer.global_rank if trainer is not None else 0,
             )
             if self._pending_sampler_state is not None:
                 sampler.load_state_dict(self._pending_sampler_state)

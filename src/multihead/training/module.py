@@ -70,6 +70,7 @@ class TranslationModule(pl.LightningModule):
         self.seed = seed
         self.run_config = run_config
         self._val_runs = 0
+        self._signatures_logged = False
         self._outputs: list[tuple[Tensor, list[str], list[str]]] = []
 
     # ------------------------------------------------------------------ training
@@ -153,6 +154,15 @@ class TranslationModule(pl.LightningModule):
         self.log(f"{stage}/chrf", scores.chrf, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             self.print(f"{stage} BLEU {scores.bleu:.2f} ({scores.bleu_signature})")
+            if not self._signatures_logged:  # how the scores were made, once per run
+                for logger in self.loggers:
+                    logger.log_hyperparams(
+                        {
+                            "sacrebleu/bleu_signature": scores.bleu_signature,
+                            "sacrebleu/chrf_signature": scores.chrf_signature,
+                        }
+                    )
+                self._signatures_logged = True
 
     def on_validation_epoch_start(self) -> None:
         self._outputs.clear()
