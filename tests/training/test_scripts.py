@@ -11,29 +11,12 @@ import torch
 from multihead.training.averaging import average_checkpoints, recent_checkpoints
 from multihead.training.checkpoint import load_translator, read_checkpoint
 from multihead.training.evaluation import evaluate_checkpoint
-from multihead.training.run import train
-from tests.conftest import compose_config
 from tests.training.test_configs import run_script
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
-    out = tmp_path_factory.mktemp("run")
-    cfg = compose_config(
-        "train",
-        [
-            "experiment=smoke",
-            "logger=csv",
-            f"data.local_dir={multi30k_dir}",
-            f"paths.output_dir={out}",
-            f"paths.cache_dir={cache_dir}",
-            "trainer.max_steps=20",
-            "trainer.val_check_interval=10",
-            "test=false",
-        ],
-    )
-    train(cfg)
-    return out
+@pytest.fixture
+def run_dir(smoke_run_dir: Path) -> Path:
+    return smoke_run_dir
 
 
 def test_checkpoint_is_self_contained(run_dir: Path) -> None:
