@@ -1,0 +1,49 @@
+"""wandb never prompts: offline without a key, one finished run per job, head settings visible."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from multihead.training.run import train
+from multihead.training.wandb_setup import configure_wandb_mode, has_wandb_api_key
+
+
+def test_no_api_key_means_offline_with_sync_hint(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert not has_wandb_api_key()
+    with caplog.at_level(logging.WARNING):
+        assert configure_wandb_mode(str(tmp_path)) == "offline"
+    assert "wandb sync" in caplog.text
+    assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_api_key_in_netrc_means_online(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert configure_wandb_mode(str(tmp_path)) == "online"
+
+
+def test_wandb_run_is_finished_and_named_after_heads(smoke_config, tmp_path) -> None:
+    wandb = pytest.importorskip("wandb")
+    cfg = smoke_config(
+        "logger=wandb",
+        "attention=mqa",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "summary.decode_speed=false",
+        "test=false",
+    )
+    summary = train(cfg)
+    assert wandb.run is None  # finished, so the next multirun job starts a new run
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert summary["run_name"] == "mqa-h4-kv1-sdpa"
