@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from multihead.training.callbacks import ThroughputMonitor
 from multihead.training.checkpoint import model_state_dict, read_checkpoint
-from multihead.training.config import head_variant
 from multihead.training.inference import translate
 from multihead.training.precision import resolve_precision
 from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
@@ -63,14 +62,18 @@ def initialise_from(model, path: str, tokenizer) -> None:
 
 
 def model_summary(cfg: DictConfig, model) -> dict[str, Any]:
-    """Figures worth a column in the runs table: head settings, sizes, KV-cache cost."""
-    heads = cfg.attention
+    """Figures worth a column in the runs table: head settings, sizes, KV-cache cost.
+
+    The head settings are the decoder self-attention's, the sublayer whose K/V heads the
+    decoding cache holds; ``head_tag`` spells out all three kinds.
+    """
+    heads = model.head_config["decoder_self_attention"]
     return {
         "run_name": cfg.run_name,
-        "variant": head_variant(heads.num_heads, heads.num_kv_heads),
-        "num_heads": heads.num_heads,
-        "num_kv_heads": heads.num_kv_heads or heads.num_heads,
-        "backend": heads.backend,
+        "variant": heads["variant"],
+        "num_heads": heads["num_heads"],
+        "num_kv_heads": heads["num_kv_heads"],
+        "backend": heads["backend"],
         "head_tag": model.head_tag,
         "params/total": model.num_parameters(),
         "params/attention": model.attention_parameters(),
