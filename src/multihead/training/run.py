@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     memory and the final metrics.
     """
     pl.seed_everything(cfg.seed, workers=True)
+    # Lightning cannot see that our batch sampler resumes mid-epoch (the DataModule's
+    # state_dict restores it), so its warning about it does not apply.
+    warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
     if "wandb" in (cfg.get("logger") or {}):
         configure_wandb_mode(run_dir)
