@@ -14,6 +14,7 @@ lists the backends that can.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable
@@ -138,9 +139,7 @@ def flex_attention(
     S = k.shape[2]
     score_mod = block_mask = None
     if mask.is_causal:
-        block_mask = flex.create_block_mask(
-            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, S, device=q.device
-        )
+        block_mask = _causal_block_mask(L, S, q.device)
     elif mask.tensor is not None:
         # Index the (broadcast, not copied) mask at each score's coordinates.
         m = mask.tensor.expand(B, H, L, S)
@@ -167,6 +166,18 @@ def flex_attention(
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
+    """FlexAttention's causal block mask, built once per shape (building it costs a kernel)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, q_len, kv_len, device=device)
 
 
 # --------------------------------------------------------------------------- flash-attn
