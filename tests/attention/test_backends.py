@@ -286,3 +286,17 @@ def test_flash_in_fp32_on_cuda_raises():
     layer = MultiHeadAttention(E, H, backend="flash", device="cuda")
     with pytest.raises(BackendUnavailableError, match=r"'flash'.*float32.*math, sdpa, efficient"):
         layer(torch.randn(B, L, E, device="cuda"))
+
+
+def test_expand_kv_is_a_view_for_mqa_and_repeats_groups_for_gqa() -> None:
+    from multihead.attention.backends import expand_kv
+
+    k = torch.randn(2, 1, 5, 4)
+    mqa = expand_kv(k, 8)
+    assert mqa.shape == (2, 8, 5, 4) and mqa.data_ptr() == k.data_ptr()  # no copy
+    g = torch.randn(2, 2, 5, 4)
+    gqa = expand_kv(g, 8)
+    # Query head h uses K/V head h // (H / G), as SDPA's enable_gqa and the math path do.
+    for h in range(8):
+        torch.testing.assert_close(gqa[:, h], g[:, h // 4])
+    assert expand_kv(g, 2) is g

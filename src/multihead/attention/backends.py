@@ -88,10 +88,30 @@ def sdpa_attention(
     return _sdpa(q, k, v, mask, dropout_p, scale)
 
 
+def expand_kv(t: Tensor, num_heads: int) -> Tensor:
+    """``(B, G, S, D)`` -> ``(B, H, S, D)`` for kernels without grouped heads.
+
+    With one K/V head (MQA) this is a stride-0 view; otherwise each head is repeated for
+    its group (a copy, as ``repeat_interleave`` must).
+    """
+    B, G, S, D = t.shape
+    if G == num_heads:
+        return t
+    if G == 1:
+        return t.expand(B, num_heads, S, D)
+    return t.repeat_interleave(num_heads // G, dim=1)
+
+
+# SDPA kernels that do not take grouped K/V heads (enable_gqa) themselves.
+_NO_GQA = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+
+
 def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
     def attention(
         q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
     ) -> Tensor:
+        if kernel in _NO_GQA:
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         try:
             with sdpa_kernel([kernel]):
                 return _sdpa(q, k, v, mask, dropout_p, scale)
