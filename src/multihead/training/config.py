@@ -58,10 +58,11 @@ def register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-# Errors caused by what the user gave us (config values, files, checkpoints, input).
+# Errors caused by what the user gave us (config values, files, checkpoints, input). Our
+# code raises these with messages meant for users; a TypeError is more often a bug, so it
+# keeps its traceback (a wrongly typed config value still arrives as InstantiationException).
 USER_ERRORS = (
     ValueError,
-    TypeError,
     FileNotFoundError,
     FileExistsError,
     BackendUnavailableError,
