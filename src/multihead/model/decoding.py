@@ -48,6 +48,22 @@ def _to_lists(tokens: Tensor, eos_id: int) -> list[list[int]]:
     return out
 
 
+def _start(
+    model: Transformer, src: Tensor, max_len_a: float, max_len_b: float
+) -> tuple[Tensor, int, Tensor, Tensor]:
+    """What both searches begin with: length limits, step count and the encoded source."""
+    max_lens = max_output_lengths(
+        src,
+        pad_id=model.pad_id,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        max_positions=model.max_positions,
+    )
+    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
+    memory, src_pad_mask = model.encode(src)  # (B, S, E), (B, S)
+    return max_lens, num_steps, memory, src_pad_mask
+
+
 @torch.inference_mode()
 def greedy_decode(
     model: Transformer,
@@ -71,15 +87,7 @@ def greedy_decode(
         ``B`` lists of token ids, without bos and eos.
     """
     B, S = src.shape
-    max_lens = max_output_lengths(
-        src,
-        pad_id=model.pad_id,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        max_positions=model.max_positions,
-    )
-    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
-    memory, src_pad_mask = model.encode(src)  # (B, S, E), (B, S)
+    max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
     caches = model.make_decoder_cache(B, num_steps, S)
 
     output = src.new_full((B, num_steps), eos_id)  # eos past each sentence's end
@@ -148,15 +156,7 @@ def beam_search(
     B, S = src.shape
     K = beam_size
     device = src.device
-    max_lens = max_output_lengths(
-        src,
-        pad_id=model.pad_id,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        max_positions=model.max_positions,
-    )
-    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
-    memory, src_pad_mask = model.encode(src)
+    max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
     # Rows are sentence-major, (n * K, ...): row i * K + k is beam k of running sentence i.
     memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, E)
     src_pad_mask = src_pad_mask.repeat_interleave(K, dim=0)  # (B*K, S)
