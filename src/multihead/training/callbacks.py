@@ -83,3 +83,43 @@ class ThroughputMonitor(pl.Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._reset()  # validation time is not training throughput
+
+
+class WallClock(pl.Callback):
+    """Logs the run's wall-clock minutes at every validation, and checkpoints at set minutes.
+
+    ``time/elapsed_min`` beside ``val/bleu`` gives a learning curve against wall-clock time,
+    the budget that matters on a CPU. The clock starts when the callback is built, i.e. before
+    data preparation, so the minutes are a conservative count of the run's cost.
+
+    Args:
+        save_at_minutes: after each of these marks, the next optimiser step writes
+            ``minute{MARK}-step{STEP}.ckpt`` into ``dirpath`` (e.g. ``[60]`` for the model
+            an hour of training buys).
+        dirpath: where those checkpoints go (required if ``save_at_minutes`` is not empty).
+    """
+
+    def __init__(self, save_at_minutes: list[float] | None = None, dirpath: str | None = None):
+        marks = sorted(save_at_minutes or [])
+        if any(m <= 0 for m in marks):
+            raise ValueError(f"save_at_minutes must be positive minutes, got {marks}")
+        if marks and dirpath is None:
+            raise ValueError("WallClock(save_at_minutes=...) needs a dirpath for the checkpoints")
+        self.marks = marks
+        self.dirpath = dirpath
+        self.start = time.monotonic()
+
+    def elapsed_min(self) -> float:
+        return (time.monotonic() - self.start) / 60
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            pl_module.log("time/elapsed_min", self.elapsed_min())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.marks or self.elapsed_min() < self.marks[0]:
+            return
+        mark = self.marks.pop(0)
+        while self.marks and self.elapsed_min() >= self.marks[0]:  # a mark skipped by a slow step
+            self.marks.pop(0)
+        trainer.save_checkpoint(f"{self.dirpath}/minute{mark:03g}-step{trainer.global_step}.ckpt")
