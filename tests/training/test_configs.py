@@ -99,6 +99,44 @@ def test_required_overrides_compose(tmp_path) -> None:
     assert cfg.trainer.max_steps == 7 and cfg.trainer.precision == "bf16-mixed"
 
 
+@pytest.mark.parametrize("direction", [("en", "de"), ("de", "en")])
+def test_multi30k_recipe_composes(direction, tmp_path) -> None:
+    """The recipe is the fairseq transformer_tiny shape under a wall-clock limit."""
+    src, tgt = direction
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=multi30k_en_de",
+            f"data.src_lang={src}",
+            f"data.tgt_lang={tgt}",
+            *base(tmp_path),
+        ],
+    )
+    assert cfg.task_name == f"multi30k_{src}_{tgt}"
+    model = cfg.model
+    assert (model.d_model, model.ffn_dim, model.num_encoder_layers, model.num_decoder_layers) == (
+        128,
+        256,
+        4,
+        4,
+    )
+    assert model.attention.num_heads == 4 and not model.norm_first and model.dropout == 0.3
+    assert model.share_embeddings and model.tie_output
+    assert cfg.callbacks.checkpoint_recent.save_top_k == 10
+    assert 60 in cfg.callbacks.wall_clock.save_at_minutes
+    trainer = instantiate(cfg.trainer, precision="32-true", logger=False)
+    assert trainer.max_steps == 20000
+    # Lightning turns max_time into a Timer callback that stops the run at 1 h 50 min.
+    (timer,) = [c for c in trainer.callbacks if type(c).__name__ == "Timer"]
+    assert timer._duration == 110 * 60
+
+
+def test_multi30k_recipe_gpu_variant_composes(tmp_path) -> None:
+    cfg = compose_config("train", ["experiment=multi30k_en_de", "trainer=gpu", *base(tmp_path)])
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "auto"
+    assert cfg.trainer.max_time == "00:01:50:00"
+
+
 def test_precision_auto_and_errors() -> None:
     assert resolve_precision("32-true", "cpu") == "32-true"
     assert resolve_precision("auto", "cpu") in ("32-true", "bf16-mixed")
@@ -135,6 +173,10 @@ def test_config_typo_gives_hydra_error(tmp_path) -> None:
         ("attention.backend=fast", "unknown attention backend 'fast'"),
         ("trainer.precision=fp8", "trainer.precision='fp8'"),
         ("data.src_lang=xx", "'xx'"),
+        (
+            "callbacks.wall_clock.save_at_minutes=[0]",
+            "save_at_minutes must be minutes > 0, got [0]",
+        ),
     ],
 )
 def test_bad_config_values_fail_in_one_line(override, message, tmp_path, multi30k_dir) -> None:

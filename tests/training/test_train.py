@@ -69,3 +69,22 @@ def test_resume_matches_straight_run(smoke_config, tmp_path: Path) -> None:
     )
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], rel=1e-4)
     assert resumed["val/loss"] == pytest.approx(straight["val/loss"], rel=1e-4)
+
+
+def test_wall_clock_logs_minutes_and_checkpoints_at_marks(smoke_config, tmp_path: Path) -> None:
+    """Marks a few milliseconds apart: every one passed writes a minute checkpoint once."""
+    cfg = smoke_config(
+        "callbacks.wall_clock.save_at_minutes=[0.0001,0.0002,1000]",
+        "trainer.max_steps=10",
+        "trainer.val_check_interval=5",
+        "test=false",
+        "summary.decode_speed=false",
+    )
+    train(cfg)
+    minute_ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("minute*.ckpt"))
+    # The first step already passes both early marks; the one that is skipped is not saved.
+    assert len(minute_ckpts) == 1 and minute_ckpts[0].startswith("minute0.0001-step"), minute_ckpts
+    elapsed = [
+        float(r["time/elapsed_min"]) for r in read_metrics(tmp_path) if r["time/elapsed_min"]
+    ]
+    assert len(elapsed) == 2 and 0 < elapsed[0] < elapsed[1]

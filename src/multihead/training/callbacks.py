@@ -102,7 +102,7 @@ class WallClock(pl.Callback):
     def __init__(self, save_at_minutes: list[float] | None = None, dirpath: str | None = None):
         marks = sorted(save_at_minutes or [])
         if any(m <= 0 for m in marks):
-            raise ValueError(f"save_at_minutes must be positive minutes, got {marks}")
+            raise ValueError(f"WallClock save_at_minutes must be minutes > 0, got {marks}")
         if marks and dirpath is None:
             raise ValueError("WallClock(save_at_minutes=...) needs a dirpath for the checkpoints")
         self.marks = marks
