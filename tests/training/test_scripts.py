@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from multihead.training.averaging import average_checkpoints, recent_checkpoints
 from multihead.training.checkpoint import load_translator, read_checkpoint
 from multihead.training.evaluation import evaluate_checkpoint
+from multihead.training.learning_curve import learning_curve
 from tests.training.test_configs import run_script
 
 
@@ -116,3 +118,41 @@ def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
     )
     assert again.returncode == 2 and "already exists" in again.stderr
     assert out.read_bytes() == before
+
+
+def test_learning_curve_scores_minute_checkpoints(run_dir, tmp_path, multi30k_dir) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "csv", run / "csv")
+    for minute, step in [(5, 10), (10, 20)]:
+        shutil.copy(
+            run_dir / "checkpoints" / f"step{step}.ckpt",
+            run / "checkpoints" / f"minute{minute}-step{step}.ckpt",
+        )
+    validation, scored, _ = learning_curve(
+        run, tmp_path / "curve", beam_size=2, limit=8, local_dir=str(multi30k_dir)
+    )
+    assert [(r["minutes"], r["step"]) for r in scored] == [(5, 10), (10, 20)]
+    # Two validations (Lightning logs them at the step index before the update count).
+    assert len(validation) == 2 and validation[0]["step"] < validation[1]["step"] <= 20
+    assert all(r["minutes"] > 0 for r in validation)
+    direct = evaluate_checkpoint(
+        str(run / "checkpoints" / "minute10-step20.ckpt"),
+        tmp_path / "direct",
+        beam_size=2,
+        limit=8,
+        local_dir=str(multi30k_dir),
+    )
+    assert scored[1]["bleu"] == direct["bleu"] and scored[1]["bleu_lc_tok"] == direct["bleu_lc_tok"]
+    for name in ("learning_curve.md", "learning_curve.csv", "learning_curve.png"):
+        assert (tmp_path / "curve" / name).stat().st_size > 0
+    table = (tmp_path / "curve" / "learning_curve.md").read_text()
+    assert f"| 10 | 20 | {direct['bleu']:.2f} |" in table
+
+    # The script refuses to write over a curve, and says where it looked.
+    before = (tmp_path / "curve" / "learning_curve.md").read_bytes()
+    again = run_script("learning_curve.py", f"run={run}", f"out={tmp_path / 'curve'}", "limit=8")
+    assert again.returncode == 2 and "already holds learning_curve.md" in again.stderr
+    assert (tmp_path / "curve" / "learning_curve.md").read_bytes() == before
+    missing = run_script("learning_curve.py", f"run={run_dir}", f"out={tmp_path / 'x'}")
+    assert missing.returncode == 2 and "no checkpoints/minute*-step*.ckpt" in missing.stderr
