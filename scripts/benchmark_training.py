@@ -6,6 +6,7 @@ Composes configs/train.yaml with the overrides (so model, attention and batching
 ones a real run uses), then times forward + backward + Adam step on real Multi30k batches.
 Precisions are interleaved block by block, so machine noise hits them alike. It prints
 real (non-padding) target and source tokens per second and the ratio to the first precision.
+``--compile`` adds each precision again with the model's forward under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def autocast(precision: str):
     raise ValueError(f"precision {precision!r}; expected 32-true or bf16-mixed on CPU")
 
 
+def label(precision: str, compiled: bool) -> str:
+    return f"{precision} + compile" if compiled else precision
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for configs/train.yaml")
@@ -41,6 +46,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per precision")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--compile", action="store_true", help="also time each precision with torch.compile"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,16 +67,22 @@ def main() -> None:
     tgt_tokens = sum(int((b["tgt"][:, 1:] != pad).sum()) for b in batches)
     src_tokens = sum(int((b["src"] != pad).sum()) for b in batches)
 
+    variants = [(p, False) for p in args.precisions]
+    if args.compile:
+        variants += [(p, True) for p in args.precisions]
     runs = {}
-    for precision in args.precisions:
+    for precision, compiled in variants:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, dm.vocab_size, pad)
+        if compiled:
+            # Batches differ in shape (token buckets): compile for dynamic shapes up front.
+            model.compile(dynamic=True)
         module = instantiate(cfg.module, model=model, tokenizer=dm.tokenizer)
         optimizer = module.configure_optimizers()["optimizer"]
-        runs[precision] = (module.train(), optimizer)
+        runs[label(precision, compiled)] = (precision, module.train(), optimizer)
 
-    def step_block(precision: str) -> float:
-        module, optimizer = runs[precision]
+    def step_block(name: str) -> float:
+        precision, module, optimizer = runs[name]
         start = time.perf_counter()
         for batch in batches:
             with autocast(precision):
@@ -79,26 +93,26 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for precision in args.precisions:  # warm-up
-        step_block(precision)
-    times: dict[str, list[float]] = {p: [] for p in args.precisions}
+    for name in runs:  # warm-up (and compilation)
+        step_block(name)
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.blocks):
-        for precision in args.precisions:
-            times[precision].append(step_block(precision))
+        for name in runs:
+            times[name].append(step_block(name))
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens, "
-        f"params {runs[args.precisions[0]][0].model.num_parameters():,}"
+        f"params {next(iter(runs.values()))[1].model.num_parameters():,}"
     )
     print("| precision | s/step | target tok/s | src+tgt tok/s | ratio |")
     print("|---|---|---|---|---|")
     base = None
-    for precision in args.precisions:
-        seconds = statistics.median(times[precision])
+    for name in runs:
+        seconds = statistics.median(times[name])
         base = base or seconds
         print(
-            f"| {precision} | {seconds / len(batches):.3f} | {tgt_tokens / seconds:,.0f} | "
+            f"| {name} | {seconds / len(batches):.3f} | {tgt_tokens / seconds:,.0f} | "
             f"{(src_tokens + tgt_tokens) / seconds:,.0f} | {base / seconds:.2f}x |"
         )
 
