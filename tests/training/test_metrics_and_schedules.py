@@ -44,3 +44,21 @@ def test_inverse_sqrt_warmup_values() -> None:
     assert lrs[399] == pytest.approx(math.sqrt(100 / 399))
     with pytest.raises(ValueError, match="warmup_steps must be >= 1, got 0"):
         InverseSqrtWarmup(optimizer, warmup_steps=0)
+
+
+def test_inverse_sqrt_cooldown_anneals_to_zero_at_total_steps() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = InverseSqrtWarmup(optimizer, warmup_steps=100, cooldown_steps=200, total_steps=500)
+    lrs = []
+    for _ in range(500):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[100] == pytest.approx(1.0)
+    assert lrs[300] == pytest.approx(math.sqrt(100 / 300))  # cooldown starts here
+    assert lrs[400] == pytest.approx(math.sqrt(100 / 400) * 0.5)
+    assert lrs[499] == pytest.approx(math.sqrt(100 / 499) / 200)
+    with pytest.raises(
+        ValueError, match="cooldown_steps=200 needs total_steps >= .*got total_steps=250"
+    ):
+        InverseSqrtWarmup(optimizer, warmup_steps=100, cooldown_steps=200, total_steps=250)
