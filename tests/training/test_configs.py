@@ -173,6 +173,7 @@ def test_config_typo_gives_hydra_error(tmp_path) -> None:
         ("attention.backend=fast", "unknown attention backend 'fast'"),
         ("trainer.precision=fp8", "trainer.precision='fp8'"),
         ("data.src_lang=xx", "'xx'"),
+        ("module.scheduler.cooldown_steps=-1", "cooldown_steps must be >= 0, got -1"),
         (
             "callbacks.wall_clock.save_at_minutes=[0]",
             "save_at_minutes must be minutes > 0, got [0]",
