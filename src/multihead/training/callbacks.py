@@ -1,4 +1,4 @@
-"""Callbacks that log what the trainer does not: real-token throughput and peak memory."""
+"""Callbacks: real-token throughput and peak memory, wall-clock marks, a time-budget cooldown."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Timer
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -123,3 +124,50 @@ class WallClock(pl.Callback):
         while self.marks and self.elapsed_min() >= self.marks[0]:  # a mark skipped by a slow step
             self.marks.pop(0)
         trainer.save_checkpoint(f"{self.dirpath}/minute{mark:03g}-step{trainer.global_step}.ckpt")
+
+
+class TimeBudgetCooldown(pl.Callback):
+    """Anneals the learning rate linearly to zero over the last minutes of ``trainer.max_time``.
+
+    A step-based cooldown needs to know how many steps the budget buys, which on a CPU
+    depends on the machine and on what else runs on it. This one reads the clock instead: in
+    the last ``minutes`` of the training time the scheduler's rate is multiplied by the
+    fraction of that window still left, so a time-limited run ends annealed whatever its step
+    count ("budgeted training", Li et al., 2020). The clock is Lightning's ``Timer`` (the one
+    ``max_time`` adds), whose state a resumed run restores.
+
+    Args:
+        minutes: length of the cooldown window; 0 turns the callback off.
+    """
+
+    def __init__(self, minutes: float = 0) -> None:
+        if minutes < 0:
+            raise ValueError(f"TimeBudgetCooldown minutes must be >= 0, got {minutes}")
+        self.minutes = minutes
+        self.factor = 1.0
+
+    def _timer(self, trainer) -> Timer:
+        for callback in trainer.callbacks:
+            if isinstance(callback, Timer):
+                return callback
+        raise ValueError(
+            f"callbacks.time_cooldown.minutes={self.minutes} needs trainer.max_time "
+            "(the budget the cooldown ends at), got max_time=null"
+        )
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.minutes:
+            self._timer(trainer)  # fail before training, not at the first step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.minutes:
+            return
+        remaining = self._timer(trainer).time_remaining()  # training seconds left
+        self.factor = min(1.0, max(0.0, remaining / (60 * self.minutes)))
+        if self.factor < 1.0:
+            # The scheduler sets each group's lr from its base value at every step (LambdaLR
+            # is not chained), so scaling here does not compound across steps.
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] *= self.factor
+        pl_module.log("train/lr_cooldown_factor", self.factor)
