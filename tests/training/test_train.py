@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from multihead.training.run import train
 
@@ -88,3 +89,7 @@ def test_wall_clock_logs_minutes_and_checkpoints_at_marks(smoke_config, tmp_path
         float(r["time/elapsed_min"]) for r in read_metrics(tmp_path) if r["time/elapsed_min"]
     ]
     assert len(elapsed) == 2 and 0 < elapsed[0] < elapsed[1]
+    # The checkpoints carry the clock: a resumed run counts on from there.
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]
+    (clock,) = [v for k, v in state.items() if k.startswith("WallClock")]
+    assert clock["marks"] == [1000] and clock["elapsed_min"] >= elapsed[1]

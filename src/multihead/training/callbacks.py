@@ -91,7 +91,9 @@ class WallClock(pl.Callback):
 
     ``time/elapsed_min`` beside ``val/bleu`` gives a learning curve against wall-clock time,
     the budget that matters on a CPU. The clock starts when the callback is built, i.e. before
-    data preparation, so the minutes are a conservative count of the run's cost.
+    data preparation, so the minutes are a conservative count of the run's cost. Checkpoints
+    carry the minutes and the marks still ahead, so a resumed run goes on counting from there.
+    Under DDP rank 0's clock decides when a mark has passed, so all ranks save together.
 
     Args:
         save_at_minutes: after each of these marks, the next optimiser step writes
@@ -117,12 +119,26 @@ class WallClock(pl.Callback):
         if not trainer.sanity_checking:
             pl_module.log("time/elapsed_min", self.elapsed_min())
 
+    def state_dict(self) -> dict:
+        return {"elapsed_min": self.elapsed_min(), "marks": list(self.marks)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.start = time.monotonic() - 60 * state_dict["elapsed_min"]
+        self.marks = list(state_dict["marks"])
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.marks or self.elapsed_min() < self.marks[0]:
+        if not self.marks:
             return
-        mark = self.marks.pop(0)
-        while self.marks and self.elapsed_min() >= self.marks[0]:  # a mark skipped by a slow step
-            self.marks.pop(0)
+        # Marks are sorted; one slow step may pass several: save once, for the first of them.
+        passed = sum(mark <= self.elapsed_min() for mark in self.marks)
+        if trainer.world_size > 1:
+            # Saving a checkpoint is collective under DDP and the ranks' clocks differ
+            # slightly, so rank 0 decides (one small broadcast per step while marks remain).
+            passed = trainer.strategy.broadcast(passed, src=0)
+        if not passed:
+            return
+        mark = self.marks[0]
+        del self.marks[:passed]
         trainer.save_checkpoint(f"{self.dirpath}/minute{mark:03g}-step{trainer.global_step}.ckpt")
 
 

@@ -1,0 +1,56 @@
+"""WallClock: minutes survive a resume, and under DDP rank 0 decides when a mark has passed."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from multihead.training import WallClock
+
+
+def fake_trainer(world_size: int = 1, rank0_says: int | None = None):
+    saved: list[str] = []
+    strategy = SimpleNamespace(broadcast=lambda value, src=0: rank0_says)
+    return (
+        SimpleNamespace(
+            world_size=world_size,
+            strategy=strategy,
+            global_step=7,
+            save_checkpoint=saved.append,
+        ),
+        saved,
+    )
+
+
+def test_state_round_trip_keeps_counting_from_the_saved_minutes() -> None:
+    clock = WallClock(save_at_minutes=[30, 60], dirpath="ckpts")
+    clock.start = time.monotonic() - 45 * 60  # as if 45 minutes had passed
+    state = clock.state_dict()
+    assert state["elapsed_min"] == pytest.approx(45, abs=0.01) and state["marks"] == [30, 60]
+
+    resumed = WallClock(save_at_minutes=[30, 60], dirpath="ckpts")
+    resumed.load_state_dict(state)
+    assert resumed.elapsed_min() == pytest.approx(45, abs=0.01)
+    trainer, saved = fake_trainer()
+    resumed.on_train_batch_end(trainer, None, None, None, 0)
+    assert saved == ["ckpts/minute030-step7.ckpt"] and resumed.marks == [60]
+
+
+def test_one_slow_step_past_two_marks_saves_once() -> None:
+    clock = WallClock(save_at_minutes=[15, 30, 60], dirpath="d")
+    clock.start = time.monotonic() - 31 * 60
+    trainer, saved = fake_trainer()
+    clock.on_train_batch_end(trainer, None, None, None, 0)
+    assert saved == ["d/minute015-step7.ckpt"] and clock.marks == [60]
+
+
+@pytest.mark.parametrize(("rank0_says", "expected"), [(0, []), (1, ["d/minute015-step7.ckpt"])])
+def test_under_ddp_rank_zero_decides(rank0_says: int, expected: list[str]) -> None:
+    clock = WallClock(save_at_minutes=[15, 30], dirpath="d")
+    clock.start = time.monotonic() - 20 * 60 if rank0_says == 0 else time.monotonic()
+    trainer, saved = fake_trainer(world_size=2, rank0_says=rank0_says)
+    clock.on_train_batch_end(trainer, None, None, None, 0)
+    assert saved == expected
+    assert clock.marks == ([15, 30] if rank0_says == 0 else [30])
