@@ -69,14 +69,14 @@ def test_smoke_run_logs_a_falling_factor(smoke_config, tmp_path: Path) -> None:
     )
     train(cfg)
     with open(tmp_path / "csv" / "metrics.csv") as f:
-        factors = [
-            float(r["train/lr_cooldown_factor"])
-            for r in csv.DictReader(f)
-            if r.get("train/lr_cooldown_factor")
-        ]
+        rows = list(csv.DictReader(f))
+    factors = [float(r["train/lr_cooldown_factor"]) for r in rows if r["train/lr_cooldown_factor"]]
     assert len(factors) >= 5
     assert all(0 < f < 30 / 100000 for f in factors)
     assert factors == sorted(factors, reverse=True)
+    # The logged rate is the scaled one: below the smoke peak rate (3e-3) times the factor.
+    rates = [float(r["lr-Adam"]) for r in rows if r["lr-Adam"]]
+    assert rates and all(0 < lr < 3e-3 * 30 / 100000 for lr in rates)
 
 
 def test_without_max_time_fails_in_one_line(smoke_config) -> None:

@@ -160,7 +160,6 @@ class TimeBudgetCooldown(pl.Callback):
         if minutes < 0:
             raise ValueError(f"TimeBudgetCooldown minutes must be >= 0, got {minutes}")
         self.minutes = minutes
-        self.factor = 1.0
 
     def _timer(self, trainer) -> Timer:
         for callback in trainer.callbacks:
@@ -179,11 +178,11 @@ class TimeBudgetCooldown(pl.Callback):
         if not self.minutes:
             return
         remaining = self._timer(trainer).time_remaining()  # training seconds left
-        self.factor = min(1.0, max(0.0, remaining / (60 * self.minutes)))
-        if self.factor < 1.0:
+        factor = min(1.0, max(0.0, remaining / (60 * self.minutes)))
+        if factor < 1.0:
             # The scheduler sets each group's lr from its base value at every step (LambdaLR
             # is not chained), so scaling here does not compound across steps.
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
-                    group["lr"] *= self.factor
-        pl_module.log("train/lr_cooldown_factor", self.factor)
+                    group["lr"] *= factor
+        pl_module.log("train/lr_cooldown_factor", factor)
