@@ -120,6 +120,36 @@ def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
     assert out.read_bytes() == before
 
 
+def test_average_named_checkpoints(run_dir: Path, tmp_path: Path) -> None:
+    ckpts = run_dir / "checkpoints"
+    out = tmp_path / "named.ckpt"
+    named = f"ckpts=[{ckpts / 'step10.ckpt'},{ckpts / 'step20.ckpt'}]"
+    result = run_script("average_checkpoints.py", named, f"out={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    by_dir = average_checkpoints(recent_checkpoints(ckpts, last=2))
+    named = read_checkpoint(out)
+    for key, value in by_dir["state_dict"].items():
+        torch.testing.assert_close(named["state_dict"][key], value)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ckpt_dir=CKPTS", "ckpts=[CKPTS/step10.ckpt]"], "expected exactly one"),
+        ([], "expected exactly one"),
+        (["ckpts=[CKPTS/step10.ckpt,CKPTS/step999.ckpt]"], "checkpoint not found"),
+        (["ckpts=[]"], "expected at least one"),
+    ],
+)
+def test_average_checkpoints_bad_arguments(run_dir, tmp_path, args, message) -> None:
+    out = tmp_path / "avg.ckpt"
+    args = [a.replace("CKPTS", str(run_dir / "checkpoints")) for a in args]
+    result = run_script("average_checkpoints.py", *args, f"out={out}")
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_learning_curve_scores_minute_checkpoints(run_dir, tmp_path, multi30k_dir) -> None:
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

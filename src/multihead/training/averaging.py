@@ -25,6 +25,17 @@ def recent_checkpoints(ckpt_dir: str | Path, last: int) -> list[Path]:
     return [p for _, p in found[-last:]]
 
 
+def chosen_checkpoints(paths: list[str | Path]) -> list[Path]:
+    """``paths`` as given (for averages that are not the last N, e.g. one per 15 minutes)."""
+    if not paths:
+        raise ValueError("ckpts=[] is empty; expected at least one checkpoint to average")
+    chosen = [Path(p) for p in paths]
+    for p in chosen:
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {p}")
+    return chosen
+
+
 def average_checkpoints(paths: list[Path]) -> dict:
     """A checkpoint whose weights are the mean of ``paths``' weights.
 
