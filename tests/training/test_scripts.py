@@ -123,8 +123,8 @@ def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
 def test_average_named_checkpoints(run_dir: Path, tmp_path: Path) -> None:
     ckpts = run_dir / "checkpoints"
     out = tmp_path / "named.ckpt"
-    named = f"ckpts=[{ckpts / 'step10.ckpt'},{ckpts / 'step20.ckpt'}]"
-    result = run_script("average_checkpoints.py", named, f"out={out}")
+    arg = f"ckpts=[{ckpts / 'step10.ckpt'},{ckpts / 'step20.ckpt'}]"
+    result = run_script("average_checkpoints.py", arg, f"out={out}")
     assert result.returncode == 0, result.stderr[-2000:]
     by_dir = average_checkpoints(recent_checkpoints(ckpts, last=2))
     named = read_checkpoint(out)

@@ -25,15 +25,24 @@ def recent_checkpoints(ckpt_dir: str | Path, last: int) -> list[Path]:
     return [p for _, p in found[-last:]]
 
 
-def chosen_checkpoints(paths: list[str | Path]) -> list[Path]:
-    """``paths`` as given (for averages that are not the last N, e.g. one per 15 minutes)."""
-    if not paths:
+def checkpoints_to_average(
+    ckpt_dir: str | Path | None, last: int, ckpts: list[str | Path] | None
+) -> list[Path]:
+    """The files to average: the ``last`` newest in ``ckpt_dir``, or exactly ``ckpts``.
+
+    Exactly one of ``ckpt_dir`` and ``ckpts`` is given. Named files are checked when
+    ``average_checkpoints`` reads them (``read_checkpoint``), before anything is written.
+    """
+    if (ckpt_dir is None) == (ckpts is None):
+        raise ValueError(
+            f"ckpt_dir={ckpt_dir}, ckpts={ckpts}; "
+            "expected exactly one: ckpt_dir=DIR (with last=N) or ckpts=[A,B,...]"
+        )
+    if ckpt_dir is not None:
+        return recent_checkpoints(ckpt_dir, last)
+    if not ckpts:
         raise ValueError("ckpts=[] is empty; expected at least one checkpoint to average")
-    chosen = [Path(p) for p in paths]
-    for p in chosen:
-        if not p.is_file():
-            raise FileNotFoundError(f"checkpoint not found: {p}")
-    return chosen
+    return [Path(p) for p in ckpts]
 
 
 def average_checkpoints(paths: list[Path]) -> dict:
