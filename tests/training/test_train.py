@@ -49,6 +49,29 @@ def test_smoke_run_writes_checkpoints_and_metrics(smoke_config, tmp_path: Path) 
     assert metrics["val/bleu"] >= 0.0
 
 
+def test_final_weights_are_saved_as_last_and_step(smoke_config, tmp_path: Path) -> None:
+    """A run that stops between every-N-steps saves still leaves its final weights on disk.
+
+    Lightning 2.6 only refreshes a ModelCheckpoint's last.ckpt when that callback saves a
+    top-k file, so last.ckpt used to be the best-BLEU checkpoint; FinalCheckpoint fixes both.
+    """
+    cfg = smoke_config(
+        "trainer.max_steps=25",
+        "trainer.val_check_interval=10",
+        "test=false",
+        "summary.decode_speed=false",
+    )
+    train(cfg)
+    ckpt_dir = tmp_path / "checkpoints"
+    steps = sorted(int(p.stem[4:]) for p in ckpt_dir.glob("step*.ckpt"))
+    assert steps[-1] == 25, steps
+    last = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    final = torch.load(ckpt_dir / "step25.ckpt", weights_only=False)
+    assert last["global_step"] == final["global_step"] == 25
+    for key, value in final["state_dict"].items():
+        assert torch.equal(last["state_dict"][key], value), key
+
+
 def test_resume_matches_straight_run(smoke_config, tmp_path: Path) -> None:
     """N steps straight == N/2 steps, then resume from the checkpoint for N/2 more."""
     common = [

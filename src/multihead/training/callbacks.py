@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -186,3 +187,27 @@ class TimeBudgetCooldown(pl.Callback):
                 for group in optimizer.param_groups:
                     group["lr"] *= factor
         pl_module.log("train/lr_cooldown_factor", factor)
+
+
+class FinalCheckpoint(pl.Callback):
+    """Saves the weights training ended with as ``step{N}.ckpt`` and ``last.ckpt`` in ``dirpath``.
+
+    Lightning (2.6) writes a ModelCheckpoint's ``last.ckpt`` only at steps where that callback
+    also saved a top-k checkpoint: with ``save_top_k=1`` on validation BLEU it was a copy of
+    the best checkpoint, not the last. And every-N-steps checkpoints miss the steps after the
+    last multiple of N, which a run stopped by ``max_time`` always has. So at the end of
+    ``fit``, whatever stopped it, this writes the final state under both names: ``last.ckpt``
+    is the file to resume or translate from, and ``step{N}.ckpt`` is the newest file that
+    ``scripts/average_checkpoints.py ckpt_dir=... last=K`` averages.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.fast_dev_run:  # Lightning saves no checkpoints in a fast_dev_run
+            return
+        step_path = f"{self.dirpath}/step{trainer.global_step}.ckpt"
+        if not trainer.strategy.broadcast(Path(step_path).exists(), src=0):
+            trainer.save_checkpoint(step_path)
+        trainer.save_checkpoint(f"{self.dirpath}/last.ckpt")
