@@ -120,6 +120,18 @@ def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
     assert out.read_bytes() == before
 
 
+def test_recent_checkpoints_orders_every_step_named_file_by_step(tmp_path: Path) -> None:
+    """Periodic saves, minute marks and the final step count; last.ckpt and best-* do not."""
+    names = [
+        "step900.ckpt", "step1000.ckpt", "minute105-step1004.ckpt", "step1100.ckpt",
+        "step1123.ckpt", "last.ckpt", "best-step1000-bleu40.10.ckpt",
+    ]  # fmt: skip
+    for name in names:
+        (tmp_path / name).touch()
+    picked = [p.name for p in recent_checkpoints(tmp_path, last=4)]
+    assert picked == ["step1000.ckpt", "minute105-step1004.ckpt", "step1100.ckpt", "step1123.ckpt"]
+
+
 def test_average_named_checkpoints(run_dir: Path, tmp_path: Path) -> None:
     ckpts = run_dir / "checkpoints"
     out = tmp_path / "named.ckpt"
