@@ -27,6 +27,32 @@ def test_parameter_counts(num_kv_heads, bias):
         assert weights == 4 * E * E
 
 
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_projection_init_scale_does_not_depend_on_kv_heads(num_kv_heads):
+    # Every variant draws its Q/K/V weights from MHA's Xavier bound, U(+-sqrt(6 / 4E)), so
+    # that MHA, GQA and MQA differ only in K/V sharing. Xavier on the smaller GQA/MQA stack
+    # would give a bound of sqrt(6 / (2E + 2GD)): 27% larger for MQA at 4 heads.
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(128, 4, num_kv_heads)
+    weight = layer.in_proj.weight.detach()
+    bound = (6 / (4 * 128)) ** 0.5
+    assert weight.abs().max() <= bound
+    assert weight.abs().max() > 0.99 * bound
+    # a uniform on [-b, b] has standard deviation b / sqrt(3)
+    assert weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.03)
+
+
+def test_mha_init_matches_xavier_on_the_stacked_projection():
+    # MHA keeps torch.nn.MultiheadAttention's init exactly (same random draws).
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H)
+    torch.manual_seed(0)
+    in_proj, out_proj = nn.Linear(E, 3 * E), nn.Linear(E, E)
+    nn.init.xavier_uniform_(in_proj.weight)
+    assert torch.equal(layer.in_proj.weight, in_proj.weight)
+    assert torch.equal(layer.out_proj.weight, out_proj.weight)
+
 def test_variant_names():
     assert MultiHeadAttention(E, H).variant == "mha"
     assert MultiHeadAttention(E, H, 2).variant == "gqa"

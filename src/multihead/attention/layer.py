@@ -154,8 +154,13 @@ class MultiHeadAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # As torch.nn.MultiheadAttention: Xavier on the stacked projection, zero biases.
-        nn.init.xavier_uniform_(self.in_proj.weight)
+        # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
+        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases. The bound is that of the
+        # MHA stack whatever G is: Xavier on the smaller (E + 2*G*D, E) stack of GQA/MQA would
+        # draw every weight larger (27% for MQA at 4 heads), so the variants would differ in
+        # initial scale as well as in K/V sharing.
+        bound = (6.0 / (self.embed_dim + 3 * self.embed_dim)) ** 0.5
+        nn.init.uniform_(self.in_proj.weight, -bound, bound)
         if self.in_proj.bias is not None:
             nn.init.zeros_(self.in_proj.bias)
             nn.init.zeros_(self.out_proj.bias)
