@@ -27,7 +27,6 @@ def test_parameter_counts(num_kv_heads, bias):
         assert weights == 4 * E * E
 
 
-
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 def test_projection_init_scale_does_not_depend_on_kv_heads(num_kv_heads):
     # Every variant draws its Q/K/V weights from MHA's Xavier bound, U(+-sqrt(6 / 4E)), so
@@ -52,6 +51,7 @@ def test_mha_init_matches_xavier_on_the_stacked_projection():
     nn.init.xavier_uniform_(in_proj.weight)
     assert torch.equal(layer.in_proj.weight, in_proj.weight)
     assert torch.equal(layer.out_proj.weight, out_proj.weight)
+
 
 def test_variant_names():
     assert MultiHeadAttention(E, H).variant == "mha"
