@@ -7,9 +7,9 @@ python scripts/average_checkpoints.py 'ckpts=[RUN/a.ckpt,RUN/b.ckpt]' out=RUN/av
 import hydra
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401
-from multihead.training.averaging import average_checkpoints, checkpoints_to_average, save_new
-from multihead.training.config import exit_on_user_error
+from multihead.checkpoints import save_new
+from multihead.checkpoints.averaging import average_checkpoints, checkpoints_to_average
+from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="average")

@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from multihead.checkpoints import load_translator
 from multihead.data import load_parallel_dataset
-from multihead.training.checkpoint import load_translator
-from multihead.training.inference import translate
+from multihead.evaluation import search_settings, translate
 
 
 def main() -> None:
@@ -47,7 +47,12 @@ def main() -> None:
                 start = time.perf_counter()
                 with torch.inference_mode():
                     translate(
-                        t.model, t.tokenizer, sources, beam_size=beam, batch_size=args.batch_size
+                        t.model,
+                        t.tokenizer,
+                        sources,
+                        beam_size=beam,
+                        batch_size=args.batch_size,
+                        **search_settings(t.config),
                     )
                 seconds[i, name].append(time.perf_counter() - start)
 

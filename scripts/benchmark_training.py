@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-import multihead.training  # noqa: F401
-from multihead.training.run import build_model
+from multihead.checkpoints import build_model
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -73,7 +73,7 @@ def main() -> None:
     runs = {}
     for precision, compiled in variants:
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, dm.vocab_size, pad)
+        model = build_model(OmegaConf.to_container(cfg, resolve=True), dm.vocab_size, pad)
         if compiled:
             # Batches differ in shape (token buckets): compile for dynamic shapes up front.
             model.compile(dynamic=True)

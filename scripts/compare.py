@@ -7,8 +7,8 @@ DIR. ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (onli
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from multihead.training.comparison import compare
-from multihead.training.config import exit_on_user_error
+from multihead.analysis.comparison import compare
+from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="compare")

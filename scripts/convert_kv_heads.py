@@ -11,9 +11,8 @@ import shlex
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import multihead.training  # noqa: F401
-from multihead.training.config import exit_on_user_error
-from multihead.training.conversion import convert_kv_heads
+from multihead.checkpoints.conversion import convert_kv_heads
+from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="convert")

@@ -9,9 +9,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401
-from multihead.training.config import exit_on_user_error
-from multihead.training.evaluation import evaluate_checkpoint
+from multihead.cli import exit_on_user_error
+from multihead.evaluation import evaluate_checkpoint
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="evaluate")
@@ -29,7 +28,7 @@ def main(cfg: DictConfig) -> None:
         batch_size=cfg.batch_size,
         limit=cfg.limit,
         backend=cfg.backend,
-        local_dir=cfg.local_dir,
+        local_dir=cfg.data.local_dir,
         device=cfg.device,
     )
     print(json.dumps(result, indent=2))

@@ -10,9 +10,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401
-from multihead.training.config import exit_on_user_error
-from multihead.training.learning_curve import learning_curve
+from multihead.analysis.learning_curve import learning_curve
+from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="learning_curve")
@@ -28,7 +27,7 @@ def main(cfg: DictConfig) -> None:
         beam_size=cfg.beam_size,
         batch_size=cfg.batch_size,
         limit=cfg.limit,
-        local_dir=cfg.local_dir,
+        local_dir=cfg.data.local_dir,
     )
     for row in scored:
         print(

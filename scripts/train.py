@@ -4,14 +4,16 @@ Examples:
     python scripts/train.py data.local_dir=../shared/data/multi30k
     python scripts/train.py experiment=smoke data.local_dir=../shared/data/multi30k logger=csv
     python scripts/train.py -m attention=mha,gqa,mqa trainer.max_steps=2000
+    python scripts/train.py ... hydra.run.dir=RUN ckpt_path=last   # resume RUN
 """
 
 import hydra
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401  (registers the config resolvers)
-from multihead.training.config import exit_on_user_error
+from multihead.cli import exit_on_user_error, register_resolvers
 from multihead.training.run import train
+
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")

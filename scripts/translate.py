@@ -10,10 +10,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401
-from multihead.training.checkpoint import load_translator
-from multihead.training.config import exit_on_user_error
-from multihead.training.inference import translate
+from multihead.checkpoints import load_translator
+from multihead.cli import exit_on_user_error
+from multihead.evaluation import search_settings, translate
 
 
 def read_input(path: str | None) -> list[str]:
@@ -40,10 +39,13 @@ def main(cfg: DictConfig) -> None:
             translator.tokenizer,
             lines,
             beam_size=cfg.beam_size,
-            length_penalty=cfg.length_penalty,
-            max_len_a=cfg.max_len_a,
-            max_len_b=cfg.max_len_b,
             batch_size=cfg.batch_size,
+            **search_settings(
+                translator.config,
+                length_penalty=cfg.length_penalty,
+                max_len_a=cfg.max_len_a,
+                max_len_b=cfg.max_len_b,
+            ),
         )
     for line in outputs:
         print(line)

@@ -11,10 +11,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401  (registers the config resolvers)
+from multihead.cli import register_resolvers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(REPO_ROOT / "configs")
+register_resolvers()  # as scripts/train.py does
 
 # Every test runs offline: the Hugging Face Hub is never contacted.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,3 +85,27 @@ def smoke_config(tmp_path: Path, multi30k_dir: Path, cache_dir: Path):
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smoke_run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
+    """The smoke experiment trained for 20 steps: checkpoints at steps 10 and 20, and last."""
+    from multihead.training.run import train
+
+    out = tmp_path_factory.mktemp("smoke_run")
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=smoke",
+            "logger=csv",
+            f"data.local_dir={multi30k_dir}",
+            f"paths.output_dir={out}",
+            f"paths.cache_dir={cache_dir}",
+            "trainer.max_steps=20",
+            "trainer.val_check_interval=10",
+            "test=false",
+            "summary.decode_speed=false",
+        ],
+    )
+    train(cfg)
+    return out

@@ -8,6 +8,7 @@ from tiny_models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
 from multihead.model import beam_search, greedy_decode, max_output_lengths
 
 LIMITS = dict(max_len_a=1.0, max_len_b=4)
+BEAM = dict(length_penalty=1.0, **LIMITS)
 
 
 def _max_len(row: torch.Tensor, max_len_a: float, max_len_b: float, max_positions: int) -> int:
@@ -70,8 +71,10 @@ def test_output_lengths_respect_the_limit():
     model = tiny_model()  # tied random model: rarely says eos, so most hit the limit
     src = random_src(6, 8, seed=3)
     limits = max_output_lengths(src, pad_id=PAD, max_positions=model.max_positions, **LIMITS)
-    for decode in (greedy_decode, beam_search):
-        outputs = decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+    for decode, kwargs in ((greedy_decode, {}), (beam_search, {"beam_size": 5})):
+        outputs = decode(
+            model, src, bos_id=BOS, eos_id=EOS, **kwargs, **(BEAM if kwargs else LIMITS)
+        )
         assert all(len(o) <= n for o, n in zip(outputs, limits.tolist(), strict=True))
         assert any(len(o) == n for o, n in zip(outputs, limits.tolist(), strict=True))
         assert all(EOS not in o for o in outputs)
@@ -100,7 +103,7 @@ def test_beam_size_one_is_greedy(norm_first):
         model = tiny_model(1, norm_first=True, share_embeddings=False, tie_output=False)
     src = random_src(8, 9, seed=5, min_len=2)
     greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
-    beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=1, **LIMITS)
+    beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=1, **BEAM)
     assert beam == greedy
 
 
@@ -135,7 +138,8 @@ def test_decoding_does_not_depend_on_batch_size(variant):
             decoder_self_attention={"num_kv_heads": variant},
         )
     src = random_src(8, 10, seed=11, min_len=2)  # mixed lengths, one unpadded row
-    for decode, kwargs in ((beam_search, {"beam_size": 5}), (greedy_decode, {})):
+    searches = ((beam_search, {"beam_size": 5, "length_penalty": 1.0}), (greedy_decode, {}))
+    for decode, kwargs in searches:
         batched = decode(model, src, bos_id=BOS, eos_id=EOS, **kwargs, **LIMITS)
         alone = [
             decode(model, row[row.ne(PAD)][None], bos_id=BOS, eos_id=EOS, **kwargs, **LIMITS)[0]
@@ -147,9 +151,9 @@ def test_decoding_does_not_depend_on_batch_size(variant):
 def test_decoding_leaves_model_state_alone():
     model = decoding_model(1)
     src = random_src(3, 5)
-    greedy_decode(model, src, bos_id=BOS, eos_id=EOS)
-    beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=2)
+    greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+    beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=2, **BEAM)
     assert not model.training
     assert not torch.is_inference_mode_enabled()
     with pytest.raises(ValueError, match="beam_size must be >= 1, got 0"):
-        beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=0)
+        beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=0, **BEAM)

@@ -21,5 +21,6 @@ def test_tiny_model_memorises_one_pair():
         optimizer.step()
     assert loss.item() < 0.05
     model.eval()
-    assert greedy_decode(model, src, bos_id=BOS, eos_id=EOS) == [target]
-    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3) == [target]
+    limits = dict(bos_id=BOS, eos_id=EOS, max_len_a=1.2, max_len_b=10)
+    assert greedy_decode(model, src, **limits) == [target]
+    assert beam_search(model, src, beam_size=3, length_penalty=1.0, **limits) == [target]

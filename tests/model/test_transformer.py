@@ -2,7 +2,6 @@ import pytest
 import torch
 from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
 
-from multihead.attention import MultiHeadAttention
 from multihead.model import Transformer
 
 VARIANTS = {"mha": None, "gqa": 2, "mqa": 1}
@@ -106,13 +105,13 @@ def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
 
 def test_parameter_and_cache_counts():
     model = tiny_model(decoder_self_attention={"num_kv_heads": 1})
-    attention = sum(
-        p.numel()
-        for m in model.modules()
-        if isinstance(m, MultiHeadAttention)
-        for p in m.parameters()
-    )
-    assert model.attention_parameters() == attention
+
+    def layer(kv_heads: int) -> int:  # E = 32, 4 heads of 8: Q/K/V (+ biases), then W_O
+        rows = 32 + 2 * kv_heads * 8
+        return rows * 32 + rows + 32 * 32 + 32
+
+    # 2 encoder and 2 cross-attention layers with 4 K/V heads, 2 decoder layers with one.
+    assert model.attention_parameters() == 4 * layer(4) + 2 * layer(1)
     # Decoder self-attention, MQA: 2 layers * (K + V) * 1 head * head_dim 8 * 4 bytes.
     assert model.kv_cache_bytes_per_token() == 2 * 2 * 1 * 8 * 4
     assert model.kv_cache_bytes_per_token(torch.bfloat16) == 2 * 2 * 1 * 8 * 2

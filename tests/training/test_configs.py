@@ -11,7 +11,9 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
 
+from multihead.checkpoints import build_model
 from multihead.training.precision import resolve_precision
 from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
 
@@ -28,9 +30,13 @@ def base(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("model", options("model"))
 def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> None:
     cfg = compose_config("train", [f"model={model}", f"attention={attention}", *base(tmp_path)])
-    net = instantiate(cfg.model, src_vocab_size=100, tgt_vocab_size=100, pad_id=0)
+    net = build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
     kinds = net.head_config
-    assert {k["variant"] for k in kinds.values()} == {attention}
+    H, G = cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads
+    expected = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
+    assert {(k["variant"], k["num_heads"], k["num_kv_heads"]) for k in kinds.values()} == {
+        (expected, H, G)
+    }
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 
@@ -72,8 +78,8 @@ def test_callbacks_and_module_instantiate(tmp_path) -> None:
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     assert len(callbacks) == len(cfg.callbacks)
     optimizer = instantiate(cfg.module.optimizer)([torch.nn.Parameter(torch.zeros(1))])
-    scheduler = instantiate(cfg.module.scheduler)(optimizer)
-    assert scheduler.get_last_lr()[0] == pytest.approx(5e-4 / 4000)
+    scheduler = instantiate(cfg.module.scheduler)(optimizer, time_left=lambda: None)
+    assert scheduler.get_last_lr()[0] == pytest.approx(3e-3 / 800)  # the recipe's peak, warmup
 
 
 def test_required_overrides_compose(tmp_path) -> None:
@@ -93,8 +99,9 @@ def test_required_overrides_compose(tmp_path) -> None:
             *base(tmp_path),
         ],
     )
-    assert cfg.model.attention == {"num_heads": 8, "num_kv_heads": 2, "backend": "flash"}
-    assert cfg.run_name == "gqa-h8-kv2-flash"
+    heads = {k: cfg.attention[k] for k in ("num_heads", "num_kv_heads", "backend")}
+    assert heads == {"num_heads": 8, "num_kv_heads": 2, "backend": "flash"}
+    assert "attention" not in cfg.model  # heads are set in one place
     assert (cfg.data.src_lang, cfg.data.tgt_lang, cfg.data.local_dir) == ("de", "en", "/some/dir")
     assert cfg.trainer.max_steps == 7 and cfg.trainer.precision == "bf16-mixed"
 
@@ -120,7 +127,9 @@ def test_multi30k_recipe_composes(direction, tmp_path) -> None:
         4,
         4,
     )
-    assert model.attention.num_heads == 4 and not model.norm_first and model.dropout == 0.3
+    assert cfg.attention.num_heads == 4 and not model.norm_first and model.dropout == 0.3
+    assert cfg.module.scheduler.cooldown_minutes == 30 and cfg.module.scheduler.cooldown_steps == 0
+    assert cfg.test_ckpt == "avg10" and cfg.module.test_beam_size == 5
     assert model.share_embeddings and model.tie_output
     assert cfg.callbacks.checkpoint_recent.save_top_k == 10
     assert 60 in cfg.callbacks.wall_clock.save_at_minutes

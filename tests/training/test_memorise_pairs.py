@@ -37,6 +37,8 @@ def test_overfit_64_pairs(multi30k_dir) -> None:
         tokenizer,
         optimizer=lambda p: torch.optim.Adam(p, lr=3e-3),
         label_smoothing=0.0,
+        beam_size=1,
+        length_penalty=1.0,
         max_len_a=1.5,
         max_len_b=10,
     )

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from multihead.evaluation import corpus_scores, tokenized_bleu
 from multihead.training import InverseSqrtWarmup
-from multihead.training.metrics import corpus_scores, tokenized_bleu
 
 
 def test_corpus_scores_perfect_and_signature() -> None:

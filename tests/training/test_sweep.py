@@ -24,15 +24,12 @@ EXPECTED = {  # (num_heads, num_kv_heads) of every job
 def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         sweep = compose("train", ["experiment=compare_heads"], return_hydra_config=True)
-        heads = sweep.hydra.sweeper.params.heads.split(",")
+        options = sweep.hydra.sweeper.params.attention.split(",")
         jobs = set()
-        for option in heads:
-            cfg = compose("train", ["experiment=compare_heads", f"heads={option}"])
+        for option in options:
+            cfg = compose("train", ["experiment=compare_heads", f"attention={option}"])
             jobs.add(
-                (
-                    cfg.model.attention.num_heads,
-                    cfg.model.attention.num_kv_heads or cfg.model.attention.num_heads,
-                )
+                (cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads)
             )
             assert cfg.trainer.max_steps == 600 and cfg.seed == 1234  # budget=cpu, fixed seed
     assert jobs == EXPECTED

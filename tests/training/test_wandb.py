@@ -46,4 +46,5 @@ def test_wandb_run_is_finished_and_named_after_heads(smoke_config, tmp_path) -> 
     assert wandb.run is None  # finished, so the next multirun job starts a new run
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    assert summary["run_name"] == "mqa-h4-kv1-sdpa"
+    # Named after the built model: every kind of sublayer is MQA with 4 query heads.
+    assert summary["run_name"] == "enc-mqa4_dec-mqa4_cross-mqa4_sdpa"

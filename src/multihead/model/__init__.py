@@ -1,6 +1,6 @@
 """The encoder-decoder Transformer and its decoders (plain ``nn.Module``, no Lightning)."""
 
-from multihead.model.decoding import beam_search, greedy_decode, max_output_lengths
+from multihead.model.decoding import beam_search, decode, greedy_decode, max_output_lengths
 from multihead.model.embedding import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -25,6 +25,7 @@ __all__ = [
     "Transformer",
     "TransformerEmbedding",
     "beam_search",
+    "decode",
     "greedy_decode",
     "make_token_embedding",
     "max_output_lengths",

@@ -71,8 +71,8 @@ def greedy_decode(
     *,
     bos_id: int,
     eos_id: int,
-    max_len_a: float = 1.2,
-    max_len_b: float = 10,
+    max_len_a: float,
+    max_len_b: float,
 ) -> list[list[int]]:
     """Greedy decoding of a batch, one cached step per token.
 
@@ -117,10 +117,10 @@ def beam_search(
     *,
     bos_id: int,
     eos_id: int,
-    beam_size: int = 5,
-    length_penalty: float = 1.0,
-    max_len_a: float = 1.2,
-    max_len_b: float = 10,
+    beam_size: int,
+    length_penalty: float,
+    max_len_a: float,
+    max_len_b: float,
 ) -> list[list[int]]:
     """Beam search over a batch, fairseq-style, returning each sentence's best hypothesis.
 
@@ -229,3 +229,24 @@ def beam_search(
             caches.select(origin, cross=False)
         tokens = next_tokens.view(-1, 1)
     return _to_lists(best_tokens, eos_id)
+
+
+def decode(
+    model: Transformer,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int,
+    length_penalty: float,
+    max_len_a: float,
+    max_len_b: float,
+) -> list[list[int]]:
+    """Greedy decoding for ``beam_size=1`` (what beam search gives then, faster), else beam
+    search; the arguments are those of :func:`beam_search`."""
+    limits = dict(bos_id=bos_id, eos_id=eos_id, max_len_a=max_len_a, max_len_b=max_len_b)
+    if beam_size == 1:
+        return greedy_decode(model, src, **limits)
+    return beam_search(
+        model, src, beam_size=beam_size, length_penalty=length_penalty, **limits
+    )

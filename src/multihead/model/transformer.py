@@ -8,7 +8,8 @@ wrapper, encoder layer, decoder layer, the decoder's KV caches, the model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,8 +21,13 @@ from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-_ATTENTION_KEYS = ("num_heads", "num_kv_heads", "backend")
-_ATTENTION_DEFAULTS: dict[str, Any] = {"num_heads": 8, "num_kv_heads": None, "backend": "sdpa"}
+# The layer's head options (not its sizes or dropout, which the model sets) and their
+# defaults, read from its signature so that a new option needs no second list here.
+_ATTENTION_OPTIONS = {
+    name: param.default
+    for name, param in inspect.signature(MultiHeadAttention).parameters.items()
+    if name not in ("embed_dim", "dropout", "bias", "device", "dtype")
+}
 
 
 class FeedForward(nn.Module):
@@ -209,25 +215,27 @@ class DecoderCache:
 def _attention_config(
     kind: str, base: Mapping[str, Any] | None, override: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """``_ATTENTION_DEFAULTS`` updated by ``base`` then by ``override`` (any Mapping).
+    """The layer's defaults updated by ``base`` then by ``override`` (any Mapping).
 
     A ``None`` value in ``override`` means "as in ``base``", so a config can list every key
     of a per-kind section and set only the ones it changes.
     """
-    config = dict(_ATTENTION_DEFAULTS)
+    config = {k: v for k, v in _ATTENTION_OPTIONS.items() if v is not inspect.Parameter.empty}
     for name, mapping in (("attention", base), (kind, override)):
         if mapping is None:
             continue
         if not isinstance(mapping, Mapping):
             raise TypeError(f"{name} must be a mapping or None, got {type(mapping).__name__}")
-        unknown = set(mapping) - set(_ATTENTION_KEYS)
+        unknown = set(mapping) - set(_ATTENTION_OPTIONS)
         if unknown:
             raise ValueError(
-                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(_ATTENTION_KEYS)}"
+                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(_ATTENTION_OPTIONS)}"
             )
         config.update(
             mapping if mapping is base else {k: v for k, v in mapping.items() if v is not None}
         )
+    if "num_heads" not in config:
+        raise ValueError(f"{kind}: num_heads is not set; give it in attention (e.g. 4)")
     return config
 
 
@@ -263,8 +271,9 @@ class Transformer(nn.Module):
         tie_output: tie the output projection to the target embedding. Implied by
             ``share_embeddings``.
         pad_id: the padding token id, in both vocabularies.
-        attention: ``num_heads`` (default 8), ``num_kv_heads`` (default ``None`` = MHA) and
-            ``backend`` (default ``"sdpa"``) for every attention sublayer.
+        attention: keyword arguments of :class:`~multihead.attention.MultiHeadAttention`
+            for every attention sublayer: ``num_heads`` (required), ``num_kv_heads``,
+            ``backend`` and the other head options, with the layer's defaults.
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one kind of sublayer, e.g. ``{"num_kv_heads": 1}`` for the
             decoder self-attention only; ``None`` values inherit from ``attention``. Any
@@ -509,6 +518,22 @@ class Transformer(nn.Module):
             layer.cross_attn.kv_cache_bytes_per_token(dtype) for layer in self.decoder_layers
         )
 
+    def attention_sublayers(self) -> Iterator[tuple[str, int, str, MultiHeadAttention]]:
+        """``(kind, layer index, module path, layer)`` of every attention sublayer.
+
+        Kinds come in :data:`ATTENTION_KINDS` order; the module path works with
+        ``get_submodule`` / ``set_submodule``.
+        """
+        paths = {
+            "encoder_self_attention": ("encoder_layers", "self_attn"),
+            "decoder_self_attention": ("decoder_layers", "self_attn"),
+            "cross_attention": ("decoder_layers", "cross_attn"),
+        }
+        for kind, (stack, name) in paths.items():
+            for i in range(len(getattr(self, stack))):
+                path = f"{stack}.{i}.{name}"
+                yield kind, i, path, self.get_submodule(path)
+
     @property
     def head_config(self) -> dict[str, dict[str, Any]]:
         """The heads of each sublayer kind, read from the layers themselves.
@@ -517,20 +542,18 @@ class Transformer(nn.Module):
             ``{kind: {"variant": "mha" | "gqa" | "mqa", "num_heads": H, "num_kv_heads": G,
             "backend": name}}`` for the three kinds of :data:`ATTENTION_KINDS`.
         """
-        first = {
-            "encoder_self_attention": self.encoder_layers[0].self_attn,
-            "decoder_self_attention": self.decoder_layers[0].self_attn,
-            "cross_attention": self.decoder_layers[0].cross_attn,
-        }
-        return {
-            kind: {
-                "variant": attn.variant,
-                "num_heads": attn.num_heads,
-                "num_kv_heads": attn.num_kv_heads,
-                "backend": attn.backend,
-            }
-            for kind, attn in first.items()
-        }
+        config: dict[str, dict[str, Any]] = {}
+        for kind, _, _, attn in self.attention_sublayers():
+            config.setdefault(
+                kind,
+                {
+                    "variant": attn.variant,
+                    "num_heads": attn.num_heads,
+                    "num_kv_heads": attn.num_kv_heads,
+                    "backend": attn.backend,
+                },
+            )
+        return config
 
     @property
     def head_tag(self) -> str:

@@ -1,23 +1,19 @@
-"""Training: the LightningModule, schedules, callbacks, metrics and checkpoints."""
+"""Training only: the LightningModule, the learning-rate schedule, the callbacks that run
+during ``fit``, and :func:`~multihead.training.run.train`, which wires them from a config.
 
-from multihead.training.callbacks import (
-    FinalCheckpoint,
-    ThroughputMonitor,
-    TimeBudgetCooldown,
-    WallClock,
-)
-from multihead.training.config import register_resolvers
+What happens to a checkpoint after training lives in :mod:`multihead.checkpoints`;
+translating and scoring in :mod:`multihead.evaluation`; reports about finished runs in
+:mod:`multihead.analysis`.
+"""
+
+from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor, WallClock
 from multihead.training.module import TranslationModule
 from multihead.training.schedules import InverseSqrtWarmup
 
-register_resolvers()
-
 __all__ = [
-    "FinalCheckpoint",
     "InverseSqrtWarmup",
+    "RecentCheckpoints",
     "ThroughputMonitor",
     "TranslationModule",
-    "TimeBudgetCooldown",
     "WallClock",
-    "register_resolvers",
 ]

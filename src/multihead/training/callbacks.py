@@ -1,4 +1,4 @@
-"""Callbacks: real-token throughput and peak memory, wall-clock marks, a time-budget cooldown."""
+"""Callbacks: real-token throughput and peak memory, wall-clock marks, recent checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -143,68 +143,35 @@ class WallClock(pl.Callback):
         trainer.save_checkpoint(f"{self.dirpath}/minute{mark:03g}-step{trainer.global_step}.ckpt")
 
 
-class TimeBudgetCooldown(pl.Callback):
-    """Anneals the learning rate linearly to zero over the last minutes of ``trainer.max_time``.
+class RecentCheckpoints(ModelCheckpoint):
+    """The newest checkpoints by step for averaging, and the one writer of ``last.ckpt``.
 
-    A step-based cooldown needs to know how many steps the budget buys, which on a CPU
-    depends on the machine and on what else runs on it. This one reads the clock instead: in
-    the last ``minutes`` of the training time the scheduler's rate is multiplied by the
-    fraction of that window still left, so a time-limited run ends annealed whatever its step
-    count ("budgeted training", Li et al., 2020). The clock is Lightning's ``Timer`` (the one
-    ``max_time`` adds), whose state a resumed run restores.
+    Every ``every_n_train_steps`` it saves ``step{N}.ckpt`` into ``dirpath`` and keeps the
+    newest ``save_top_k`` of them. At the end of ``fit``, whatever stopped it (``max_steps``,
+    ``max_time``), it saves the final weights as ``step{N}.ckpt`` (the steps after the last
+    multiple of N would otherwise be in no file) and as ``last.ckpt``, the file to translate
+    from. Lightning's own ``save_last`` is not used: it updates ``last.ckpt`` only at steps
+    where the same callback saves a top-k file, so it is either stale or a second writer.
 
     Args:
-        minutes: length of the cooldown window; 0 turns the callback off.
+        dirpath: where the checkpoints go.
+        every_n_train_steps: save every N optimiser steps.
+        save_top_k: how many of the newest step checkpoints to keep (-1: all).
     """
 
-    def __init__(self, minutes: float = 0) -> None:
-        if minutes < 0:
-            raise ValueError(f"TimeBudgetCooldown minutes must be >= 0, got {minutes}")
-        self.minutes = minutes
-
-    def _timer(self, trainer) -> Timer:
-        for callback in trainer.callbacks:
-            if isinstance(callback, Timer):
-                return callback
-        raise ValueError(
-            f"callbacks.time_cooldown.minutes={self.minutes} needs trainer.max_time "
-            "(the budget the cooldown ends at), got max_time=null"
+    def __init__(self, dirpath: str, every_n_train_steps: int, save_top_k: int) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step{step}",
+            monitor="step",
+            mode="max",
+            save_top_k=save_top_k,
+            every_n_train_steps=every_n_train_steps,
+            auto_insert_metric_name=False,
         )
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        if self.minutes:
-            self._timer(trainer)  # fail before training, not at the first step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if not self.minutes:
-            return
-        remaining = self._timer(trainer).time_remaining()  # training seconds left
-        factor = min(1.0, max(0.0, remaining / (60 * self.minutes)))
-        if factor < 1.0:
-            # The scheduler sets each group's lr from its base value at every step (LambdaLR
-            # is not chained), so scaling here does not compound across steps.
-            for optimizer in trainer.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] *= factor
-        pl_module.log("train/lr_cooldown_factor", factor)
-
-
-class FinalCheckpoint(pl.Callback):
-    """Saves the weights training ended with as ``step{N}.ckpt`` and ``last.ckpt`` in ``dirpath``.
-
-    Lightning (2.6) writes a ModelCheckpoint's ``last.ckpt`` only at steps where that callback
-    also saved a top-k checkpoint: with ``save_top_k=1`` on validation BLEU it was a copy of
-    the best checkpoint, not the last. And every-N-steps checkpoints miss the steps after the
-    last multiple of N, which a run stopped by ``max_time`` always has. So at the end of
-    ``fit``, whatever stopped it, this writes the final state under both names: ``last.ckpt``
-    is the file to resume or translate from, and ``step{N}.ckpt`` is the newest file that
-    ``scripts/average_checkpoints.py ckpt_dir=... last=K`` averages.
-    """
-
-    def __init__(self, dirpath: str) -> None:
-        self.dirpath = dirpath
-
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         if trainer.fast_dev_run:  # Lightning saves no checkpoints in a fast_dev_run
             return
         step_path = f"{self.dirpath}/step{trainer.global_step}.ckpt"

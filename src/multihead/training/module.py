@@ -8,11 +8,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 
-from multihead.model import beam_search, greedy_decode
-from multihead.training.metrics import corpus_scores
+from multihead.checkpoints import FORMAT_VERSION
+from multihead.evaluation import corpus_scores
+from multihead.model import decode
 
 
 class TranslationModule(pl.LightningModule):
@@ -22,16 +25,20 @@ class TranslationModule(pl.LightningModule):
         model: the encoder-decoder network.
         tokenizer: the joint tokenizer (decodes hypotheses for BLEU).
         optimizer: a partial optimiser, called with the parameters.
-        scheduler: a partial LR scheduler, called with the optimiser; stepped every update.
+        scheduler: a partial :class:`~multihead.training.InverseSqrtWarmup`, called with
+            the optimiser and ``time_left`` (seconds of training left under
+            ``trainer.max_time``); stepped every update.
         label_smoothing: epsilon of label-smoothed cross-entropy (padding is ignored).
-        beam_size: 1 = greedy; used for validation and test BLEU.
+        beam_size: 1 = greedy; the search for validation BLEU.
+        test_beam_size: the search for test BLEU; ``None`` = ``beam_size``.
         length_penalty, max_len_a, max_len_b: decoding settings (see
-            :func:`multihead.model.beam_search`); outputs are at most ``a * src_len + b``.
+            :func:`multihead.model.decode`); outputs are at most ``a * src_len + b``.
         bleu_every_n_val: compute BLEU on every n-th validation run (loss on all of them).
         seed: dropout is seeded with ``(seed, step)`` at every step, so a resumed run draws
             the same masks as an uninterrupted one whatever else used the RNG meanwhile.
-        run_config: the resolved run configuration, stored in checkpoints so that a
-            checkpoint alone is enough to rebuild the model and translate.
+
+    ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
+    configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
     """
 
     def __init__(
@@ -42,51 +49,57 @@ class TranslationModule(pl.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         *,
         label_smoothing: float = 0.1,
-        beam_size: int = 1,
-        length_penalty: float = 1.0,
-        max_len_a: float = 1.2,
-        max_len_b: int = 10,
+        beam_size: int,
+        test_beam_size: int | None = None,
+        length_penalty: float,
+        max_len_a: float,
+        max_len_b: float,
         bleu_every_n_val: int = 1,
         seed: int = 0,
-        run_config: dict | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if beam_size < 1:
-            raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+        for name, value in (("beam_size", beam_size), ("test_beam_size", test_beam_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"module.{name} must be >= 1, got {value}")
         self.model = model
         self.tokenizer = tokenizer
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing
         self.decode_settings = dict(
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_len_a=max_len_a,
-            max_len_b=max_len_b,
+            length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b
         )
+        self.beam_sizes = {"val": beam_size, "test": test_beam_size or beam_size}
         self.bleu_every_n_val = bleu_every_n_val
         self.seed = seed
-        self.run_config = run_config
+        self.run_config: dict | None = None
         self._val_runs = 0
         self._signatures_logged = False
-        self._outputs: list[tuple[Tensor, list[str], list[str]]] = []
+        self._hyps: list[str] = []
+        self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def loss(self, batch: dict) -> tuple[Tensor, int]:
-        """Label-smoothed cross-entropy per real target token, and that token count."""
+    def _logits(self, batch: dict) -> tuple[Tensor, Tensor, int]:
+        """Teacher-forced logits ``(B*T, V)``, their targets ``(B*T,)`` and the real-token count."""
         src, tgt = batch["src"], batch["tgt"]
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
         logits = self.model(src, tgt_in)  # (B, T, V)
-        pad = self.tokenizer.pad_id
+        targets = tgt_out.reshape(-1)
+        return logits.reshape(-1, logits.shape[-1]), targets, int(targets.ne(self.pad_id).sum())
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def loss(self, batch: dict) -> tuple[Tensor, int]:
+        """Label-smoothed cross-entropy per real target token, and that token count."""
+        logits, targets, ntokens = self._logits(batch)
         loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            tgt_out.reshape(-1),
-            ignore_index=pad,
-            label_smoothing=self.label_smoothing,
+            logits, targets, ignore_index=self.pad_id, label_smoothing=self.label_smoothing
         )
-        return loss, int((tgt_out != pad).sum())
+        return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         torch.manual_seed(self.seed * 1_000_003 + self.global_step)
@@ -107,51 +120,66 @@ class TranslationModule(pl.LightningModule):
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.scheduler_factory(optimizer)
+        scheduler = self.scheduler_factory(optimizer, time_left=self._training_seconds_left)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def _training_seconds_left(self) -> float | None:
+        """Seconds left under ``trainer.max_time`` (Lightning's Timer), None without one."""
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        return None if timer is None else timer.time_remaining()
+
     # ------------------------------------------------------------------ evaluation
-    def translate_ids(self, src: Tensor) -> list[list[int]]:
-        """Decode a padded source batch with the configured search."""
-        s = self.decode_settings
-        common = dict(
-            bos_id=self.tokenizer.bos_id,
-            eos_id=self.tokenizer.eos_id,
-            max_len_a=s["max_len_a"],
-            max_len_b=s["max_len_b"],
-        )
-        if s["beam_size"] == 1:
-            return greedy_decode(self.model, src, **common)
-        return beam_search(
+    def translate_ids(self, src: Tensor, stage: str = "val") -> list[list[int]]:
+        """Decode a padded source batch with the search configured for ``stage``."""
+        return decode(
             self.model,
             src,
-            beam_size=s["beam_size"],
-            length_penalty=s["length_penalty"],
-            **common,
+            bos_id=self.tokenizer.bos_id,
+            eos_id=self.tokenizer.eos_id,
+            beam_size=self.beam_sizes[stage],
+            **self.decode_settings,
         )
 
     def _eval_step(self, batch: dict, stage: str, with_bleu: bool) -> None:
-        loss, ntokens = self.loss(batch)
+        logits, targets, ntokens = self._logits(batch)
+        loss = F.cross_entropy(
+            logits, targets, ignore_index=self.pad_id, label_smoothing=self.label_smoothing
+        )
+        # Perplexity is exp of the plain NLL; the smoothed loss would overstate it.
+        nll = F.cross_entropy(logits, targets, ignore_index=self.pad_id)
         self.log(f"{stage}/loss", loss, batch_size=ntokens, sync_dist=True)
+        self.log(f"{stage}/nll", nll, batch_size=ntokens, sync_dist=True)
         if with_bleu:
-            hyps = self.tokenizer.decode_batch(self.translate_ids(batch["src"]))
-            self._outputs.append((batch["index"].cpu(), hyps, list(batch["tgt_text"])))
+            self._hyps += self.tokenizer.decode_batch(self.translate_ids(batch["src"], stage))
+            self._refs += list(batch["tgt_text"])
+
+    def _gathered(self) -> tuple[list[str], list[str]]:
+        """Every rank's hypotheses and references (all of them on every rank)."""
+        hyps, refs = self._hyps, self._refs
+        self._hyps, self._refs = [], []
+        if self.trainer.world_size == 1:
+            return hyps, refs
+        # Corpus BLEU is not a mean of per-rank BLEUs: score the union of the ranks' outputs.
+        gathered: list = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(gathered, (hyps, refs))
+        return [h for hs, _ in gathered for h in hs], [r for _, rs in gathered for r in rs]
 
     def _eval_epoch_end(self, stage: str) -> None:
-        loss = self.trainer.callback_metrics.get(f"{stage}/loss")
-        if loss is not None:
-            self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
-        if not self._outputs:
+        nll = self.trainer.callback_metrics.get(f"{stage}/nll")
+        if nll is not None:
+            self.log(f"{stage}/ppl", torch.exp(nll))
+        if not self._hyps and self.trainer.world_size == 1:
             return
-        hyps = [h for _, hs, _ in self._outputs for h in hs]
-        refs = [r for _, _, rs in self._outputs for r in rs]
-        self._outputs.clear()
+        hyps, refs = self._gathered()
+        if not hyps:
+            return
         scores = corpus_scores(hyps, refs)
-        self.log(f"{stage}/bleu", scores.bleu, sync_dist=True)
-        self.log(f"{stage}/chrf", scores.chrf, sync_dist=True)
+        # Every rank scored the same gathered corpus: nothing to reduce.
+        self.log(f"{stage}/bleu", scores.bleu)
+        self.log(f"{stage}/chrf", scores.chrf)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             self.print(f"{stage} BLEU {scores.bleu:.2f} ({scores.bleu_signature})")
             if not self._signatures_logged:  # how the scores were made, once per run
@@ -165,7 +193,7 @@ class TranslationModule(pl.LightningModule):
                 self._signatures_logged = True
 
     def on_validation_epoch_start(self) -> None:
-        self._outputs.clear()
+        self._hyps, self._refs = [], []
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         with_bleu = self._val_runs % self.bleu_every_n_val == 0
@@ -185,7 +213,10 @@ class TranslationModule(pl.LightningModule):
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint is self-contained: config + tokenizer rebuild the model anywhere.
+        wandb_ids = [lg.version for lg in self.loggers if isinstance(lg, WandbLogger)]
         checkpoint["multihead"] = {
+            "format_version": FORMAT_VERSION,
+            "wandb_id": wandb_ids[0] if wandb_ids else None,
             "config": self.run_config,
             "tokenizer": self.tokenizer.to_str(),
             "val_runs": self._val_runs,

@@ -12,23 +12,24 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from multihead.training.callbacks import ThroughputMonitor
-from multihead.training.checkpoint import model_state_dict, read_checkpoint
-from multihead.training.inference import translate
+from multihead.checkpoints import (
+    build_model,
+    model_state_dict,
+    read_checkpoint,
+    write_atomically,
+)
+from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
+from multihead.checkpoints.resume import resume_checkpoint
+from multihead.evaluation import translate
+from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
 from multihead.training.precision import resolve_precision
 from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
 
 log = logging.getLogger(__name__)
-
-
-def build_model(cfg: DictConfig, vocab_size: int, pad_id: int):
-    """Instantiate ``cfg.model`` for a joint vocabulary of ``vocab_size``."""
-    return instantiate(
-        cfg.model, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, pad_id=pad_id
-    )
 
 
 def initialise_from(model, path: str, tokenizer) -> None:
@@ -50,7 +51,7 @@ def initialise_from(model, path: str, tokenizer) -> None:
         if key in mine and mine[key].shape != value.shape:
             raise ValueError(
                 f"init_from={path}: {key} has shape {tuple(value.shape)} in the checkpoint but "
-                f"{tuple(mine[key].shape)} in this model; match the model/attention settings "
+                f"{tuple(mine[key].shape)} in this model; match the attention settings "
                 "(e.g. attention.decoder_self_attention.num_kv_heads) to the checkpoint's"
             )
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -62,15 +63,15 @@ def initialise_from(model, path: str, tokenizer) -> None:
     log.info("initialised the model from %s", path)
 
 
-def model_summary(cfg: DictConfig, model) -> dict[str, Any]:
-    """Figures worth a column in the runs table: head settings, sizes, KV-cache cost.
+def model_summary(model) -> dict[str, Any]:
+    """Figures worth a column in the runs table, all read from the built model.
 
     The head settings are the decoder self-attention's, the sublayer whose K/V heads the
-    decoding cache holds; ``head_tag`` spells out all three kinds.
+    decoding cache holds; ``head_tag`` (also the run name) spells out all three kinds.
     """
     heads = model.head_config["decoder_self_attention"]
     return {
-        "run_name": cfg.run_name,
+        "run_name": model.head_tag,
         "variant": heads["variant"],
         "num_heads": heads["num_heads"],
         "num_kv_heads": heads["num_kv_heads"],
@@ -82,14 +83,14 @@ def model_summary(cfg: DictConfig, model) -> dict[str, Any]:
     }
 
 
-def decode_summary(
-    module, datamodule, split: str, limit: int | None, beam_size: int, batch_size: int
-) -> dict[str, float]:
-    """Sentences per second of greedy and beam search (with the KV cache) on ``split``."""
-    sentences = list(datamodule.tokenized[split]["src"])[:limit]
-    model = module.model.eval()
+def decode_summary(module, datamodule, device: torch.device, cfg: DictConfig) -> dict[str, float]:
+    """Sentences per second of greedy and beam search (with the KV cache) on ``device``."""
+    s = cfg.summary
+    sentences = list(datamodule.tokenized[s.split]["src"])[: s.limit]
+    # Lightning's teardown has moved the model to the CPU; a GPU run is measured on its GPU.
+    model = module.model.to(device).eval()
     result = {}
-    for name, beam in (("greedy", 1), (f"beam{beam_size}", beam_size)):
+    for name, beam in (("greedy", 1), (f"beam{s.beam_size}", s.beam_size)):
         start = time.perf_counter()
         with torch.inference_mode():
             translate(
@@ -97,10 +98,11 @@ def decode_summary(
                 datamodule.tokenizer,
                 sentences,
                 beam_size=beam,
-                batch_size=batch_size,
-                max_len_a=module.decode_settings["max_len_a"],
-                max_len_b=module.decode_settings["max_len_b"],
+                batch_size=s.batch_size,
+                **module.decode_settings,
             )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         result[f"decode/{name}_sentences_per_s"] = len(sentences) / (time.perf_counter() - start)
     return result
 
@@ -111,6 +113,57 @@ def training_summary(trainer: pl.Trainer) -> dict[str, float]:
         if isinstance(callback, ThroughputMonitor):
             return callback.summary()
     return {}
+
+
+def build_loggers(cfg: DictConfig, model, wandb_id: str | None) -> list:
+    """The configured loggers; a wandb run is named and tagged after the built model."""
+    loggers = []
+    for logger_cfg in (cfg.get("logger") or {}).values():
+        extra = {}
+        if str(logger_cfg.get("_target_", "")).endswith("WandbLogger"):
+            extra = {"name": model.head_tag, "tags": model.head_tag.split("_")}
+            if wandb_id is not None:  # a resumed job continues its wandb run's charts
+                extra |= {"id": wandb_id, "resume": "allow"}
+        loggers.append(instantiate(logger_cfg, **extra))
+    return loggers
+
+
+def test_checkpoint(trainer: pl.Trainer, setting: str) -> str:
+    """The checkpoint that ``test_ckpt`` names: ``best``, ``last``, ``avg<N>`` or a path.
+
+    ``avg<N>`` averages the newest N step checkpoints into ``checkpoints/avg<N>.ckpt``
+    (on rank 0; the other ranks wait for the file).
+    """
+    recent = next((c for c in trainer.callbacks if isinstance(c, RecentCheckpoints)), None)
+    if setting == "best":
+        best = [
+            c.best_model_path
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint) and not isinstance(c, RecentCheckpoints)
+        ]
+        if not best or not best[0]:
+            raise ValueError("test_ckpt=best needs a ModelCheckpoint on val/bleu (checkpoint_best)")
+        return best[0]
+    if setting in ("last",) or setting.startswith("avg"):
+        if recent is None:
+            raise ValueError(
+                f"test_ckpt={setting} needs the RecentCheckpoints callback (checkpoint_recent)"
+            )
+        if setting == "last":
+            return f"{recent.dirpath}/last.ckpt"
+        if not setting[3:].isdigit() or int(setting[3:]) < 1:
+            raise ValueError(f"test_ckpt={setting}; expected best, last, avg<N> (N >= 1) or a path")
+        out = Path(recent.dirpath) / f"{setting}.ckpt"
+        if trainer.is_global_zero:
+            averaged = average_checkpoints(recent_checkpoints(recent.dirpath, int(setting[3:])))
+            write_atomically(out, lambda f: torch.save(averaged, f))
+        trainer.strategy.barrier()
+        return str(out)
+    if not Path(setting).is_file():
+        raise FileNotFoundError(
+            f"test_ckpt={setting}: no such checkpoint; expected best, last, avg<N> or a path"
+        )
+    return setting
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -125,6 +178,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # state_dict restores it), so its warning about it does not apply.
     warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
+    ckpt_path, wandb_id = resume_checkpoint(cfg.get("ckpt_path"), Path(run_dir) / "checkpoints")
     if "wandb" in (cfg.get("logger") or {}):
         configure_wandb_mode(run_dir)
 
@@ -133,18 +187,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule.setup("fit")
     datamodule.save_tokenizer(run_dir)
 
-    model = build_model(cfg, datamodule.vocab_size, datamodule.pad_id)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    model = build_model(config, datamodule.vocab_size, datamodule.pad_id)
     if cfg.get("init_from"):
         initialise_from(model, cfg.init_from, datamodule.tokenizer)
-    config = OmegaConf.to_container(cfg, resolve=True)
     module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
     # Set after instantiate: Hydra would try to instantiate the _target_s inside it.
     module.run_config = config
-    summary = model_summary(cfg, model)
+    summary = model_summary(model)
     log.info("model: %s", summary)
 
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    loggers = build_loggers(cfg, model, wandb_id)
     precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     trainer: pl.Trainer = instantiate(
         cfg.trainer, precision=precision, callbacks=callbacks, logger=loggers or False
@@ -153,28 +207,26 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger.log_hyperparams({**config, **summary, "precision": precision})
 
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if cfg.get("test"):
-            best = (
-                trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            )
-            trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+            # A fast_dev_run saves no checkpoint: it tests the weights it ends with.
+            tested = None if trainer.fast_dev_run else test_checkpoint(trainer, str(cfg.test_ckpt))
+            trainer.test(module, datamodule=datamodule, ckpt_path=tested)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-        summary.update(training_summary(trainer))
-        if cfg.summary.decode_speed:
             summary.update(
-                decode_summary(
-                    module,
-                    datamodule,
-                    cfg.summary.split,
-                    cfg.summary.limit,
-                    cfg.summary.beam_size,
-                    cfg.summary.batch_size,
-                )
+                {
+                    "test/ckpt": tested or "final weights",
+                    "test/beam_size": module.beam_sizes["test"],
+                }
             )
-        summary.update(metrics)
-        write_summary(run_dir, summary, trainer)
+        if trainer.is_global_zero:
+            summary.update(training_summary(trainer))
+            if cfg.summary.decode_speed:
+                device = trainer.strategy.root_device
+                summary.update(decode_summary(module, datamodule, device, cfg))
+            summary.update(metrics)
+            write_summary(run_dir, summary, trainer)
     finally:
         finish_wandb()
     log.info("run directory: %s", run_dir)
@@ -183,9 +235,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def write_summary(run_dir: str, summary: dict[str, Any], trainer: pl.Trainer) -> None:
     """``summary.json`` in the run directory, and the same figures in wandb's run summary."""
-    path = Path(run_dir) / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
+    write_atomically(Path(run_dir) / "summary.json", lambda f: f.write(text.encode()))
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.experiment.summary.update(summary)

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from multihead.checkpoints import load_translator
 from multihead.data import load_parallel_dataset
-from multihead.training.checkpoint import load_translator
-from multihead.training.inference import translate
-from multihead.training.metrics import corpus_scores, tokenized_bleu
+from multihead.evaluation.metrics import corpus_scores, tokenized_bleu
+from multihead.evaluation.translate import search_settings, translate
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
@@ -25,9 +25,9 @@ def evaluate_checkpoint(
     *,
     split: str = "test",
     beam_size: int = 5,
-    length_penalty: float = 1.0,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
+    length_penalty: float | None = None,
+    max_len_a: float | None = None,
+    max_len_b: float | None = None,
     batch_size: int = 128,
     limit: int | None = None,
     backend: str | None = None,
@@ -37,7 +37,8 @@ def evaluate_checkpoint(
     """Translate ``split`` with the checkpoint, score it, write hypotheses and scores.
 
     Writes ``hypotheses.<split>.txt`` (one line per source sentence, in order) and
-    ``scores.json`` into ``out_dir``. Returns the scores.
+    ``scores.json`` into ``out_dir``. Returns the scores. Search settings left ``None`` are
+    the ones the checkpoint was trained with.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; expected one of {', '.join(SPLITS)}")
@@ -63,10 +64,13 @@ def evaluate_checkpoint(
             translator.tokenizer,
             sources,
             beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_len_a=max_len_a,
-            max_len_b=max_len_b,
             batch_size=batch_size,
+            **search_settings(
+                translator.config,
+                length_penalty=length_penalty,
+                max_len_a=max_len_a,
+                max_len_b=max_len_b,
+            ),
         )
     seconds = time.perf_counter() - start
 

@@ -10,10 +10,11 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 
+from multihead.analysis.heads import head_outputs, head_similarity
 from multihead.attention import MultiHeadAttention
 from multihead.data import Tokenizer, collate
 from multihead.model import Transformer
-from multihead.training.diagnostics import AttentionMapLogger, head_outputs, head_similarity
+from multihead.training.diagnostics import AttentionMapLogger
 from tests.conftest import compose_config
 
 SENTENCES = [

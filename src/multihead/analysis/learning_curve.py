@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from multihead.training.evaluation import evaluate_checkpoint
+from multihead.evaluation import evaluate_checkpoint
 
 MINUTE_CKPT = re.compile(r"^minute(?P<minute>[0-9.]+)-step(?P<step>\d+)\.ckpt$")
 

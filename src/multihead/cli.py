@@ -1,9 +1,9 @@
-"""OmegaConf resolvers used by the Hydra configs, and the one-line error wrapper."""
+"""What the scripts share: user errors become one ``error: ...`` line and exit status 2,
+and the one config resolver of their own."""
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -14,48 +14,11 @@ from omegaconf import OmegaConf
 
 from multihead.attention import BackendUnavailableError
 
-log = logging.getLogger(__name__)
-
-
-def head_variant(num_heads: int, num_kv_heads: int | None) -> str:
-    """``mha``, ``gqa`` or ``mqa`` for these head counts."""
-    kv = num_heads if num_kv_heads is None else num_kv_heads
-    if kv == num_heads:
-        return "mha"
-    return "mqa" if kv == 1 else "gqa"
-
-
-def head_tag(num_heads: int, num_kv_heads: int | None, backend: str) -> str:
-    """A run name that shows the head settings, e.g. ``gqa-h8-kv2-sdpa``."""
-    kv = num_heads if num_kv_heads is None else num_kv_heads
-    return f"{head_variant(num_heads, num_kv_heads)}-h{num_heads}-kv{kv}-{backend}"
-
-
-def head_tags(num_heads: int, num_kv_heads: int | None, backend: str) -> list[str]:
-    """wandb tags for the head settings, so runs can be filtered by each."""
-    kv = num_heads if num_kv_heads is None else num_kv_heads
-    return [
-        head_variant(num_heads, num_kv_heads),
-        f"heads={num_heads}",
-        f"kv_heads={kv}",
-        f"backend={backend}",
-    ]
-
-
-def path_name(path: str) -> str:
-    """The last component of ``path`` (e.g. a sweep directory's time stamp)."""
-    return Path(str(path)).name
-
 
 def register_resolvers() -> None:
-    for name, fn in (
-        ("head_tag", head_tag),
-        ("head_tags", head_tags),
-        ("head_variant", head_variant),
-        ("path_name", path_name),
-    ):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+    """``${path_name:PATH}``, the last component of a path (e.g. a sweep's time stamp)."""
+    if not OmegaConf.has_resolver("path_name"):
+        OmegaConf.register_new_resolver("path_name", lambda path: Path(str(path)).name)
 
 
 # Errors caused by what the user gave us (config values, files, checkpoints, input). Our

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.training.checkpoint import read_checkpoint
+from multihead.checkpoints.io import read_checkpoint, weights_only
 
 _STEP = re.compile(r"step(\d+)\.ckpt$")
 
@@ -53,11 +53,12 @@ def checkpoints_to_average(
 def average_checkpoints(paths: list[Path]) -> dict:
     """A checkpoint whose weights are the mean of ``paths``' weights.
 
-    Everything else (config, tokenizer, optimiser state) is taken from the last one, so
-    the result loads anywhere the last checkpoint does.
+    The config, tokenizer and step are taken from the last one, so the result loads
+    anywhere the last checkpoint does. Optimiser, scheduler and loop states are dropped:
+    they belong to the last file's run, not to the averaged weights.
     """
     ckpts = [read_checkpoint(p) for p in paths]
-    averaged = ckpts[-1]
+    averaged = weights_only(ckpts[-1])
     keys = averaged["state_dict"].keys()
     for c, p in zip(ckpts, paths, strict=True):
         if c["state_dict"].keys() != keys:
@@ -70,15 +71,3 @@ def average_checkpoints(paths: list[Path]) -> dict:
             )
     averaged["multihead"]["averaged_from"] = [str(p) for p in paths]
     return averaged
-
-
-def save_new(obj: dict, out: str | Path) -> Path:
-    """``torch.save`` to ``out``, refusing to overwrite anything."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new out= path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(obj, tmp)
-    tmp.rename(out)
-    return out

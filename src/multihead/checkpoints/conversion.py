@@ -15,18 +15,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from multihead.checkpoints.io import load_translator, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_KINDS, Transformer
-from multihead.training.averaging import save_new
-from multihead.training.checkpoint import load_translator, read_checkpoint
 
 # The GQA paper converts the decoder; "all" also converts the encoder self-attention.
 SCOPES = {
     "decoder": ("decoder_self_attention", "cross_attention"),
     "all": ATTENTION_KINDS,
 }
-# What a converted checkpoint keeps: the weights, the rebuild recipe, and where it was in
-# training. Optimiser, scheduler, loop and callback states describe the old shapes.
-_KEPT = ("state_dict", "multihead", "epoch", "global_step", "pytorch-lightning_version")
 
 
 def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
@@ -51,14 +47,6 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(kind for kind in ATTENTION_KINDS if kind in names)
 
 
-def _sublayers(model: Transformer, kind: str) -> list[tuple[Any, str]]:
-    """``(parent layer, attribute name)`` of every attention sublayer of ``kind``."""
-    if kind == "encoder_self_attention":
-        return [(layer, "self_attn") for layer in model.encoder_layers]
-    name = "self_attn" if kind == "decoder_self_attention" else "cross_attn"
-    return [(layer, name) for layer in model.decoder_layers]
-
-
 def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -> Transformer:
     """Replace the attention sublayers of ``kinds`` by mean-pooled ``num_kv_heads`` copies.
 
@@ -69,9 +57,10 @@ def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -
     """
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
         raise TypeError(f"num_kv_heads must be an integer, got {num_kv_heads!r}")
+    for kind, _, path, attn in list(model.attention_sublayers()):
+        if kind in kinds:
+            model.set_submodule(path, attn.with_kv_heads(num_kv_heads))
     for kind in kinds:
-        for parent, name in _sublayers(model, kind):
-            setattr(parent, name, getattr(parent, name).with_kv_heads(num_kv_heads))
         model.attention_config[kind]["num_kv_heads"] = num_kv_heads
     return model
 
@@ -79,17 +68,11 @@ def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -
 def _converted_config(config: dict, num_kv_heads: int, kinds: Sequence[str]) -> dict:
     """The run config with ``num_kv_heads`` set for ``kinds``, so it rebuilds the result."""
     config = copy.deepcopy(config)
-    # model.<kind> is what the Transformer is built from; attention.<kind> is the source
-    # it was interpolated from in train.yaml, kept in step so the config reads true.
-    for section in (config["model"], config.get("attention")):
-        if section is None:
-            continue
-        for kind in kinds:
-            section[kind] = {**(section.get(kind) or {}), "num_kv_heads": num_kv_heads}
+    attention = config["attention"]  # the one place heads are set
+    for kind in kinds:
+        attention[kind] = {**(attention.get(kind) or {}), "num_kv_heads": num_kv_heads}
     if set(kinds) == set(ATTENTION_KINDS):
-        config["model"]["attention"]["num_kv_heads"] = num_kv_heads
-        if config.get("attention") is not None:
-            config["attention"]["num_kv_heads"] = num_kv_heads
+        attention["num_kv_heads"] = num_kv_heads
     return config
 
 
@@ -98,7 +81,7 @@ def convert_checkpoint(
 ) -> dict[str, Any]:
     """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads.
 
-    The result loads with :func:`~multihead.training.checkpoint.load_translator` and can
+    The result loads with :func:`~multihead.checkpoints.load_translator` and can
     initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
     cannot resume one. ``ckpt["multihead"]["converted_from"]`` records the conversion.
 
@@ -117,7 +100,7 @@ def convert_checkpoint(
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
     if set(state) != old_keys:  # only shapes change; a different key set is a bug here
         raise RuntimeError(f"conversion changed the parameter names: {set(state) ^ old_keys}")
-    converted = {key: ckpt[key] for key in _KEPT if key in ckpt}
+    converted = weights_only(ckpt)
     converted["state_dict"] = {
         **{k: v for k, v in ckpt["state_dict"].items() if not k.startswith("model.")},
         **state,

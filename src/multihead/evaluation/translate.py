@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import nn
 
 from multihead.data import Tokenizer, collate
-from multihead.model import beam_search, greedy_decode
+from multihead.model import decode
 
 
 def translate(
@@ -13,15 +16,16 @@ def translate(
     tokenizer: Tokenizer,
     sentences: list[str],
     *,
-    beam_size: int = 5,
-    length_penalty: float = 1.0,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
+    beam_size: int,
+    length_penalty: float,
+    max_len_a: float,
+    max_len_b: float,
     batch_size: int = 128,
 ) -> list[str]:
     """Translate ``sentences``; batches are formed by length and outputs kept in order.
 
-    ``beam_size=1`` is greedy search. The model should be in eval mode.
+    ``beam_size=1`` is greedy search. The model should be in eval mode. The search
+    settings are those of :func:`multihead.model.decode`.
     """
     if beam_size < 1 or batch_size < 1:
         raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size}, {batch_size}")
@@ -37,18 +41,29 @@ def translate(
         src = collate(
             examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
         )["src"].to(device)  # (B, S), ids + eos
-        common = dict(
+        hyp_ids = decode(
+            model,
+            src,
             bos_id=tokenizer.bos_id,
             eos_id=tokenizer.eos_id,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
             max_len_a=max_len_a,
             max_len_b=max_len_b,
         )
-        if beam_size == 1:
-            hyp_ids = greedy_decode(model, src, **common)
-        else:
-            hyp_ids = beam_search(
-                model, src, beam_size=beam_size, length_penalty=length_penalty, **common
-            )
         for i, hyp in zip(chunk, tokenizer.decode_batch(hyp_ids), strict=True):
             out[i] = hyp
     return out
+
+
+def search_settings(
+    config: Mapping[str, Any],
+    *,
+    length_penalty: float | None = None,
+    max_len_a: float | None = None,
+    max_len_b: float | None = None,
+) -> dict[str, float]:
+    """The search settings a run was trained with (its ``module`` config), each replaced
+    where given: the keyword arguments of :func:`translate` besides the beam size."""
+    given = {"length_penalty": length_penalty, "max_len_a": max_len_a, "max_len_b": max_len_b}
+    return {k: config["module"][k] if v is None else v for k, v in given.items()}

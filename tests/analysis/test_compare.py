@@ -5,28 +5,19 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
 
-from multihead.training.comparison import (
+from multihead.analysis.comparison import (
     OUTPUT_FILES,
     compare,
     find_run_dirs,
-    iter_wandb_records,
     load_local_runs,
     load_wandb_group,
     read_metrics_csv,
-    read_wandb_history,
 )
 from tests.training.test_configs import run_script
-
-# A real offline run file written by wandb 0.31 (wandb.init(mode="offline") + wandb.log):
-# train/loss at steps 9..39, val/loss and val/bleu at steps 19 and 39. It lives outside a
-# wandb/ directory because .gitignore ignores those; the tests copy it into place.
-WANDB_FIXTURE = Path(__file__).parent / "fixtures" / "compare" / "run-mqa-h4-kv1.wandb"
 
 METRICS_CSV = """\
 epoch,lr-Adam,step,train/loss,val/bleu,val/loss
@@ -61,7 +52,7 @@ def summary(variant: str, heads: int, kv: int, **figures) -> dict:
 
 @pytest.fixture
 def runs_dir(tmp_path: Path) -> Path:
-    """A multirun directory: MHA and GQA with csv logs, MQA with an offline wandb run."""
+    """A multirun directory: MHA and GQA with csv logs, MQA without any curves."""
     root = tmp_path / "multiruns" / "2026-01-01_00-00-00"
     jobs = {
         "0": summary("gqa", 4, 2),
@@ -74,9 +65,6 @@ def runs_dir(tmp_path: Path) -> Path:
     for job in ("0", "2"):
         (root / job / "csv").mkdir()
         (root / job / "csv" / "metrics.csv").write_text(METRICS_CSV)
-    offline = root / "1" / "wandb" / "offline-run-20260101_000000-4n2u03de"
-    offline.mkdir(parents=True)
-    shutil.copy(WANDB_FIXTURE, offline / "run-4n2u03de.wandb")
     (root / "3" / ".hydra").mkdir(parents=True)  # a crashed job: no summary.json, skipped
     return root
 
@@ -85,7 +73,7 @@ def test_runs_are_found_and_sorted_mha_gqa_mqa(runs_dir: Path) -> None:
     assert [p.name for p in find_run_dirs(runs_dir)] == ["0", "1", "2"]
     runs = load_local_runs(runs_dir)
     assert [r.label for r in runs] == ["mha-h4-kv4-sdpa", "gqa-h4-kv2-sdpa", "mqa-h4-kv1-sdpa"]
-    assert [r.curve_source for r in runs] == ["csv", "csv", "wandb-offline"]
+    assert [r.curve_source for r in runs] == ["csv", "csv", "none"]
 
 
 def test_metrics_csv_curves_skip_empty_cells(tmp_path: Path) -> None:
@@ -95,36 +83,6 @@ def test_metrics_csv_curves_skip_empty_cells(tmp_path: Path) -> None:
         "val/bleu": [(19, 1.5), (39, 2.5)],
         "val/loss": [(19, 6.4), (39, 5.9)],
     }
-
-
-def test_wandb_offline_history_is_read(runs_dir: Path) -> None:
-    rows = read_wandb_history(WANDB_FIXTURE)
-    assert [r["train/loss"] for r in rows if "train/loss" in r] == [6.55, 6.05, 5.55, 5.05]
-    mqa = load_local_runs(runs_dir)[2]
-    assert mqa.curves == {
-        "val/bleu": [(19, 0.19), (39, 0.39)],
-        "val/loss": [(19, 6.025), (39, 5.525)],
-    }
-
-
-def _chunk(kind: int, data: bytes) -> bytes:
-    crc = zlib.crc32(data, zlib.crc32(bytes([kind])))
-    return struct.pack("<IHB", crc, len(data), kind) + data
-
-
-def test_wandb_records_split_across_blocks_are_joined(tmp_path: Path) -> None:
-    # Block 1: header, a FULL record, then the FIRST part of a long one that fills the block
-    # to 3 bytes short of its end (zero padding); block 2: its LAST part, then a FULL one.
-    header = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
-    small = _chunk(1, b"a" * 10)
-    first_len = 32768 - len(header) - len(small) - 7 - 3
-    long_record = b"x" * first_len + b"y" * 50
-    data = header + small + _chunk(2, long_record[:first_len]) + b"\0" * 3
-    data += _chunk(4, long_record[first_len:]) + _chunk(1, b"b" * 5)
-    data += _chunk(1, b"c" * 5)[:-2]  # truncated at the end: dropped
-    path = tmp_path / "run-x.wandb"
-    path.write_bytes(data)
-    assert list(iter_wandb_records(path)) == [b"a" * 10, long_record, b"b" * 5]
 
 
 def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 What ``scripts/compare.py`` does. Runs come from a directory (any directory below which run
 directories hold a ``summary.json``, e.g. a Hydra multirun directory) or from a wandb group
 through the public API. Validation curves are read from the run's ``csv/metrics.csv``
-(``logger=csv``), else from the history records of its offline wandb file
-(``wandb/offline-run-*/run-*.wandb``, ``logger=wandb`` without an API key).
+(written by default beside wandb, ``logger=wandb_csv``), or from wandb's public API for
+a group of online runs.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import json
 import math
 import os
 import re
-import struct
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +40,7 @@ class RunResult:
     """One run: its ``summary.json`` figures and its validation curves.
 
     ``source`` says where it came from (a run directory or a wandb run path) and
-    ``curve_source`` where the curves came from: ``csv``, ``wandb-offline``, ``wandb-api``
+    ``curve_source`` where the curves came from: ``csv``, ``wandb-api``
     or ``none``.
     """
 
@@ -96,75 +93,6 @@ def read_metrics_csv(path: str | os.PathLike, keys: tuple[str, ...] = CURVE_KEYS
     return {key: sorted(points) for key, points in curves.items() if points}
 
 
-# The offline .wandb file is a LevelDB-style log: a 7-byte header (":W&B", magic 0xBEE1,
-# version 0), then 32 KiB blocks of chunks, each "<crc32:u32><length:u16><type:u8>" + data.
-# A record too long for the rest of a block is split into FIRST, MIDDLE..., LAST chunks; a
-# block tail shorter than a chunk header is zero padding. Each record is a protobuf
-# wandb_internal_pb2.Record. (wandb >= 0.20 no longer ships a Python reader for it.)
-_WANDB_HEADER = struct.Struct("<4sHB")
-_CHUNK_HEADER = struct.Struct("<IHB")
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def iter_wandb_records(path: str | os.PathLike) -> Iterator[bytes]:
-    """The serialized records of an offline ``run-*.wandb`` file, in order.
-
-    Stops quietly at a truncated or corrupt chunk (a run killed mid-write), keeping what
-    came before it.
-    """
-    data = Path(path).read_bytes()
-    if len(data) < _WANDB_HEADER.size:
-        raise ValueError(f"{path}: not a wandb run file (only {len(data)} bytes)")
-    ident, magic, version = _WANDB_HEADER.unpack_from(data)
-    if ident != b":W&B" or magic != 0xBEE1 or version != 0:
-        raise ValueError(f"{path}: not a wandb run file (header {ident!r}, {magic:#x})")
-    pos = _WANDB_HEADER.size
-    pending: bytes | None = None
-    while True:
-        if _BLOCK - pos % _BLOCK < _CHUNK_HEADER.size:
-            pos += _BLOCK - pos % _BLOCK  # zero padding at the end of a block
-        if pos + _CHUNK_HEADER.size > len(data):
-            return
-        checksum, length, kind = _CHUNK_HEADER.unpack_from(data, pos)
-        chunk = data[pos + _CHUNK_HEADER.size : pos + _CHUNK_HEADER.size + length]
-        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
-            return
-        pos += _CHUNK_HEADER.size + length
-        if kind == _FULL:
-            yield chunk
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind in (_MIDDLE, _LAST) and pending is not None:
-            pending += chunk
-            if kind == _LAST:
-                yield pending
-                pending = None
-        else:
-            return
-
-
-def read_wandb_history(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The history rows (``wandb.log`` calls) of an offline ``run-*.wandb`` file."""
-    from wandb.proto import wandb_internal_pb2
-
-    rows = []
-    for data in iter_wandb_records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") != "history":
-            continue
-        row = {}
-        for item in record.history.item:
-            key = item.key or "/".join(item.nested_key)
-            try:
-                row[key] = json.loads(item.value_json)
-            except ValueError:
-                continue
-        rows.append(row)
-    return rows
-
-
 def curves_from_history(
     rows: list[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS
 ) -> dict[str, Curve]:
@@ -193,11 +121,6 @@ def read_run_dir(run_dir: str | os.PathLike) -> RunResult:
     if metrics_csv.is_file():
         run.curves, run.curve_source = read_metrics_csv(metrics_csv), "csv"
         return run
-    # A resumed run has one offline directory per attempt: read them in order.
-    wandb_files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    if wandb_files:
-        rows = [row for path in wandb_files for row in read_wandb_history(path)]
-        run.curves, run.curve_source = curves_from_history(rows), "wandb-offline"
     return run
 
 

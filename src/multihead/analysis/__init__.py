@@ -1,0 +1,2 @@
+"""Reports about finished runs: comparing runs, learning curves against wall-clock minutes,
+attention maps and head diversity."""

@@ -1,0 +1,166 @@
+"""Attention maps and head diversity of a Transformer: per-head outputs, similarity, figures.
+
+The training callback :class:`~multihead.training.diagnostics.AttentionMapLogger` draws
+these after validation; they work on any trained model.
+
+Head similarity is the mean, over pairs of heads and real (non-padding) query positions,
+of the cosine similarity between two heads' outputs ``weights_h @ V_h`` (before the
+output projection): near 1 means the heads compute nearly the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import MultiHeadAttention
+
+matplotlib.use("Agg")  # files only; never open a window
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+MAP_KINDS = ("encoder_self", "decoder_self", "cross")
+
+
+def _attention_layers(model: nn.Module) -> dict[MultiHeadAttention, tuple[str, int]]:
+    """Every attention sublayer of a :class:`~multihead.model.Transformer`: (kind, layer)."""
+    return {
+        attn: (kind.removesuffix("_attention"), i)
+        for kind, i, _, attn in model.attention_sublayers()
+    }
+
+
+def head_outputs(
+    model: nn.Module, src: Tensor, tgt_in: Tensor
+) -> tuple[dict[str, list[Tensor]], dict[str, list[Tensor]]]:
+    """Attention weights and per-head outputs of every sublayer (math path).
+
+    The per-head output is ``weights_h @ V_h``, the head's contribution before the heads
+    are concatenated and projected by ``out_proj``. ``V`` is recomputed from each
+    sublayer's key/value input, captured by a forward pre-hook while
+    :meth:`~multihead.model.Transformer.attention_maps` runs. Call it in eval mode under
+    ``torch.no_grad()``.
+
+    Args:
+        model: a :class:`~multihead.model.Transformer`.
+        src: ``(B, S)`` source ids.
+        tgt_in: ``(B, T)`` bos-prefixed target ids.
+
+    Returns:
+        ``(maps, outputs)``, both ``{kind: [per layer]}`` with the kinds of
+        :data:`MAP_KINDS`; maps are ``(B, H, L, S)``, outputs ``(B, H, L, D)``.
+    """
+    layers = _attention_layers(model)
+    inputs: dict[tuple[str, int], Tensor] = {}
+
+    def capture(module: MultiHeadAttention, args: tuple, kwargs: dict) -> None:
+        key_value = args[1] if len(args) > 1 else kwargs.get("key_value")
+        inputs[layers[module]] = args[0] if key_value is None else key_value
+
+    hooks = [attn.register_forward_pre_hook(capture, with_kwargs=True) for attn in layers]
+    try:
+        maps = model.attention_maps(src, tgt_in)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    outputs: dict[str, list[Tensor]] = {kind: [] for kind in MAP_KINDS}
+    for attn, (kind, i) in layers.items():
+        H, G, D, E = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.embed_dim
+        w, b = attn.in_proj.weight, attn.in_proj.bias
+        rows = slice(E + G * D, E + 2 * G * D)  # the V rows of the stacked projection
+        kv = inputs[(kind, i)]
+        v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
+        v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
+        v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): query head h uses group h//(H/G)
+        outputs[kind].append(maps[kind][i] @ v)  # (B, H, L, D)
+    return maps, outputs
+
+
+def head_similarity(outputs: Tensor, query_mask: Tensor | None = None) -> float:
+    """Mean pairwise cosine similarity between heads' outputs, in ``[-1, 1]``.
+
+    Args:
+        outputs: ``(B, H, L, D)`` per-head outputs.
+        query_mask: ``(B, L)`` bool, True = a real query position; ``None`` = all real.
+
+    Returns:
+        The mean over head pairs ``h < h'`` and real positions of
+        ``cos(outputs[b, h, l], outputs[b, h', l])``; NaN with a single head.
+    """
+    B, H, L, _ = outputs.shape
+    if H < 2:
+        return float("nan")
+    unit = F.normalize(outputs.float(), dim=-1)  # (B, H, L, D)
+    cos = torch.einsum("bhld,bkld->blhk", unit, unit)  # (B, L, H, H)
+    pairs = torch.triu_indices(H, H, offset=1, device=outputs.device)
+    per_pair = cos[:, :, pairs[0], pairs[1]]  # (B, L, H*(H-1)/2)
+    if query_mask is None:
+        query_mask = torch.ones(B, L, dtype=torch.bool, device=outputs.device)
+    return float(per_pair[query_mask].mean().clamp(-1.0, 1.0))
+
+
+def token_labels(tokenizer: Any, ids: Tensor) -> list[str]:
+    """One tick label per id: the decoded subword, or ``<pad>``/``<bos>``/``<eos>``."""
+    special = {tokenizer.pad_id: "<pad>", tokenizer.bos_id: "<bos>", tokenizer.eos_id: "<eos>"}
+    labels = []
+    for i in ids.tolist():
+        text = special.get(i)
+        if text is None:
+            # Byte-level pieces of a multi-byte character decode to U+FFFD: fine for a label.
+            piece = tokenizer.decode([i])
+            text = piece.strip() or repr(piece)
+        labels.append(text)
+    return labels
+
+
+def plot_heads(
+    weights: Tensor, row_labels: list[str], col_labels: list[str], title: str
+) -> plt.Figure:
+    """A grid of heatmaps, one per head, of ``weights`` ``(H, L, S)`` on one colour scale."""
+    H = weights.shape[0]
+    cols = min(H, 4)
+    rows = -(-H // cols)
+    size = 0.5 + 0.18 * max(len(row_labels), len(col_labels))
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(cols * size + 1, rows * size + 0.8), squeeze=False
+    )
+    # One colour scale for all heads, so they compare; up to the largest weight shown.
+    vmax = max(float(weights.max()), 1e-6)
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.axis("off")
+            continue
+        image = ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
+        ax.set_title(f"head {h}", fontsize=8)
+        # Every head has the same tokens: label only the outer axes (ticks are slow to draw).
+        below = h + cols < H
+        ax.set_xticks([] if below else range(len(col_labels)))
+        ax.set_yticks(range(len(row_labels)) if h % cols == 0 else [])
+        if not below:
+            ax.set_xticklabels(col_labels, rotation=90, fontsize=6)
+        if h % cols == 0:
+            ax.set_yticklabels(row_labels, fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    return fig
+
+
+def plot_similarity(similarity: dict[str, list[float]], title: str) -> plt.Figure:
+    """Head similarity per layer, one line per sublayer kind."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for kind, values in similarity.items():
+        ax.plot(range(len(values)), values, marker="o", label=kind)
+    ax.set_xticks(range(max(map(len, similarity.values()), default=0)))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean pairwise cosine of head outputs")
+    ax.set_ylim(-1.05, 1.05)
+    ax.axhline(0.0, color="grey", linewidth=0.5)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig

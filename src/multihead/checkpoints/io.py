@@ -1,0 +1,168 @@
+"""Reading the self-contained checkpoints that ``train.py`` writes, and writing files safely.
+
+A checkpoint is a Lightning checkpoint with one extra entry, ``multihead``: the format
+version, the resolved run config and the tokenizer. Config plus tokenizer rebuild the
+network anywhere, without the data or the Hydra config files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from multihead.data import Tokenizer
+from multihead.model.transformer import ATTENTION_KINDS
+
+# Bumped whenever what ``multihead`` holds, or how the config describes the model, changes.
+FORMAT_VERSION = 2
+
+
+@dataclass
+class Translator:
+    """What a checkpoint holds: the network, its tokenizer and the run's config."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint file written by ``scripts/train.py`` onto the CPU.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a readable multihead checkpoint of this format version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        # Our checkpoints hold the config and tokenizer besides tensors: not weights-only.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises many types for a corrupt or foreign file
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "multihead" not in ckpt:
+        raise ValueError(
+            f"{path} is not a multihead checkpoint: expected 'state_dict' and 'multihead' "
+            "entries, as written by scripts/train.py"
+        )
+    version = ckpt["multihead"].get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has checkpoint format version {version}; this multihead reads version "
+            f"{FORMAT_VERSION} (use the multihead release that wrote it)"
+        )
+    return ckpt
+
+
+def model_state_dict(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The network's weights, without the LightningModule's ``model.`` prefix."""
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+
+
+# What a derived checkpoint (an average, a conversion) keeps: the weights, the rebuild
+# recipe, and where it was in training. Optimiser, scheduler, loop and callback states
+# describe one file's run, not the derived weights, so such a checkpoint cannot resume one.
+_WEIGHTS_ONLY_KEYS = (
+    "state_dict",
+    "multihead",
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+)
+
+
+def weights_only(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``ckpt`` without optimiser, scheduler, loop and callback states."""
+    return {key: ckpt[key] for key in _WEIGHTS_ONLY_KEYS if key in ckpt}
+
+
+def build_model(
+    config: Mapping[str, Any], vocab_size: int, pad_id: int, *, backend: str | None = None
+) -> nn.Module:
+    """The network a run config describes: ``config.model`` with the heads of ``config.attention``.
+
+    ``attention`` is the one place heads are set: its top-level keys apply to every
+    attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
+    ``cross_attention`` sections override them for one kind. ``backend`` replaces every
+    sublayer's backend (e.g. to translate with another kernel than the one trained with).
+    """
+    from hydra.utils import instantiate
+
+    attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
+    per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
+    if backend is not None:
+        attention["backend"] = backend
+        for section in per_kind.values():
+            if section:
+                section.pop("backend", None)
+    return instantiate(
+        config["model"],
+        src_vocab_size=vocab_size,
+        tgt_vocab_size=vocab_size,
+        pad_id=pad_id,
+        attention=attention,
+        **per_kind,
+    )
+
+
+def load_translator(path: str | Path, backend: str | None = None) -> Translator:
+    """Rebuild the trained model (in eval mode) and its tokenizer from a checkpoint.
+
+    Args:
+        path: a ``.ckpt`` written by ``scripts/train.py``.
+        backend: run every attention layer with this backend instead of the trained one.
+    """
+    ckpt = read_checkpoint(path)
+    extra = ckpt["multihead"]
+    tokenizer = Tokenizer.from_str(extra["tokenizer"])
+    config = extra["config"]
+    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id, backend=backend)
+    model.load_state_dict(model_state_dict(ckpt))
+    return Translator(model.eval(), tokenizer, config)
+
+
+def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write ``path`` so that it is either the old file or the complete new one, never torn.
+
+    ``write`` fills a temporary file *in the same directory* (a rename is atomic only within
+    one filesystem; the system temp directory may be another one), which is flushed and
+    fsynced, then renamed over ``path``; the directory is fsynced so the rename survives a
+    power loss. On any error the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def save_new(obj: dict, out: str | Path) -> Path:
+    """``torch.save`` to ``out`` atomically, refusing to overwrite anything."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new out= path")
+    return write_atomically(out, lambda f: torch.save(obj, f))
