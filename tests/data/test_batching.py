@@ -36,8 +36,8 @@ def test_low_padding(lengths: list[int]) -> None:
 
 def test_real_token_fraction_matches_collate() -> None:
     examples = [
-        {"src_ids": [5] * n, "tgt_ids": [6] * m, "src": "", "tgt": "", "index": i}
-        for i, (n, m) in enumerate([(3, 1), (1, 4), (2, 2)])
+        {"src_ids": [5] * n, "tgt_ids": [6] * m, "src": "", "tgt": ""}
+        for n, m in [(3, 1), (1, 4), (2, 2)]
     ]
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
     src_lengths, tgt_lengths = [4, 2, 3], [3, 6, 4]
@@ -131,16 +131,16 @@ def test_overlong_example_is_alone() -> None:
 
 
 def test_collate() -> None:
+    # Extra keys (callers may pass an "index" or a "length") are ignored.
     examples = [
         {"src_ids": [5, 6, 7], "tgt_ids": [8], "src": "a b c", "tgt": "x", "index": 4},
-        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "index": 0},
+        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "length": 6},
     ]
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
-    assert set(batch) == {"src", "tgt", "index", "src_text", "tgt_text", "real_token_fraction"}
+    assert set(batch) == {"src", "tgt", "src_text", "tgt_text", "real_token_fraction"}
     assert torch.equal(batch["src"], torch.tensor([[5, 6, 7, 2], [9, 2, 0, 0]]))
     assert torch.equal(batch["tgt"], torch.tensor([[1, 8, 2, 0, 0, 0], [1, 10, 11, 12, 13, 2]]))
     assert batch["src"].dtype == batch["tgt"].dtype == torch.long
-    assert batch["index"].tolist() == [4, 0]
     assert batch["src_text"] == ["a b c", "d"] and batch["tgt_text"] == ["x", "y z"]
     assert batch["real_token_fraction"] == pytest.approx((4 + 2 + 3 + 6) / (8 + 12))
     with pytest.raises(ValueError, match="empty list"):

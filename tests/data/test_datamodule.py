@@ -52,19 +52,23 @@ def test_setup_and_batches(dm: TranslationDataModule) -> None:
         assert b * max(s, batch["tgt"].shape[1]) <= 600
         assert (batch["tgt"][:, 0] == dm.tokenizer.bos_id).all()
         assert 0 < batch["real_token_fraction"] <= 1
-        seen += batch["index"].tolist()
-    assert sorted(seen) == list(range(2000))
+        seen += batch["src_text"]
+    assert sorted(seen) == sorted(dm.tokenized["train"]["src"])
     first = next(iter(dm.train_dataloader()))
     text = dm.tokenizer.decode(first["tgt"][0])
     assert text == first["tgt_text"][0]
 
 
-def test_eval_batches_restore_order(dm: TranslationDataModule) -> None:
-    hyps: dict[int, str] = {}
-    for batch in dm.test_dataloader():
-        for i, row in zip(batch["index"].tolist(), batch["tgt"], strict=True):
-            hyps[i] = dm.tokenizer.decode(row)
-    assert [hyps[i] for i in range(200)] == dm.tokenized["test"]["tgt"]
+def test_eval_batches_in_sampler_order(dm: TranslationDataModule) -> None:
+    loader = dm.test_dataloader()
+    order = [i for batch in loader.batch_sampler for i in batch]
+    decoded, texts = [], []
+    for batch in loader:
+        decoded += [dm.tokenizer.decode(row) for row in batch["tgt"]]
+        texts += batch["tgt_text"]
+    references = dm.tokenized["test"]["tgt"]
+    assert sorted(order) == list(range(200))
+    assert decoded == texts == [references[i] for i in order]
 
 
 def test_second_setup_uses_caches(
@@ -91,12 +95,12 @@ def test_state_dict_resume(dm: TranslationDataModule, multi30k_dir: Path, cache_
     for _ in range(4):
         next(it)
     state = dm.state_dict()
-    rest = [b["index"].tolist() for b in it]
+    rest = [b["src_text"] for b in it]
 
     resumed = make_dm(multi30k_dir, cache_dir)
     resumed.load_state_dict(state)  # before setup, as Lightning may do
     resumed.setup("fit")
-    assert [b["index"].tolist() for b in resumed.train_dataloader()] == rest
+    assert [b["src_text"] for b in resumed.train_dataloader()] == rest
 
 
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:
@@ -108,15 +112,15 @@ def test_hub_error_without_local_dir(tmp_path: Path) -> None:
 
 
 class _Recorder(L.LightningModule):
-    """Records the dataset indices of every training batch; learns nothing."""
+    """Records the source sentences of every training batch; learns nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[list[int]] = []
+        self.seen: list[list[str]] = []
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self.seen.append(batch["index"].tolist())
+        self.seen.append(batch["src_text"])
         return self.weight.sum() * 0.0 + self.weight.square().sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -105,11 +105,9 @@ def test_unknown_language_hub() -> None:
         load_parallel_dataset(tgt_lang="fr")
 
 
-def test_unknown_dataset_and_layout(tmp_path: Path) -> None:
+def test_unknown_dataset_and_same_languages() -> None:
     with pytest.raises(DataError, match="unknown dataset 'nope'"):
         load_parallel_dataset(name="nope")
-    with pytest.raises(DataError, match="unknown local_layout 'wmt'"):
-        load_parallel_dataset(local_dir=tmp_path, local_layout="wmt")
     with pytest.raises(DataError, match="both 'en'"):
         load_parallel_dataset(src_lang="en", tgt_lang="en")
 

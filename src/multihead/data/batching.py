@@ -45,8 +45,7 @@ class TokenBucketSampler(Sampler[list[int]]):
     batch sizes and the number of batches (``len`` never changes; Lightning reads it once).
 
     Evaluation (``shuffle=False``): indices sorted by decreasing length (the largest batch comes
-    first, so memory problems show at once), always in the same order. Collated batches carry
-    the dataset ``index`` so callers can restore the original order.
+    first, so memory problems show at once), always in the same order.
 
     Each call to ``iter`` starts the next epoch, unless ``set_epoch`` or ``load_state_dict``
     was called since the previous one. ``state_dict`` records the epoch and how many of its
@@ -229,13 +228,12 @@ def collate(
 ) -> dict[str, Any]:
     """Pad a list of tokenized examples into a batch.
 
-    Each example has ``src_ids``/``tgt_ids`` (subword ids without specials), ``src``/``tgt``
-    (raw text) and ``index`` (position in its split).
+    Each example has ``src_ids``/``tgt_ids`` (subword ids without specials) and ``src``/``tgt``
+    (raw text); other keys are ignored.
 
     Returns:
         ``src``: (B, S) long, ``src_ids + [eos]`` right-padded with ``pad_id``.
         ``tgt``: (B, T) long, ``[bos] + tgt_ids + [eos]`` right-padded with ``pad_id``.
-        ``index``: (B,) long, dataset indices (restore the original order of eval batches).
         ``src_text``, ``tgt_text``: lists of the B raw strings.
         ``real_token_fraction``: float, non-pad positions / all positions of ``src`` and ``tgt``.
     """
@@ -249,7 +247,6 @@ def collate(
     return {
         "src": src,
         "tgt": tgt,
-        "index": torch.tensor([int(ex["index"]) for ex in examples], dtype=torch.long),
         "src_text": [ex["src"] for ex in examples],
         "tgt_text": [ex["tgt"] for ex in examples],
         "real_token_fraction": real / (src.numel() + tgt.numel()),

@@ -34,7 +34,7 @@ from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZED_VERSION = "tokenized-v1"
+_TOKENIZED_VERSION = "tokenized-v2"  # v2: no "index" column
 
 
 @contextlib.contextmanager
@@ -171,11 +171,10 @@ class TranslationDataModule(L.LightningDataModule):
             logger.info("loading cached tokenized splits %s", path)
             return datasets.load_from_disk(str(path))
 
-        def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        def tokenize(batch: dict[str, list]) -> dict[str, list]:
             src_ids = tokenizer.encode_batch(batch["src"])
             tgt_ids = tokenizer.encode_batch(batch["tgt"])
             return {
-                "index": indices,
                 "src_ids": src_ids,
                 "tgt_ids": tgt_ids,
                 "length": [
@@ -184,7 +183,7 @@ class TranslationDataModule(L.LightningDataModule):
             }
 
         with quiet_datasets():
-            tokenized = raw.map(tokenize, batched=True, batch_size=2000, with_indices=True)
+            tokenized = raw.map(tokenize, batched=True, batch_size=2000)
             tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenized.save_to_disk(str(tmp))
@@ -206,8 +205,8 @@ class TranslationDataModule(L.LightningDataModule):
 
     @property
     def tokenized(self) -> datasets.DatasetDict:
-        """Tokenized splits with columns ``src``, ``tgt``, ``index``, ``src_ids``,
-        ``tgt_ids``, ``length`` (available after ``setup``)."""
+        """Tokenized splits with columns ``src``, ``tgt``, ``src_ids``, ``tgt_ids``, ``length``
+        (available after ``setup``)."""
         if self._datasets is None:
             raise RuntimeError("TranslationDataModule.tokenized is available after setup()")
         return self._datasets
@@ -291,11 +290,11 @@ class TranslationDataModule(L.LightningDataModule):
         return self._loader(split, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        """Validation batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        """Validation batches, longest first, in a fixed order."""
         return self._eval_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        """Test batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        """Test batches, longest first, in a fixed order."""
         return self._eval_loader("test")
 
     # -------------------------------------------------------------------------- resuming

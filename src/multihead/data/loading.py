@@ -28,7 +28,6 @@ FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.V
 
 # Raw Multi30k file stems, by split.
 MULTI30K_STEMS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
-LOCAL_LAYOUTS = ("multi30k",)
 
 # Splits that filter_parallel_dataset cleans by default. The test split is never filtered so
 # that BLEU is always computed against the complete, official reference set.
@@ -108,7 +107,6 @@ def load_parallel_dataset(
     src_lang: str = "en",
     tgt_lang: str = "de",
     local_dir: str | Path | None = None,
-    local_layout: str = "multi30k",
 ) -> datasets.DatasetDict:
     """Load a translation corpus as splits ``train``/``validation``/``test`` of ``src``/``tgt``.
 
@@ -117,9 +115,8 @@ def load_parallel_dataset(
             when ``local_dir`` is given.
         src_lang: Source language code, e.g. ``"en"``.
         tgt_lang: Target language code, e.g. ``"de"``.
-        local_dir: Directory with raw files; when set, the Hub is not contacted.
-        local_layout: File layout of ``local_dir``; only ``"multi30k"``
-            (``{train,val,test_2016_flickr}.{lang}[.gz]``) is supported.
+        local_dir: Directory of raw Multi30k files ``{train,val,test_2016_flickr}.{lang}[.gz]``;
+            when set, the Hub is not contacted.
 
     Returns:
         A ``DatasetDict`` whose splits have the string columns ``src`` and ``tgt``. Local
@@ -132,10 +129,6 @@ def load_parallel_dataset(
     if src_lang == tgt_lang:
         raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; expected two languages")
     if local_dir is not None:
-        if local_layout not in LOCAL_LAYOUTS:
-            raise DataError(
-                f"unknown local_layout {local_layout!r}; expected one of {LOCAL_LAYOUTS}"
-            )
         return _load_multi30k_dir(Path(local_dir), src_lang, tgt_lang)
     return _load_hub(name, src_lang, tgt_lang)
 
