@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gzip
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from multihead.data import Tokenizer, TranslationDataModule
+from multihead.data import DataError, Tokenizer, TranslationDataModule
 
 
 def make_dm(data_dir: Path, cache: Path, **kwargs) -> TranslationDataModule:
@@ -104,11 +105,52 @@ def test_state_dict_resume(dm: TranslationDataModule, multi30k_dir: Path, cache_
 
 
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:
-    from multihead.data import DataError
-
     dm = TranslationDataModule(cache_dir=str(tmp_path))
     with pytest.raises(DataError, match="data.local_dir="):
         dm.setup("fit")
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_failing_runs_leave_the_cache_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    words = ["a dog runs", "two men sit", "the red ball", "a girl jumps", "blue sky"]
+    for stem, count in (("train", 60), ("val", 10), ("test_2016_flickr", 10)):
+        for lang in ("en", "de"):
+            lines = [f"{words[i % 5]} {lang} {i}" for i in range(count)]
+            (data / f"{stem}.{lang}.gz").parent.mkdir(exist_ok=True)
+            (data / f"{stem}.{lang}.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    settings = dict(vocab_size=300, train_limit=None, val_limit=None, test_limit=None)
+    make_dm(data, cache, **settings).setup("fit")
+    before = snapshot(cache)
+    assert any(name.startswith("tokenized/") for name in before)
+
+    # Bad input: the run stops with a DataError before it writes anything.
+    good = (data / "train.de.gz").read_bytes()
+    (data / "train.de.gz").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataError, match="train.de.gz: not a valid gzip file"):
+        make_dm(data, cache, **settings).setup("fit")
+    assert snapshot(cache) == before
+
+    # New data whose tokenization fails half-way: old entries stay, no partial new entry.
+    (data / "train.de.gz").write_bytes(gzip.compress(b"\n".join([b"neu"] * 60)))
+
+    def crash(self, texts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", crash)
+    with pytest.raises(KeyboardInterrupt):
+        make_dm(data, cache, **settings).setup("fit")
+    after = snapshot(cache)
+    assert {name: after[name] for name in before} == before
+    new = set(after) - set(before)
+    assert len(new) == 1 and new.pop().startswith("tokenizers/bpe-300-")  # trained, then crashed
 
 
 class _Recorder(L.LightningModule):
