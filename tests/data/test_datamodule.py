@@ -3,12 +3,13 @@ from __future__ import annotations
 import gzip
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 
-from multihead.data import DataError, Tokenizer, TranslationDataModule
+from multihead.data import DataError, TokenBucketSampler, Tokenizer, TranslationDataModule
 
 
 def make_dm(data_dir: Path, cache: Path, **kwargs) -> TranslationDataModule:
@@ -102,6 +103,20 @@ def test_state_dict_resume(dm: TranslationDataModule, multi30k_dir: Path, cache_
     resumed.load_state_dict(state)  # before setup, as Lightning may do
     resumed.setup("fit")
     assert [b["src_text"] for b in resumed.train_dataloader()] == rest
+
+
+def test_train_sampler_takes_rank_and_world_size_from_the_trainer(
+    multi30k_dir: Path, cache_dir: Path
+) -> None:
+    ranked = make_dm(multi30k_dir, cache_dir, max_tokens=300, seed=4)
+    ranked.trainer = SimpleNamespace(world_size=2, global_rank=1)
+    ranked.setup("fit")
+    sampler = ranked.train_sampler
+    assert (sampler.world_size, sampler.rank, sampler.max_tokens, sampler.seed) == (2, 1, 300, 4)
+    reference = TokenBucketSampler(
+        ranked.tokenized["train"]["length"], max_tokens=300, seed=4, world_size=2, rank=1
+    )
+    assert sampler.epoch_batches(0) == reference.epoch_batches(0)
 
 
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:

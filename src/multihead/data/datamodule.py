@@ -66,7 +66,8 @@ class TranslationDataModule(L.LightningDataModule):
         tgt_lang: Target language code.
         local_dir: Directory of raw Multi30k files; when set the Hub is not used.
         vocab_size: Joint BPE vocabulary size.
-        max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens.
+        max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens, of one
+            rank; under DDP a step's global batch has ``max_tokens * world_size``.
         max_length: Train/validation pairs with a side longer than this many words are dropped.
         eval_max_tokens: Evaluation batch budget; defaults to ``max_tokens``.
         num_workers: ``DataLoader`` worker processes.
@@ -245,14 +246,15 @@ class TranslationDataModule(L.LightningDataModule):
     def train_sampler(self) -> TokenBucketSampler:
         """The resumable training batch sampler (created on first use)."""
         if self._train_sampler is None:
-            # Under DDP each rank takes its own share of the (identical) batch list.
+            # Under DDP every rank packs the same global batches of max_tokens * world_size and
+            # takes its share of each (Lightning must not wrap it: use_distributed_sampler=False).
             trainer = self.trainer
             sampler = TokenBucketSampler(
                 self.tokenized["train"]["length"],
                 max_tokens=self.max_tokens,
                 shuffle=True,
                 seed=self.seed,
-                num_replicas=trainer.world_size if trainer is not None else 1,
+                world_size=trainer.world_size if trainer is not None else 1,
                 rank=trainer.global_rank if trainer is not None else 0,
             )
             if self._pending_sampler_state is not None:
