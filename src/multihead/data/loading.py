@@ -254,15 +254,13 @@ def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> dataset
         raise DataError(
             f"local_dir {directory} is not a directory; expected raw Multi30k files {expected}"
         )
-    available = available_local_languages(directory)
     if not any(directory.glob("train.*")):
         raise DataError(
             f"no training files train.{{lang}}[.gz] in {directory}; expected {expected}"
         )
     for lang in (src_lang, tgt_lang):
-        if lang not in available and not any(
-            _find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()
-        ):
+        if not any(_find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()):
+            available = available_local_languages(directory)
             raise DataError(f"language {lang!r} not found in {directory}; available: {available}")
     # Check that every file exists before reading any, so one message names all that are missing.
     paths = {
