@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from multihead.data import TokenBucketSampler, collate, pack_batches, real_token_fraction
+from multihead.data import (
+    TokenBucketSampler,
+    collate,
+    pack_batches,
+    real_token_fraction,
+    shard_batch,
+)
 
 
 @pytest.fixture
@@ -36,8 +42,8 @@ def test_low_padding(lengths: list[int]) -> None:
 
 def test_real_token_fraction_matches_collate() -> None:
     examples = [
-        {"src_ids": [5] * n, "tgt_ids": [6] * m, "src": "", "tgt": "", "index": i}
-        for i, (n, m) in enumerate([(3, 1), (1, 4), (2, 2)])
+        {"src_ids": [5] * n, "tgt_ids": [6] * m, "src": "", "tgt": ""}
+        for n, m in [(3, 1), (1, 4), (2, 2)]
     ]
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
     src_lengths, tgt_lengths = [4, 2, 3], [3, 6, 4]
@@ -94,6 +100,7 @@ def test_resume_with_consumed_count_and_epoch_end(lengths: list[int]) -> None:
         "batches_yielded": 0,
         "seed": 5,
         "num_examples": 1000,
+        "global_max_tokens": 300,
     }
     resumed.load_state_dict(finished.state_dict())
     assert list(resumed) != full and len(list(resumed)) == len(full)
@@ -131,32 +138,110 @@ def test_overlong_example_is_alone() -> None:
 
 
 def test_collate() -> None:
+    # Extra keys (callers may pass an "index" or a "length") are ignored.
     examples = [
         {"src_ids": [5, 6, 7], "tgt_ids": [8], "src": "a b c", "tgt": "x", "index": 4},
-        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "index": 0},
+        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "length": 6},
     ]
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
-    assert set(batch) == {"src", "tgt", "index", "src_text", "tgt_text", "real_token_fraction"}
+    assert set(batch) == {"src", "tgt", "src_text", "tgt_text", "real_token_fraction"}
     assert torch.equal(batch["src"], torch.tensor([[5, 6, 7, 2], [9, 2, 0, 0]]))
     assert torch.equal(batch["tgt"], torch.tensor([[1, 8, 2, 0, 0, 0], [1, 10, 11, 12, 13, 2]]))
     assert batch["src"].dtype == batch["tgt"].dtype == torch.long
-    assert batch["index"].tolist() == [4, 0]
     assert batch["src_text"] == ["a b c", "d"] and batch["tgt_text"] == ["x", "y z"]
     assert batch["real_token_fraction"] == pytest.approx((4 + 2 + 3 + 6) / (8 + 12))
     with pytest.raises(ValueError, match="empty list"):
         collate([], pad_id=0, bos_id=1, eos_id=2)
 
 
-def test_ranks_share_out_the_same_batches() -> None:
-    lengths = [5 + (i * 7) % 23 for i in range(300)]
-    whole = TokenBucketSampler(lengths, max_tokens=64, seed=3)
-    shards = [
-        TokenBucketSampler(lengths, max_tokens=64, seed=3, num_replicas=3, rank=r) for r in range(3)
+def test_shard_batch_written_out() -> None:
+    assert [shard_batch([7, 8, 9, 10, 11], rank=r, world_size=2) for r in range(2)] == [
+        [7, 8, 9],
+        [10, 11],
     ]
-    batches = list(whole)
-    per_rank = [list(s) for s in shards]
-    assert all(len(b) == len(batches) // 3 == len(s) for b, s in zip(per_rank, shards, strict=True))
-    for rank, got in enumerate(per_rank):
-        assert got == batches[rank::3][: len(batches) // 3]
-    with pytest.raises(ValueError, match="rank must be in"):
-        TokenBucketSampler(lengths, max_tokens=64, num_replicas=2, rank=2)
+    assert [shard_batch([7, 8, 9, 10], rank=r, world_size=3) for r in range(3)] == [
+        [7, 8],
+        [9],
+        [10],
+    ]
+    # Fewer examples than ranks: every rank still gets one, repeating them.
+    assert [shard_batch([7, 8], rank=r, world_size=3) for r in range(3)] == [[7], [8], [7]]
+
+
+def rank_samplers(lengths: list[int], world_size: int, **kwargs) -> list[TokenBucketSampler]:
+    return [
+        TokenBucketSampler(lengths, world_size=world_size, rank=rank, **kwargs)
+        for rank in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_split_the_single_process_batches(lengths: list[int], world_size: int) -> None:
+    whole = TokenBucketSampler(lengths, max_tokens=100 * world_size, seed=3)
+    ranks = rank_samplers(lengths, world_size, max_tokens=100, seed=3)
+    epochs = []
+    for _ in range(2):  # the shuffle of each epoch is the same on every rank
+        expected = list(whole)
+        per_rank = [list(sampler) for sampler in ranks]
+        assert [len(got) for got in per_rank] == [len(expected)] * world_size
+        assert [len(s) for s in ranks] == [len(whole)] * world_size
+        repeats = 0
+        for step, batch in enumerate(expected):
+            shares = [got[step] for got in per_rank]
+            if len(batch) >= world_size:
+                assert list(itertools.chain(*shares)) == batch  # the union, in rank order
+                assert max(map(len, shares)) - min(map(len, shares)) <= 1
+            else:  # the longest examples can leave a global batch smaller than world_size
+                assert shares == [[batch[r % len(batch)]] for r in range(world_size)]
+                repeats += world_size - len(batch)
+            for share in shares:
+                assert cost(share, lengths) < 100 + max(lengths[i] for i in share)
+        flat = list(itertools.chain(*itertools.chain(*per_rank)))
+        assert set(flat) == set(range(len(lengths))) and len(flat) == len(lengths) + repeats
+        epochs.append(per_rank)
+    assert epochs[0] != epochs[1]
+
+
+def test_small_global_batches_repeat_on_every_rank() -> None:
+    # Global budget 2 * 10 = 20: example 2 (length 50) is a global batch of its own.
+    ranks = rank_samplers([2, 2, 50], 2, max_tokens=10, shuffle=False)
+    assert [list(s) for s in ranks] == [[[2], [0]], [[2], [1]]]
+
+
+def test_every_rank_resumes_from_rank_0_state(lengths: list[int]) -> None:
+    runs = rank_samplers(lengths, 2, max_tokens=100, seed=5)
+    iterators = [iter(s) for s in runs]
+    seen = [[next(it) for _ in range(6)] for it in iterators]
+    states = [s.state_dict() for s in runs]
+    assert states[0] == states[1]  # Lightning saves rank 0's and loads it on every rank
+    rest = [list(it) for it in iterators]
+    after = [list(s) for s in runs]  # then epoch 1
+
+    for rank in range(2):
+        resumed = TokenBucketSampler(lengths, max_tokens=100, seed=5, world_size=2, rank=rank)
+        resumed.load_state_dict(states[0])
+        assert list(resumed) == rest[rank]
+        assert list(resumed) == after[rank]
+        assert seen[rank] + rest[rank] == runs[rank].epoch_batches(0)
+
+
+def test_resume_across_world_sizes_with_the_same_global_budget(lengths: list[int]) -> None:
+    two = TokenBucketSampler(lengths, max_tokens=100, seed=5, world_size=2, rank=1)
+    iterator = iter(two)
+    for _ in range(6):
+        next(iterator)
+    state = two.state_dict()
+    one = TokenBucketSampler(lengths, max_tokens=200, seed=5)
+    one.load_state_dict(state)
+    assert list(one) == one.epoch_batches(0)[6:]
+    with pytest.raises(ValueError, match="global_max_tokens=200 but this sampler has"):
+        TokenBucketSampler(lengths, max_tokens=100, seed=5).load_state_dict(state)
+
+
+def test_rank_arguments_are_checked(lengths: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        TokenBucketSampler(lengths, max_tokens=64, world_size=2, rank=2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got -1"):
+        TokenBucketSampler(lengths, max_tokens=64, world_size=2, rank=-1)
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        TokenBucketSampler(lengths, max_tokens=64, world_size=0)

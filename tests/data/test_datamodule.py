@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import gzip
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 
-from multihead.data import Tokenizer, TranslationDataModule
+from multihead.data import DataError, TokenBucketSampler, Tokenizer, TranslationDataModule
 
 
 def make_dm(data_dir: Path, cache: Path, **kwargs) -> TranslationDataModule:
@@ -52,19 +54,23 @@ def test_setup_and_batches(dm: TranslationDataModule) -> None:
         assert b * max(s, batch["tgt"].shape[1]) <= 600
         assert (batch["tgt"][:, 0] == dm.tokenizer.bos_id).all()
         assert 0 < batch["real_token_fraction"] <= 1
-        seen += batch["index"].tolist()
-    assert sorted(seen) == list(range(2000))
+        seen += batch["src_text"]
+    assert sorted(seen) == sorted(dm.tokenized["train"]["src"])
     first = next(iter(dm.train_dataloader()))
     text = dm.tokenizer.decode(first["tgt"][0])
     assert text == first["tgt_text"][0]
 
 
-def test_eval_batches_restore_order(dm: TranslationDataModule) -> None:
-    hyps: dict[int, str] = {}
-    for batch in dm.test_dataloader():
-        for i, row in zip(batch["index"].tolist(), batch["tgt"], strict=True):
-            hyps[i] = dm.tokenizer.decode(row)
-    assert [hyps[i] for i in range(200)] == dm.tokenized["test"]["tgt"]
+def test_eval_batches_in_sampler_order(dm: TranslationDataModule) -> None:
+    loader = dm.test_dataloader()
+    order = [i for batch in loader.batch_sampler for i in batch]
+    decoded, texts = [], []
+    for batch in loader:
+        decoded += [dm.tokenizer.decode(row) for row in batch["tgt"]]
+        texts += batch["tgt_text"]
+    references = dm.tokenized["test"]["tgt"]
+    assert sorted(order) == list(range(200))
+    assert decoded == texts == [references[i] for i in order]
 
 
 def test_second_setup_uses_caches(
@@ -91,32 +97,87 @@ def test_state_dict_resume(dm: TranslationDataModule, multi30k_dir: Path, cache_
     for _ in range(4):
         next(it)
     state = dm.state_dict()
-    rest = [b["index"].tolist() for b in it]
+    rest = [b["src_text"] for b in it]
 
     resumed = make_dm(multi30k_dir, cache_dir)
     resumed.load_state_dict(state)  # before setup, as Lightning may do
     resumed.setup("fit")
-    assert [b["index"].tolist() for b in resumed.train_dataloader()] == rest
+    assert [b["src_text"] for b in resumed.train_dataloader()] == rest
+
+
+def test_train_sampler_takes_rank_and_world_size_from_the_trainer(
+    multi30k_dir: Path, cache_dir: Path
+) -> None:
+    ranked = make_dm(multi30k_dir, cache_dir, max_tokens=300, seed=4)
+    ranked.trainer = SimpleNamespace(world_size=2, global_rank=1)
+    ranked.setup("fit")
+    sampler = ranked.train_sampler
+    assert (sampler.world_size, sampler.rank, sampler.max_tokens, sampler.seed) == (2, 1, 300, 4)
+    reference = TokenBucketSampler(
+        ranked.tokenized["train"]["length"], max_tokens=300, seed=4, world_size=2, rank=1
+    )
+    assert sampler.epoch_batches(0) == reference.epoch_batches(0)
 
 
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:
-    from multihead.data import DataError
-
     dm = TranslationDataModule(cache_dir=str(tmp_path))
     with pytest.raises(DataError, match="data.local_dir="):
         dm.setup("fit")
 
 
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_failing_runs_leave_the_cache_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    words = ["a dog runs", "two men sit", "the red ball", "a girl jumps", "blue sky"]
+    for stem, count in (("train", 60), ("val", 10), ("test_2016_flickr", 10)):
+        for lang in ("en", "de"):
+            lines = [f"{words[i % 5]} {lang} {i}" for i in range(count)]
+            (data / f"{stem}.{lang}.gz").parent.mkdir(exist_ok=True)
+            (data / f"{stem}.{lang}.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    settings = dict(vocab_size=300, train_limit=None, val_limit=None, test_limit=None)
+    make_dm(data, cache, **settings).setup("fit")
+    before = snapshot(cache)
+    assert any(name.startswith("tokenized/") for name in before)
+
+    # Bad input: the run stops with a DataError before it writes anything.
+    good = (data / "train.de.gz").read_bytes()
+    (data / "train.de.gz").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataError, match="train.de.gz: not a valid gzip file"):
+        make_dm(data, cache, **settings).setup("fit")
+    assert snapshot(cache) == before
+
+    # New data whose tokenization fails half-way: old entries stay, no partial new entry.
+    (data / "train.de.gz").write_bytes(gzip.compress(b"\n".join([b"neu"] * 60)))
+
+    def crash(self, texts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", crash)
+    with pytest.raises(KeyboardInterrupt):
+        make_dm(data, cache, **settings).setup("fit")
+    after = snapshot(cache)
+    assert {name: after[name] for name in before} == before
+    new = set(after) - set(before)
+    assert len(new) == 1 and new.pop().startswith("tokenizers/bpe-300-")  # trained, then crashed
+
+
 class _Recorder(L.LightningModule):
-    """Records the dataset indices of every training batch; learns nothing."""
+    """Records the source sentences of every training batch; learns nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[list[int]] = []
+        self.seen: list[list[str]] = []
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self.seen.append(batch["index"].tolist())
+        self.seen.append(batch["src_text"])
         return self.weight.sum() * 0.0 + self.weight.square().sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

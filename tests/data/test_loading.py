@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import gzip
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import pytest
 
-from multihead.data import DataError, filter_parallel_dataset, load_parallel_dataset
+from multihead.data import DataError, filter_parallel_dataset, load_parallel_dataset, read_lines
 from multihead.data.loading import FEATURES
 
 
@@ -53,49 +54,172 @@ def test_small_corpus(tmp_path: Path, compress: bool) -> None:
     assert dd["test"].column_names == ["src", "tgt"]
 
 
-def test_missing_file(tmp_path: Path) -> None:
+def load_error(local_dir: Path, **kwargs) -> str:
+    """The one-line message of the DataError that loading ``local_dir`` raises."""
+    with pytest.raises(DataError) as info:
+        load_parallel_dataset(local_dir=local_dir, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    assert info.value.__cause__ is None  # no library traceback chained under it
+    return message
+
+
+def test_missing_files_are_all_named(tmp_path: Path) -> None:
     make_corpus(tmp_path)
     (tmp_path / "val.de.gz").unlink()
-    with pytest.raises(DataError, match=r"missing file .*val\.de\.gz.*expected layout"):
-        load_parallel_dataset(local_dir=tmp_path)
+    (tmp_path / "test_2016_flickr.en.gz").unlink()
+    message = load_error(tmp_path)
+    assert message == (
+        f"missing files in {tmp_path}: val.de[.gz], test_2016_flickr.en[.gz]; "
+        "expected layout {train,val,test_2016_flickr}.{lang}[.gz]"
+    )
 
 
-def test_missing_dir(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="nowhere is not a directory"):
-        load_parallel_dataset(local_dir=tmp_path / "nowhere")
+def test_missing_or_empty_dir(tmp_path: Path) -> None:
+    layout = "{train,val,test_2016_flickr}.{lang}[.gz]"
+    assert load_error(tmp_path / "nowhere") == (
+        f"local_dir {tmp_path / 'nowhere'} is not a directory; expected raw Multi30k files {layout}"
+    )
+    (tmp_path / "a_file").write_text("x\n")
+    assert "a_file is not a directory" in load_error(tmp_path / "a_file")
+    assert load_error(tmp_path) == (
+        f"no training files train.{{lang}}[.gz] in {tmp_path}; expected {layout}"
+    )
 
 
-def test_line_count_mismatch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [True, False])
+def test_line_count_mismatch(tmp_path: Path, compress: bool) -> None:
+    make_corpus(tmp_path, compress=compress)
+    write(tmp_path / "test_2016_flickr.de", ["a", "b", "c"], compress)
+    ext = ".gz" if compress else ""
+    message = load_error(tmp_path)
+    assert message.startswith(
+        f"line counts differ: {tmp_path}/test_2016_flickr.en{ext} has 2 lines, "
+        f"{tmp_path}/test_2016_flickr.de{ext} has 3; expected line i"
+    )
+
+
+def test_line_count_mismatch_from_trailing_empty_lines(tmp_path: Path) -> None:
     make_corpus(tmp_path)
-    write(tmp_path / "test_2016_flickr.de", ["a", "b", "c"])
+    write(tmp_path / "train.en", ["en train 0", "en train 1", "en train 2", "en train 3", "", ""])
+    message = load_error(tmp_path)
+    assert "train.en.gz has 6 lines" in message and "train.de.gz has 4" in message
+    assert "the longer file ends with 2 empty line(s)" in message
+
+
+def test_empty_lines_are_filtered_with_a_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_corpus(tmp_path)
+    write(tmp_path / "train.en", ["one", "", "three", "four"])
+    write(tmp_path / "train.de", ["eins", "zwei", "   ", "vier"])
+    write(tmp_path / "test_2016_flickr.de", ["", "de test 1"])
+    dd = load_parallel_dataset(local_dir=tmp_path)
+    assert dd["train"]["src"] == ["one", "", "three", "four"]  # loading keeps the alignment
+    with caplog.at_level("INFO", logger="multihead.data.loading"):
+        filtered, stats = filter_parallel_dataset(dd)
+    assert filtered["train"]["src"] == ["one", "four"]
+    assert filtered["train"]["tgt"] == ["eins", "vier"]
+    assert (stats["train"].total, stats["train"].empty, stats["train"].kept) == (4, 2, 2)
+    assert "filtered train: kept 2 of 4 pairs (2 empty, 0 longer than 100 words)" in caplog.text
+    # The test split keeps its empty reference (BLEU needs every line) but says so.
+    assert filtered["test"]["tgt"] == ["", "de test 1"]
+    assert "test has 1 of 2 pairs with an empty side; kept, since test is not filtered" in (
+        caplog.text
+    )
+
+
+def test_split_left_empty_by_filtering(tmp_path: Path) -> None:
+    make_corpus(tmp_path, n=(3, 2, 2))
+    write(tmp_path / "train.en", ["", "x " * 5, "  "])
+    dd = load_parallel_dataset(local_dir=tmp_path)
     with pytest.raises(DataError) as info:
-        load_parallel_dataset(local_dir=tmp_path)
-    message = str(info.value)
-    assert "test_2016_flickr.en.gz has 2 lines" in message
-    assert "test_2016_flickr.de.gz has 3" in message
-    assert "\n" not in message
+        filter_parallel_dataset(dd, max_length=4)
+    assert str(info.value) == (
+        "no train pairs left: all 3 were dropped (2 with an empty side, 1 longer than "
+        "max_length=4 words); expected at least one usable pair"
+    )
 
 
-def test_undecodable_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [True, False])
+def test_undecodable_bytes(tmp_path: Path, compress: bool) -> None:
+    make_corpus(tmp_path, compress=compress)
+    write(tmp_path / "train.de", b"ok\nfine\nbad \xff byte\nok\n", compress)
+    ext = ".gz" if compress else ""
+    assert load_error(tmp_path) == (
+        f"{tmp_path}/train.de{ext}:3: bytes are not valid UTF-8 "
+        r"(invalid start byte at byte 4: b'\xff by')"
+    )
+
+
+def test_byte_order_mark_is_dropped(tmp_path: Path) -> None:
     make_corpus(tmp_path)
-    write(tmp_path / "train.de", b"ok\nfine\nbad \xff byte\nok\n")
-    with pytest.raises(DataError, match=r"train\.de\.gz:3: bytes are not valid UTF-8"):
-        load_parallel_dataset(local_dir=tmp_path)
+    write(tmp_path / "train.en", "\ufeffhello\nen train 1\nen train 2\nen train 3\n".encode())
+    assert load_parallel_dataset(local_dir=tmp_path)["train"]["src"][0] == "hello"
 
 
-def test_not_gzip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [True, False])
+def test_empty_file(tmp_path: Path, compress: bool) -> None:
+    make_corpus(tmp_path, compress=compress)
+    write(tmp_path / "val.en", [], compress)  # as compressed: a valid gzip of zero bytes
+    ext = ".gz" if compress else ""
+    assert (
+        load_error(tmp_path) == f"{tmp_path}/val.en{ext} is empty; expected one sentence per line"
+    )
+
+
+def test_zero_byte_gzip_is_empty(tmp_path: Path) -> None:
     make_corpus(tmp_path)
-    (tmp_path / "train.en.gz").write_bytes(b"plain text\n")
-    with pytest.raises(DataError, match=r"train\.en\.gz: not a valid gzip file"):
-        load_parallel_dataset(local_dir=tmp_path)
+    (tmp_path / "val.de.gz").write_bytes(b"")
+    assert load_error(tmp_path) == f"{tmp_path}/val.de.gz is empty; expected one sentence per line"
+
+
+def corrupt_gzip(path: Path) -> None:
+    """Give the first deflate block the reserved block type 0b11 (RFC 1951, section 3.2.3)."""
+    data = bytearray(gzip.compress(b"a\nb\nc\nd\n"))
+    data[10] |= 0b110  # byte 10 follows the 10-byte gzip header; bits 1-2 are BTYPE
+    path.write_bytes(bytes(data))
+
+
+def truncate_gzip(path: Path) -> None:
+    data = gzip.compress("".join(f"line {i}\n" for i in range(4000)).encode())
+    path.write_bytes(data[: len(data) // 2])
+
+
+def bad_checksum(path: Path) -> None:
+    data = bytearray(gzip.compress(b"a\nb\nc\nd\n"))
+    data[-8] ^= 0xFF  # the CRC-32 of the trailer
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda path: path.write_bytes(b"plain text\n"), "Not a gzipped file"),
+        (corrupt_gzip, "Error -3 while decompressing data: invalid block type"),
+        (truncate_gzip, "Compressed file ended before the end-of-stream marker"),
+        (bad_checksum, "CRC check failed"),
+    ],
+    ids=["not-gzip", "corrupt", "truncated", "bad-crc"],
+)
+def test_bad_gzip(tmp_path: Path, damage: Callable[[Path], None], reason: str) -> None:
+    make_corpus(tmp_path)
+    damage(tmp_path / "train.en.gz")
+    message = load_error(tmp_path)
+    assert message.startswith(f"{tmp_path}/train.en.gz: not a valid gzip file (")
+    assert reason in message
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=f"^{tmp_path}: cannot read: Is a directory$"):
+        read_lines(tmp_path)
 
 
 def test_unknown_language_local(tmp_path: Path) -> None:
     make_corpus(tmp_path, langs=("en", "de", "fr"))
-    with pytest.raises(
-        DataError, match=r"language 'xx' not found in .*available: \['de', 'en', 'fr'\]"
-    ):
-        load_parallel_dataset(src_lang="xx", local_dir=tmp_path)
+    assert load_error(tmp_path, src_lang="xx") == (
+        f"language 'xx' not found in {tmp_path}; available: ['de', 'en', 'fr']"
+    )
 
 
 def test_unknown_language_hub() -> None:
@@ -105,11 +229,9 @@ def test_unknown_language_hub() -> None:
         load_parallel_dataset(tgt_lang="fr")
 
 
-def test_unknown_dataset_and_layout(tmp_path: Path) -> None:
+def test_unknown_dataset_and_same_languages() -> None:
     with pytest.raises(DataError, match="unknown dataset 'nope'"):
         load_parallel_dataset(name="nope")
-    with pytest.raises(DataError, match="unknown local_layout 'wmt'"):
-        load_parallel_dataset(local_dir=tmp_path, local_layout="wmt")
     with pytest.raises(DataError, match="both 'en'"):
         load_parallel_dataset(src_lang="en", tgt_lang="en")
 

@@ -6,6 +6,7 @@ from multihead.data.batching import (
     example_length,
     pack_batches,
     real_token_fraction,
+    shard_batch,
 )
 from multihead.data.datamodule import TranslationDataModule
 from multihead.data.loading import (
@@ -35,4 +36,5 @@ __all__ = [
     "pack_batches",
     "read_lines",
     "real_token_fraction",
+    "shard_batch",
 ]

@@ -35,6 +35,23 @@ def pack_batches(order: Sequence[int], lengths: np.ndarray, max_tokens: int) -> 
     return batches
 
 
+def shard_batch(batch: Sequence[int], *, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s share of a global batch split between ``world_size`` ranks.
+
+    The batch is cut into ``world_size`` consecutive parts whose sizes differ by at most one
+    (the first ``len(batch) % world_size`` parts have the extra example), so the parts joined
+    in rank order give back the batch. A batch with fewer examples than ranks cannot give
+    every rank its own: rank ``r`` then gets ``[batch[r % len(batch)]]``, repeating examples,
+    because under DDP every rank must take the step.
+    """
+    n = len(batch)
+    if n < world_size:
+        return [int(batch[rank % n])]
+    size, extra = divmod(n, world_size)
+    start = rank * size + min(rank, extra)
+    return [int(i) for i in batch[start : start + size + (rank < extra)]]
+
+
 class TokenBucketSampler(Sampler[list[int]]):
     """Yields lists of dataset indices whose padded token count stays within ``max_tokens``.
 
@@ -45,22 +62,33 @@ class TokenBucketSampler(Sampler[list[int]]):
     batch sizes and the number of batches (``len`` never changes; Lightning reads it once).
 
     Evaluation (``shuffle=False``): indices sorted by decreasing length (the largest batch comes
-    first, so memory problems show at once), always in the same order. Collated batches carry
-    the dataset ``index`` so callers can restore the original order.
+    first, so memory problems show at once), always in the same order.
 
     Each call to ``iter`` starts the next epoch, unless ``set_epoch`` or ``load_state_dict``
     was called since the previous one. ``state_dict`` records the epoch and how many of its
     batches were used, and ``load_state_dict`` makes the next ``iter`` yield exactly the
     remaining batches of that epoch.
 
+    Distributed training (``world_size > 1``): every rank packs the same *global* batches with
+    the budget ``max_tokens * world_size`` (same ``seed``, so the same shuffle on every rank)
+    and takes its share of each with :func:`shard_batch`. So step ``i`` of the ``world_size``
+    ranks together covers exactly the batch of step ``i`` of one process with
+    ``max_tokens * world_size``, every rank has ``len(self)`` steps per epoch (nothing to drop
+    or pad), and every example is in one rank's batch once per epoch (except in a global batch
+    smaller than ``world_size``, see :func:`shard_batch`). A share's padded cost can exceed
+    ``max_tokens`` by less than the length of its longest example, since only the global batch
+    is packed to the budget. The rank and world size come from these arguments only (the
+    DataModule passes the trainer's), never from ``torch.distributed``; run Lightning with
+    ``use_distributed_sampler=False`` so that it leaves this sampler alone. The state is the
+    same on every rank, so the one saved by rank 0 resumes them all.
+
     Args:
         lengths: Cost of each example in tokens (max of source and target, specials included).
-        max_tokens: Budget of ``num_sentences * longest_length`` per batch.
+        max_tokens: Budget of ``num_sentences * longest_length`` per batch of one rank.
         shuffle: Shuffle for training; ``False`` gives the deterministic evaluation order.
         seed: Base seed; epoch ``e`` uses the generator seeded with ``(seed, e)``.
-        num_replicas, rank: for distributed training. Every rank builds the same batches and
-            keeps every ``num_replicas``-th one from position ``rank`` (the surplus at the end
-            is dropped so all ranks take the same number of steps).
+        world_size: Number of ranks sharing each global batch.
+        rank: This process's rank, in ``[0, world_size)``.
     """
 
     def __init__(
@@ -70,7 +98,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         max_tokens: int,
         shuffle: bool = True,
         seed: int = 0,
-        num_replicas: int = 1,
+        world_size: int = 1,
         rank: int = 0,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -80,17 +108,19 @@ class TokenBucketSampler(Sampler[list[int]]):
             )
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.max_tokens = max_tokens
         self.shuffle = shuffle
         self.seed = seed
-        self.num_replicas = num_replicas
+        self.world_size = world_size
         self.rank = rank
         too_long = int((self.lengths > max_tokens).sum())
         if too_long:
             logger.warning(
-                "%d examples are longer than max_tokens=%d (longest %d); each is a batch of one",
+                "%d examples are longer than max_tokens=%d (longest %d); their batches exceed it",
                 too_long,
                 max_tokens,
                 int(self.lengths.max()),
@@ -119,20 +149,24 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._yielded = self._start
         self._fresh = True
 
+    @property
+    def global_max_tokens(self) -> int:
+        """Budget of a global batch, the one all ranks share: ``max_tokens * world_size``."""
+        return self.max_tokens * self.world_size
+
     def _batches(self, epoch: int) -> list[list[int]]:
         if not self.shuffle:
             order = np.argsort(-self.lengths, kind="stable")
-            batches = pack_batches(order, self.lengths, self.max_tokens)
+            batches = pack_batches(order, self.lengths, self.global_max_tokens)
         else:
             rng = np.random.default_rng((self.seed, epoch))
             perm = rng.permutation(len(self.lengths))
             order = perm[np.argsort(self.lengths[perm], kind="stable")]
-            batches = pack_batches(order, self.lengths, self.max_tokens)
+            batches = pack_batches(order, self.lengths, self.global_max_tokens)
             batches = [batches[i] for i in rng.permutation(len(batches))]
-        if self.num_replicas == 1:
+        if self.world_size == 1:
             return batches
-        per_rank = len(batches) // self.num_replicas
-        return batches[self.rank :: self.num_replicas][:per_rank]
+        return [shard_batch(b, rank=self.rank, world_size=self.world_size) for b in batches]
 
     def __len__(self) -> int:
         return self._num_batches
@@ -159,8 +193,9 @@ class TokenBucketSampler(Sampler[list[int]]):
                 trainer prefetches batches.
 
         Returns:
-            ``epoch``, ``batches_yielded`` (batches of that epoch already used), ``seed`` and
-            ``num_examples``. A finished epoch is stored as the start of the next one.
+            ``epoch``, ``batches_yielded`` (batches of that epoch already used), ``seed``,
+            ``num_examples`` and ``global_max_tokens``; the same on every rank. A finished
+            epoch is stored as the start of the next one.
         """
         done = self._yielded if batches_consumed is None else batches_consumed
         epoch = self._epoch
@@ -171,19 +206,29 @@ class TokenBucketSampler(Sampler[list[int]]):
             "batches_yielded": done,
             "seed": self.seed,
             "num_examples": len(self.lengths),
+            "global_max_tokens": self.global_max_tokens,
         }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume from ``state``: the next ``iter`` yields the remaining batches of its epoch.
 
+        The global batches depend only on the data, the seed and ``global_max_tokens``, so a
+        state can be loaded on any rank, and by a run with another world size whose
+        ``max_tokens * world_size`` is the same. Keys missing from ``state`` are not checked.
+
         Raises:
-            ValueError: ``state`` was saved for another seed or dataset size, or is out of range.
+            ValueError: ``state`` was saved for another seed, dataset size or global batch
+                budget, or its position is out of range.
         """
-        for key, mine in (("seed", self.seed), ("num_examples", len(self.lengths))):
+        for key, mine in (
+            ("seed", self.seed),
+            ("num_examples", len(self.lengths)),
+            ("global_max_tokens", self.global_max_tokens),
+        ):
             if state.get(key, mine) != mine:
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this sampler has {key}={mine}; "
-                    "resume with the same data and seed"
+                    "resume with the same data, seed and max_tokens * world_size"
                 )
         start = int(state["batches_yielded"])
         if not 0 <= start <= self._num_batches:
@@ -196,7 +241,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._fresh = True
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of ``epoch`` in the order ``iter`` yields them (no state change)."""
+        """This rank's batches of ``epoch`` in the order ``iter`` yields them (no state change)."""
         return self._batches(epoch)
 
 
@@ -229,13 +274,12 @@ def collate(
 ) -> dict[str, Any]:
     """Pad a list of tokenized examples into a batch.
 
-    Each example has ``src_ids``/``tgt_ids`` (subword ids without specials), ``src``/``tgt``
-    (raw text) and ``index`` (position in its split).
+    Each example has ``src_ids``/``tgt_ids`` (subword ids without specials) and ``src``/``tgt``
+    (raw text); other keys are ignored.
 
     Returns:
         ``src``: (B, S) long, ``src_ids + [eos]`` right-padded with ``pad_id``.
         ``tgt``: (B, T) long, ``[bos] + tgt_ids + [eos]`` right-padded with ``pad_id``.
-        ``index``: (B,) long, dataset indices (restore the original order of eval batches).
         ``src_text``, ``tgt_text``: lists of the B raw strings.
         ``real_token_fraction``: float, non-pad positions / all positions of ``src`` and ``tgt``.
     """
@@ -249,7 +293,6 @@ def collate(
     return {
         "src": src,
         "tgt": tgt,
-        "index": torch.tensor([int(ex["index"]) for ex in examples], dtype=torch.long),
         "src_text": [ex["src"] for ex in examples],
         "tgt_text": [ex["tgt"] for ex in examples],
         "real_token_fraction": real / (src.numel() + tgt.numel()),

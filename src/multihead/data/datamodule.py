@@ -34,7 +34,7 @@ from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZED_VERSION = "tokenized-v1"
+_TOKENIZED_VERSION = "tokenized-v2"  # v2: no "index" column
 
 
 @contextlib.contextmanager
@@ -66,7 +66,8 @@ class TranslationDataModule(L.LightningDataModule):
         tgt_lang: Target language code.
         local_dir: Directory of raw Multi30k files; when set the Hub is not used.
         vocab_size: Joint BPE vocabulary size.
-        max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens.
+        max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens, of one
+            rank; under DDP a step's global batch has ``max_tokens * world_size``.
         max_length: Train/validation pairs with a side longer than this many words are dropped.
         eval_max_tokens: Evaluation batch budget; defaults to ``max_tokens``.
         num_workers: ``DataLoader`` worker processes.
@@ -171,11 +172,10 @@ class TranslationDataModule(L.LightningDataModule):
             logger.info("loading cached tokenized splits %s", path)
             return datasets.load_from_disk(str(path))
 
-        def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        def tokenize(batch: dict[str, list]) -> dict[str, list]:
             src_ids = tokenizer.encode_batch(batch["src"])
             tgt_ids = tokenizer.encode_batch(batch["tgt"])
             return {
-                "index": indices,
                 "src_ids": src_ids,
                 "tgt_ids": tgt_ids,
                 "length": [
@@ -184,7 +184,7 @@ class TranslationDataModule(L.LightningDataModule):
             }
 
         with quiet_datasets():
-            tokenized = raw.map(tokenize, batched=True, batch_size=2000, with_indices=True)
+            tokenized = raw.map(tokenize, batched=True, batch_size=2000)
             tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenized.save_to_disk(str(tmp))
@@ -206,8 +206,8 @@ class TranslationDataModule(L.LightningDataModule):
 
     @property
     def tokenized(self) -> datasets.DatasetDict:
-        """Tokenized splits with columns ``src``, ``tgt``, ``index``, ``src_ids``,
-        ``tgt_ids``, ``length`` (available after ``setup``)."""
+        """Tokenized splits with columns ``src``, ``tgt``, ``src_ids``, ``tgt_ids``, ``length``
+        (available after ``setup``)."""
         if self._datasets is None:
             raise RuntimeError("TranslationDataModule.tokenized is available after setup()")
         return self._datasets
@@ -246,14 +246,15 @@ class TranslationDataModule(L.LightningDataModule):
     def train_sampler(self) -> TokenBucketSampler:
         """The resumable training batch sampler (created on first use)."""
         if self._train_sampler is None:
-            # Under DDP each rank takes its own share of the (identical) batch list.
+            # Under DDP every rank packs the same global batches of max_tokens * world_size and
+            # takes its share of each (Lightning must not wrap it: use_distributed_sampler=False).
             trainer = self.trainer
             sampler = TokenBucketSampler(
                 self.tokenized["train"]["length"],
                 max_tokens=self.max_tokens,
                 shuffle=True,
                 seed=self.seed,
-                num_replicas=trainer.world_size if trainer is not None else 1,
+                world_size=trainer.world_size if trainer is not None else 1,
                 rank=trainer.global_rank if trainer is not None else 0,
             )
             if self._pending_sampler_state is not None:
@@ -291,11 +292,11 @@ class TranslationDataModule(L.LightningDataModule):
         return self._loader(split, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        """Validation batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        """Validation batches, longest first, in a fixed order."""
         return self._eval_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        """Test batches, longest first, in a fixed order (see ``batch["index"]``)."""
+        """Test batches, longest first, in a fixed order."""
         return self._eval_loader("test")
 
     # -------------------------------------------------------------------------- resuming

@@ -28,7 +28,6 @@ FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.V
 
 # Raw Multi30k file stems, by split.
 MULTI30K_STEMS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
-LOCAL_LAYOUTS = ("multi30k",)
 
 # Splits that filter_parallel_dataset cleans by default. The test split is never filtered so
 # that BLEU is always computed against the complete, official reference set.
@@ -108,7 +107,6 @@ def load_parallel_dataset(
     src_lang: str = "en",
     tgt_lang: str = "de",
     local_dir: str | Path | None = None,
-    local_layout: str = "multi30k",
 ) -> datasets.DatasetDict:
     """Load a translation corpus as splits ``train``/``validation``/``test`` of ``src``/``tgt``.
 
@@ -117,9 +115,8 @@ def load_parallel_dataset(
             when ``local_dir`` is given.
         src_lang: Source language code, e.g. ``"en"``.
         tgt_lang: Target language code, e.g. ``"de"``.
-        local_dir: Directory with raw files; when set, the Hub is not contacted.
-        local_layout: File layout of ``local_dir``; only ``"multi30k"``
-            (``{train,val,test_2016_flickr}.{lang}[.gz]``) is supported.
+        local_dir: Directory of raw Multi30k files ``{train,val,test_2016_flickr}.{lang}[.gz]``;
+            when set, the Hub is not contacted.
 
     Returns:
         A ``DatasetDict`` whose splits have the string columns ``src`` and ``tgt``. Local
@@ -132,10 +129,6 @@ def load_parallel_dataset(
     if src_lang == tgt_lang:
         raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; expected two languages")
     if local_dir is not None:
-        if local_layout not in LOCAL_LAYOUTS:
-            raise DataError(
-                f"unknown local_layout {local_layout!r}; expected one of {LOCAL_LAYOUTS}"
-            )
         return _load_multi30k_dir(Path(local_dir), src_lang, tgt_lang)
     return _load_hub(name, src_lang, tgt_lang)
 
@@ -214,10 +207,12 @@ def read_lines(path: str | Path) -> list[str]:
     """Read a UTF-8 text file (gzip-compressed when it ends in ``.gz``), one sentence a line.
 
     Lines are split on ``\\n`` only (never on other Unicode line breaks, which would break the
-    line alignment between languages) and stripped of surrounding whitespace.
+    line alignment between languages) and stripped of surrounding whitespace. A UTF-8 byte
+    order mark at the start of the file is dropped.
 
     Raises:
-        DataError: The file has bytes that are not UTF-8 (names the line) or is not valid gzip.
+        DataError: The file cannot be read, has bytes that are not UTF-8 (names the line), is
+            not valid gzip (truncated, corrupt or not compressed) or has no lines at all.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -226,45 +221,75 @@ def read_lines(path: str | Path) -> list[str]:
     try:
         with opener(path, "rb") as handle:
             for lineno, raw in enumerate(handle, start=1):
+                # A BOM (written by some Windows editors) would otherwise stick to sentence 1.
+                encoding = "utf-8-sig" if lineno == 1 else "utf-8"
                 try:
-                    lines.append(raw.decode("utf-8").strip())
+                    lines.append(raw.decode(encoding).strip())
                 except UnicodeDecodeError as exc:
                     raise DataError(
                         f"{path}:{lineno}: bytes are not valid UTF-8 ({exc.reason} at byte "
                         f"{exc.start}: {raw[exc.start : exc.start + 4]!r})"
                     ) from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a valid gzip file after line {lineno} ({exc})") from None
+        raise DataError(
+            f"{path}: not a valid gzip file ({exc}); {lineno} lines were read before the error"
+        ) from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not lines:
+        raise DataError(f"{path} is empty; expected one sentence per line")
     return lines
 
 
+def _trailing_empty(lines: list[str]) -> int:
+    count = 0
+    while count < len(lines) and not lines[-1 - count]:
+        count += 1
+    return count
+
+
 def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
+    expected = "{train,val,test_2016_flickr}.{lang}[.gz]"
     if not directory.is_dir():
         raise DataError(
-            f"local_dir {directory} is not a directory; expected raw Multi30k files "
-            "{train,val,test_2016_flickr}.{lang}.gz"
+            f"local_dir {directory} is not a directory; expected raw Multi30k files {expected}"
         )
-    available = available_local_languages(directory)
+    if not any(directory.glob("train.*")):
+        raise DataError(
+            f"no training files train.{{lang}}[.gz] in {directory}; expected {expected}"
+        )
     for lang in (src_lang, tgt_lang):
-        if lang not in available and not any(
-            _find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()
-        ):
+        if not any(_find_file(directory, stem, lang) for stem in MULTI30K_STEMS.values()):
+            available = available_local_languages(directory)
             raise DataError(f"language {lang!r} not found in {directory}; available: {available}")
+    # Check that every file exists before reading any, so one message names all that are missing.
+    paths = {
+        (split, lang): _find_file(directory, stem, lang)
+        for split, stem in MULTI30K_STEMS.items()
+        for lang in (src_lang, tgt_lang)
+    }
+    missing = [
+        f"{MULTI30K_STEMS[split]}.{lang}[.gz]" for (split, lang), path in paths.items() if not path
+    ]
+    if missing:
+        raise DataError(
+            f"missing files in {directory}: {', '.join(missing)}; expected layout {expected}"
+        )
     out = {}
-    for split, stem in MULTI30K_STEMS.items():
-        columns = {}
-        for key, lang in (("src", src_lang), ("tgt", tgt_lang)):
-            path = _find_file(directory, stem, lang)
-            if path is None:
-                raise DataError(
-                    f"missing file {directory / f'{stem}.{lang}.gz'} (or uncompressed "
-                    f"{stem}.{lang}); expected layout {{train,val,test_2016_flickr}}.{{lang}}[.gz]"
-                )
-            columns[key] = (path, read_lines(path))
-        (src_path, src), (tgt_path, tgt) = columns["src"], columns["tgt"]
+    for split in MULTI30K_STEMS:
+        src_path, tgt_path = paths[split, src_lang], paths[split, tgt_lang]
+        src, tgt = read_lines(src_path), read_lines(tgt_path)
         if len(src) != len(tgt):
+            longer = src if len(src) > len(tgt) else tgt
+            trailing = _trailing_empty(longer)
+            hint = (
+                f" (the longer file ends with {trailing} empty line(s))"
+                if trailing >= abs(len(src) - len(tgt))
+                else ""
+            )
             raise DataError(
-                f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
+                f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has "
+                f"{len(tgt)}{hint}; expected line i of one to translate line i of the other"
             )
         out[split] = datasets.Dataset.from_dict({"src": src, "tgt": tgt}, features=FEATURES)
     logger.info(
@@ -295,7 +320,11 @@ def filter_parallel_dataset(
         splits: Names of the splits to filter.
 
     Returns:
-        The filtered ``DatasetDict`` and a ``FilterStats`` for every filtered split.
+        The filtered ``DatasetDict`` and a ``FilterStats`` for every filtered split. Empty
+        pairs left in an unfiltered split are counted in a warning.
+
+    Raises:
+        DataError: Filtering left a split without any pair.
     """
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive number of words or None, got {max_length}")
@@ -330,6 +359,25 @@ def filter_parallel_dataset(
             too_long,
             max_length,
         )
+        if not keep:
+            raise DataError(
+                f"no {split} pairs left: all {stats[split].total} were dropped ({empty} with an "
+                f"empty side, {too_long} longer than max_length={max_length} words); expected "
+                "at least one usable pair"
+            )
+    for split in sorted(set(dataset) - set(splits)):
+        ds = dataset[split]
+        empty = sum(
+            not s.strip() or not t.strip() for s, t in zip(ds["src"], ds["tgt"], strict=True)
+        )
+        if empty:
+            logger.warning(
+                "%s has %d of %d pairs with an empty side; kept, since %s is not filtered",
+                split,
+                empty,
+                len(ds),
+                split,
+            )
     return datasets.DatasetDict(out), stats
 
 
