@@ -39,6 +39,8 @@ def tiny_model(vocab_size: int, backend: str = "sdpa", layers: int = 2) -> Trans
         ffn_dim=32,
         num_encoder_layers=layers,
         num_decoder_layers=layers,
+        dropout=0.1,
+        max_positions=1024,
         attention={"num_heads": 4, "backend": backend},
         decoder_self_attention={"num_kv_heads": 2},
         cross_attention={"num_kv_heads": 1},
@@ -52,9 +54,8 @@ def examples(tokenizer: Tokenizer) -> list[dict]:
             "tgt": tgt,
             "src_ids": tokenizer.encode(src),
             "tgt_ids": tokenizer.encode(tgt),
-            "index": i,
         }
-        for i, (src, tgt) in enumerate(SENTENCES)
+        for src, tgt in SENTENCES
     ]
 
 

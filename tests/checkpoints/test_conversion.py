@@ -32,6 +32,8 @@ def tiny_model(backend: str = "sdpa") -> Transformer:
         ffn_dim=32,
         num_encoder_layers=2,
         num_decoder_layers=2,
+        dropout=0.1,
+        max_positions=1024,
         attention={"num_heads": 4, "backend": backend},
     ).eval()
 

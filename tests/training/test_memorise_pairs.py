@@ -16,9 +16,9 @@ def test_overfit_64_pairs(multi30k_dir) -> None:
     src, tgt = list(pairs["src"]), list(pairs["tgt"])
     tokenizer = Tokenizer.train(src + tgt, vocab_size=600, min_frequency=1)
     examples = [
-        {"src_ids": s, "tgt_ids": t, "src": a, "tgt": b, "index": i}
-        for i, (s, t, a, b) in enumerate(
-            zip(tokenizer.encode_batch(src), tokenizer.encode_batch(tgt), src, tgt, strict=True)
+        {"src_ids": s, "tgt_ids": t, "src": a, "tgt": b}
+        for s, t, a, b in zip(
+            tokenizer.encode_batch(src), tokenizer.encode_batch(tgt), src, tgt, strict=True
         )
     ]
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
@@ -30,6 +30,7 @@ def test_overfit_64_pairs(multi30k_dir) -> None:
         num_encoder_layers=2,
         num_decoder_layers=2,
         dropout=0.0,
+        max_positions=1024,
         attention={"num_heads": 4, "num_kv_heads": 2},
     )
     module = TranslationModule(

@@ -86,7 +86,7 @@ class TranslationDataModule(L.LightningDataModule):
         local_dir: str | None = None,
         vocab_size: int = 8000,
         max_tokens: int = 4096,
-        max_length: int | None = 100,
+        max_length: int | None = 256,
         eval_max_tokens: int | None = None,
         num_workers: int = 0,
         cache_dir: str = "outputs/cache",

@@ -284,7 +284,8 @@ class Transformer(nn.Module):
 
     Example:
         >>> model = Transformer(src_vocab_size=100, tgt_vocab_size=100, d_model=32,
-        ...     ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2,
+        ...     ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2, dropout=0.1,
+        ...     max_positions=64,
         ...     attention={"num_heads": 4}, decoder_self_attention={"num_kv_heads": 1})
         >>> model(torch.randint(1, 100, (2, 7)), torch.randint(1, 100, (2, 5))).shape
         torch.Size([2, 5, 100])
@@ -297,17 +298,17 @@ class Transformer(nn.Module):
         *,
         src_vocab_size: int,
         tgt_vocab_size: int,
-        d_model: int = 512,
-        ffn_dim: int = 2048,
-        num_encoder_layers: int = 6,
-        num_decoder_layers: int = 6,
-        dropout: float = 0.1,
+        d_model: int,
+        ffn_dim: int,
+        num_encoder_layers: int,
+        num_decoder_layers: int,
+        dropout: float,
+        max_positions: int,
         attention_dropout: float = 0.0,
         activation_dropout: float = 0.0,
         activation: str = "relu",
         norm_first: bool = False,
         positional: str = "sinusoidal",
-        max_positions: int = 1024,
         share_embeddings: bool = True,
         tie_output: bool = True,
         pad_id: int = 0,
