@@ -211,6 +211,8 @@ def test_hydra_instantiate_with_nested_attention_configs():
             "ffn_dim": 64,
             "num_encoder_layers": 1,
             "num_decoder_layers": 1,
+            "dropout": 0.1,
+            "max_positions": 64,
             "attention": {"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"},
             "decoder_self_attention": {"num_kv_heads": 2},
             "encoder_self_attention": None,
