@@ -232,9 +232,9 @@ class TranslationDataModule(L.LightningDataModule):
         tok = self.tokenizer
         return partial(collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
 
-    def _loader(self, split: str, sampler: TokenBucketSampler) -> DataLoader:
+    def _loader(self, dataset: datasets.Dataset, sampler: TokenBucketSampler) -> DataLoader:
         return DataLoader(
-            self.tokenized[split],
+            dataset,
             batch_sampler=sampler,
             collate_fn=self._collate(),
             num_workers=self.num_workers,
@@ -261,11 +261,10 @@ class TranslationDataModule(L.LightningDataModule):
                 sampler.load_state_dict(self._pending_sampler_state)
                 self._pending_sampler_state = None
             self._train_sampler = sampler
-            self._log_batches("train", sampler)
+            self._log_batches("train", self.tokenized["train"], sampler)
         return self._train_sampler
 
-    def _log_batches(self, split: str, sampler: TokenBucketSampler) -> None:
-        ds = self.tokenized[split]
+    def _log_batches(self, split: str, ds: datasets.Dataset, sampler: TokenBucketSampler) -> None:
         fraction = real_token_fraction(
             sampler.epoch_batches(sampler.epoch),
             [len(ids) + 1 for ids in ds["src_ids"]],
@@ -282,14 +281,20 @@ class TranslationDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled, length-bucketed, resumable token-budget batches."""
-        return self._loader("train", self.train_sampler)
+        return self._loader(self.tokenized["train"], self.train_sampler)
 
     def _eval_loader(self, split: str) -> DataLoader:
+        dataset = self.tokenized[split]
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            # Under DDP rank r decodes examples r, r + W, r + 2W, ...: disjoint shares that
+            # together are the split once (the module gathers them for corpus BLEU).
+            dataset = dataset.shard(trainer.world_size, trainer.global_rank, contiguous=False)
         sampler = TokenBucketSampler(
-            self.tokenized[split]["length"], max_tokens=self.eval_max_tokens, shuffle=False
+            dataset["length"], max_tokens=self.eval_max_tokens, shuffle=False
         )
-        self._log_batches(split, sampler)
-        return self._loader(split, sampler)
+        self._log_batches(split, dataset, sampler)
+        return self._loader(dataset, sampler)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches, longest first, in a fixed order."""

@@ -109,6 +109,14 @@ class TranslationModule(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=ntokens)
         if "real_token_fraction" in batch:
             self.log("train/padding_fraction", 1.0 - float(batch["real_token_fraction"]))
+        if self.trainer.world_size > 1:
+            # DDP averages the ranks' gradients. Weighting each rank's per-token mean by its
+            # share of the step's tokens makes that average the mean over all tokens: the
+            # gradient one process computes from the whole (global) batch.
+            total = self.trainer.strategy.reduce(
+                torch.tensor(float(ntokens), device=loss.device), reduce_op="sum"
+            )
+            loss = loss * (ntokens * self.trainer.world_size / total)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
