@@ -43,16 +43,33 @@ def math_attention(
 
 
 def math_attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
+    *,
+    logit_mix: Tensor | None = None,
+    weight_mix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The math path, also returning the attention weights ``(B, H, L, S)``."""
+    """The math path, also returning the attention weights ``(B, H, L, S)``.
+
+    ``logit_mix`` and ``weight_mix`` (``(H, H)``, talking-heads attention) replace head
+    ``j``'s logits by ``sum_i logits_i * logit_mix[i, j]`` before the mask and softmax, and
+    its weights by ``sum_i weights_i * weight_mix[i, j]`` after the softmax. The returned
+    weights are the mixed ones, those that multiply V.
+    """
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
     # Group the query heads that share a K/V head, so K/V broadcast instead of being copied.
     qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D)
     scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * scale  # (B, G, H/G, L, S)
     scores = scores.view(B, H, L, S)
-    if mask.is_causal:
+    if logit_mix is not None:
+        # Mixed before masking: a masked (-inf) logit mixed into other heads would give NaN.
+        scores = torch.einsum("bhls,hj->bjls", scores, logit_mix)  # (B, H, L, S)
+    if mask.kernel_causal:
         causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask.tensor is not None:
@@ -62,6 +79,13 @@ def math_attention_with_weights(
             scores = scores + mask.tensor
     # Softmax in fp32: under autocast the scores may be bf16/fp16.
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, L, S)
+    if weight_mix is not None:
+        if mask.empty_rows is not None:
+            # An empty row is un-masked only to keep softmax finite; it lends no weight.
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+        weights = torch.einsum("bhls,hj->bjls", weights, weight_mix)  # (B, H, L, S)
+        # A per-head mask stays a mask after mixing: no head attends where it may not.
+        weights = weights.masked_fill(torch.isneginf(scores), 0.0)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
@@ -75,7 +99,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float
         v,
         attn_mask=mask.tensor,
         dropout_p=dropout_p,
-        is_causal=mask.is_causal,
+        is_causal=mask.kernel_causal,
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
@@ -158,7 +182,7 @@ def flex_attention(
     B, H, L, _ = q.shape
     S = k.shape[2]
     score_mod = block_mask = None
-    if mask.is_causal:
+    if mask.kernel_causal:
         block_mask = _causal_block_mask(L, S, q.device)
     elif mask.tensor is not None:
         # Index the (broadcast, not copied) mask at each score's coordinates.
@@ -219,7 +243,7 @@ def flash_attn_attention(
     # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
     if mask.key_padding_mask is None:
         out = flash_attn.flash_attn_func(
-            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal
+            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal_requested
         )
         return out.transpose(1, 2)
     keep = ~mask.key_padding_mask  # (B, S)
@@ -236,7 +260,7 @@ def flash_attn_attention(
         int(seqlens_k.max()),
         dropout_p=dropout_p,
         softmax_scale=scale,
-        causal=mask.causal,
+        causal=mask.causal_requested,
     )
     return out.view(B, L, H, D).transpose(1, 2)
 
