@@ -744,7 +744,8 @@ class MultiHeadAttention(nn.Module):
 
         This is the checkpoint conversion of the GQA paper (Ainslie et al., 2023): the
         ``G`` current K (and V) projection heads are split into ``num_kv_heads``
-        consecutive groups and each group is mean-pooled into one head.
+        consecutive groups and each group is mean-pooled into one head. The head design
+        (sparse heads, mixing) and its parameters are kept.
         """
         G, D, E = self.num_kv_heads, self.head_dim, self.embed_dim
         if num_kv_heads <= 0 or G % num_kv_heads != 0:
@@ -759,6 +760,7 @@ class MultiHeadAttention(nn.Module):
             dropout=self.dropout,
             bias=self.in_proj.bias is not None,
             backend=self.backend,
+            **self.design_options,
             device=weight.device,
             dtype=weight.dtype,
         )
@@ -775,4 +777,7 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = old.split([E, G * D, G * D], dim=0)
                 getattr(new.in_proj, name).copy_(torch.cat([q, pool(k), pool(v)], dim=0))
             new.out_proj.load_state_dict(self.out_proj.state_dict())
+            for name in ("head_gate", "head_mix"):
+                if hasattr(self, name):
+                    getattr(new, name).load_state_dict(getattr(self, name).state_dict())
         return new.train(self.training)
