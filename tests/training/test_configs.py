@@ -30,7 +30,8 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     cfg = compose_config("train", [f"model={model}", f"attention={attention}", *base(tmp_path)])
     net = instantiate(cfg.model, src_vocab_size=100, tgt_vocab_size=100, pad_id=0)
     kinds = net.head_config
-    assert {k["variant"] for k in kinds.values()} == {attention}
+    designs = {"moh": "mha-moh-k2s1", "talking_heads": "mha-talking_heads"}
+    assert {k["design"] for k in kinds.values()} == {designs.get(attention, attention)}
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 
@@ -93,7 +94,15 @@ def test_required_overrides_compose(tmp_path) -> None:
             *base(tmp_path),
         ],
     )
-    assert cfg.model.attention == {"num_heads": 8, "num_kv_heads": 2, "backend": "flash"}
+    assert cfg.model.attention == {
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "backend": "flash",
+        "top_k_heads": None,
+        "num_shared_heads": 0,
+        "head_mixing": None,
+        "mixing_groups": None,
+    }
     assert cfg.run_name == "gqa-h8-kv2-flash"
     assert (cfg.data.src_lang, cfg.data.tgt_lang, cfg.data.local_dir) == ("de", "en", "/some/dir")
     assert cfg.trainer.max_steps == 7 and cfg.trainer.precision == "bf16-mixed"

@@ -20,8 +20,17 @@ from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-_ATTENTION_KEYS = ("num_heads", "num_kv_heads", "backend")
-_ATTENTION_DEFAULTS: dict[str, Any] = {"num_heads": 8, "num_kv_heads": None, "backend": "sdpa"}
+_ATTENTION_DEFAULTS: dict[str, Any] = {
+    "num_heads": 8,
+    "num_kv_heads": None,
+    "backend": "sdpa",
+    # Head designs of MultiHeadAttention (off by default): sparse heads and head mixing.
+    "top_k_heads": None,
+    "num_shared_heads": 0,
+    "head_mixing": None,
+    "mixing_groups": None,
+}
+_ATTENTION_KEYS = tuple(_ATTENTION_DEFAULTS)
 
 
 class FeedForward(nn.Module):
@@ -263,8 +272,10 @@ class Transformer(nn.Module):
         tie_output: tie the output projection to the target embedding. Implied by
             ``share_embeddings``.
         pad_id: the padding token id, in both vocabularies.
-        attention: ``num_heads`` (default 8), ``num_kv_heads`` (default ``None`` = MHA) and
-            ``backend`` (default ``"sdpa"``) for every attention sublayer.
+        attention: ``num_heads`` (default 8), ``num_kv_heads`` (default ``None`` = MHA),
+            ``backend`` (default ``"sdpa"``) and the head-design options ``top_k_heads``,
+            ``num_shared_heads``, ``head_mixing``, ``mixing_groups`` (default off; see
+            :class:`~multihead.attention.MultiHeadAttention`) for every attention sublayer.
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one kind of sublayer, e.g. ``{"num_kv_heads": 1}`` for the
             decoder self-attention only; ``None`` values inherit from ``attention``. Any
@@ -480,6 +491,21 @@ class Transformer(nn.Module):
             "cross": [m["cross"] for m in decoder_maps],
         }
 
+    def aux_loss(self) -> Tensor | None:
+        """The sum of the sparse attention layers' load-balancing losses, or ``None``.
+
+        Each :class:`~multihead.attention.MultiHeadAttention` with ``top_k_heads`` sets its
+        ``aux_loss`` on every training-mode forward pass; this sums them over the layers
+        (as the Switch Transformer does), for the training loss to add with a small weight.
+        ``None`` when no layer is sparse, or after an eval-mode pass.
+        """
+        losses = [
+            m.aux_loss
+            for m in self.modules()
+            if isinstance(m, MultiHeadAttention) and m.aux_loss is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
+
     # ------------------------------------------------------------------ summaries
     def num_parameters(self) -> int:
         """Trainable and frozen parameters, tied matrices counted once."""
@@ -515,7 +541,10 @@ class Transformer(nn.Module):
 
         Returns:
             ``{kind: {"variant": "mha" | "gqa" | "mqa", "num_heads": H, "num_kv_heads": G,
-            "backend": name}}`` for the three kinds of :data:`ATTENTION_KINDS`.
+            "backend": name, "design": head_design, "active_head_fraction": f}}`` for the
+            three kinds of :data:`ATTENTION_KINDS`; ``design`` is the layer's
+            :attr:`~multihead.attention.MultiHeadAttention.head_design` (e.g. ``"gqa"``,
+            ``"mha-moh-k2s1"``).
         """
         first = {
             "encoder_self_attention": self.encoder_layers[0].self_attn,
@@ -528,16 +557,22 @@ class Transformer(nn.Module):
                 "num_heads": attn.num_heads,
                 "num_kv_heads": attn.num_kv_heads,
                 "backend": attn.backend,
+                "design": attn.head_design,
+                "active_head_fraction": attn.active_head_fraction,
             }
             for kind, attn in first.items()
         }
 
     @property
     def head_tag(self) -> str:
-        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``."""
+        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``.
+
+        A head design follows its sublayer's heads, e.g. ``enc-mha8-moh-k2s1``.
+        """
         parts = []
         for short, cfg in zip(("enc", "dec", "cross"), self.head_config.values(), strict=True):
             kv = f"kv{cfg['num_kv_heads']}" if cfg["variant"] == "gqa" else ""
-            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}")
+            design = cfg["design"].removeprefix(cfg["variant"])  # "" or e.g. "-moh-k2s1"
+            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}{design}")
         backends = sorted({cfg["backend"] for cfg in self.head_config.values()})
         return "_".join(parts + ["-".join(backends)])
