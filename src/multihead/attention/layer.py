@@ -128,6 +128,19 @@ def _kv_for_heads(t: Tensor, first: int, count: int, num_heads: int) -> Tensor:
     return t.index_select(1, index)  # (B, count, S, D)
 
 
+def _pack_front(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices of the True entries of ``flags`` ``(..., N)``, in order, packed to the front.
+
+    Returns ``(index, valid)``, both ``(..., M)`` with ``M`` the most True entries of any
+    row; ``index`` is ``N`` where ``valid`` is False (past a row's last True entry).
+    """
+    N = flags.shape[-1]
+    M = int(flags.sum(dim=-1).max())
+    positions = torch.arange(N, device=flags.device)
+    index = torch.where(flags, positions, N).sort(dim=-1).values[..., :M]  # (..., M)
+    return index, index < N
+
+
 def _mask_rows(t: Tensor | None, first: int, count: int, slots: Tensor | None) -> Tensor | None:
     """Rows of a mask broadcastable to ``(B, H, L, X)`` for some heads and query slots.
 
@@ -660,29 +673,38 @@ class MultiHeadAttention(nn.Module):
         else:
             self.aux_loss = None
 
-        # Pack the selected positions of each (sentence, head) to the front, in order.
-        C = int(chosen.sum(dim=-1).max())
-        positions = torch.arange(L, device=query.device)
-        order = torch.where(chosen, positions, L).sort(dim=-1).values[..., :C]  # (B, R, C)
-        filled = order < L  # (B, R, C): False = a padding slot
-        slots = order.clamp(max=L - 1)
+        # Two packings of the selected pairs. Attention runs per sentence: for each
+        # (sentence, head), its positions to the front of C slots, C the most any got.
+        # Projections run per head over the whole batch: its pairs to the front of M rows,
+        # M the most pairs any head got, close to B*L*k/R even when sentences route unevenly.
+        order, filled = _pack_front(chosen)  # (B, R, C)
+        C = order.shape[-1]
+        slots = order.clamp(max=L - 1)  # padding slots read the last position, weighted 0
         first_token = torch.arange(B, device=query.device) * L  # (B,)
-        tokens = slots + first_token[:, None, None]  # (B, R, C): indices into the B*L tokens
-        tokens = tokens.transpose(0, 1).reshape(R, B * C)  # (R, B*C)
+        tokens = (slots + first_token[:, None, None]).transpose(0, 1).reshape(R, B * C)
+        pair_slot, pair_valid = _pack_front(filled.transpose(0, 1).reshape(R, B * C))  # (R, M)
+        M = pair_slot.shape[-1]
+        pair_slot_or_spare = pair_slot  # B*C for padding rows: a spare slot, dropped
+        pair_slot = pair_slot.clamp(max=B * C - 1)
+        pair_token = tokens.gather(1, pair_slot)  # (R, M): indices into the B*L tokens
 
         # Queries of the selected pairs only: per routed head, its (D, E) rows of W^Q.
-        x = query.reshape(B * L, E)[tokens]  # (R, B*C, E)
-        q = torch.bmm(x, w_q.view(R, D, E).transpose(1, 2))  # (R, B*C, D)
+        x = query.reshape(B * L, E).index_select(0, pair_token.reshape(-1)).view(R, M, E)
+        q = torch.bmm(x, w_q.view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b_q is not None:
             q = q + b_q[s * D : E].view(R, 1, D)
+        spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
+        q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
         routed, routed_weights = attend(q, s, R, slots)  # (B, R, C, D)
 
-        # Weight each pair by its gate value (0 in padding slots), then W^O per head slice.
-        pair_gate = gate.transpose(1, 2).gather(2, slots) * filled  # (B, R, C)
-        routed = (routed * pair_gate.unsqueeze(-1)).transpose(0, 1).reshape(R, B * C, D)
-        y = torch.bmm(routed, w_o[:, s:].permute(1, 2, 0))  # (R, B*C, E)
-        out = query.new_zeros(B * L, E).index_add(0, tokens.reshape(-1), y.reshape(-1, E))
+        # Weight each pair by its gate value (0 for padding), then W^O per head slice.
+        routed = routed.transpose(0, 1).reshape(R, B * C, D)
+        routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
+        slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
+        pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
+        y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, s:].permute(1, 2, 0))  # (R, M, E)
+        out = query.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
         if s:
             shared, shared_weights = attend(q_shared, 0, s, None)  # (B, s, L, D)
@@ -695,9 +717,9 @@ class MultiHeadAttention(nn.Module):
 
         # Weights (B, H, L, S): the routed pairs scattered back, zeros for unselected heads.
         S = k.shape[2]
-        rows = torch.where(filled, order, L)  # padding slots go to a spare row L, then dropped
+        # order is L in padding slots: a spare row, dropped.
         weights = q.new_zeros(B, R, L + 1, S).scatter(
-            2, rows.unsqueeze(-1).expand(B, R, C, S), routed_weights
+            2, order.unsqueeze(-1).expand(B, R, C, S), routed_weights
         )[:, :, :L]
         if s:
             weights = torch.cat([shared_weights, weights], dim=1)
