@@ -164,10 +164,10 @@ def flex_attention(
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
-    if dropout_p > 0:
+    reason = unavailable_reason("flex", dropout=dropout_p)
+    if reason is not None:
         raise BackendUnavailableError(
-            f"backend 'flex' does not support attention dropout (got dropout={dropout_p}); "
-            f"use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
+            f"{reason}; use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
         )
     if (
         q.device.type != "cuda"
@@ -285,8 +285,33 @@ def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     return [n for n in available_backends(device, dtype) if n != name]
 
 
-def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why backend ``name`` cannot run on ``device``/``dtype``, or ``None`` if it can."""
+# Backends that take no attention dropout.
+_NO_DROPOUT = ("flex",)
+
+
+def unavailable_reason(
+    name: str,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    dropout: float = 0.0,
+) -> str | None:
+    """Why backend ``name`` cannot run, or ``None`` if it can: the one table of rules.
+
+    Args:
+        name: a backend name.
+        device, dtype: where it would run. ``None`` checks only what holds on every
+            device: the name, the installed packages and the dropout setting.
+        dropout: the attention dropout it would apply.
+    """
+    if name not in BACKENDS:
+        return f"unknown backend {name!r}"
+    if dropout > 0 and name in _NO_DROPOUT:
+        return f"backend {name!r} does not support attention dropout (got dropout={dropout})"
+    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install flash-attn)"
+    if device is None:
+        return None
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = device.type == "cuda"
     if name in ("math", "sdpa", "flex"):
@@ -303,13 +328,9 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> s
         if cuda and half:
             return None
         return f"SDPA's cuDNN kernel needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-    if name == "flash_attn":
-        if importlib.util.find_spec("flash_attn") is None:
-            return "the flash-attn package is not installed (pip install flash-attn)"
-        if not (cuda and half):
-            return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-        return None
-    return f"unknown backend {name!r}"
+    if not (cuda and half):  # flash_attn, installed
+        return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+    return None
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -318,13 +339,44 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     return [n for n in BACKENDS if unavailable_reason(n, device, dtype) is None]
 
 
-def check_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise :class:`BackendUnavailableError` if backend ``name`` cannot run here."""
-    reason = unavailable_reason(name, device, dtype)
+def check_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    dropout: float = 0.0,
+    anywhere: bool = False,
+) -> None:
+    """Raise if backend ``name`` cannot run, by the rules of :func:`unavailable_reason`.
+
+    The layer calls it when it is built (``anywhere=True``: the parameters may still move
+    to another device, so only the name, packages and dropout are checked) and on its first
+    forward pass on each device and dtype. The kernels raise only for what depends on the
+    inputs themselves (a mask, a gradient, a kernel's own refusal).
+
+    Raises:
+        ValueError: an unknown name, or a setting the backend lacks (dropout).
+        BackendUnavailableError: what this machine lacks (a package, the device or dtype).
+    """
+    runnable = available_backends(device, dtype)
+    where = f"{device.type}/{dtype}"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)} "
+            f"(on {where} these can run: {', '.join(runnable)})"
+        )
+    reason = unavailable_reason(name, dropout=dropout)
+    if reason is not None and dropout > 0 and name in _NO_DROPOUT:
+        others = [n for n in runnable if n not in _NO_DROPOUT]
+        raise ValueError(
+            f"{reason}; use dropout=0.0 or another backend, e.g. one of {', '.join(others)}"
+        )
+    if reason is None and not anywhere:
+        reason = unavailable_reason(name, device, dtype)
     if reason is not None:
         raise BackendUnavailableError(
-            f"attention backend {name!r} cannot run on {device.type}/{dtype}: {reason}. "
-            f"Backends that can: {', '.join(available_backends(device, dtype))}"
+            f"attention backend {name!r} cannot run on {where}: {reason}. "
+            f"Backends that can: {', '.join(runnable)}"
         )
 
 

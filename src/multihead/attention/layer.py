@@ -36,12 +36,9 @@ from torch import Tensor, nn
 
 from multihead.attention.backends import (
     BACKENDS,
-    BackendUnavailableError,
-    available_backends,
     check_backend,
     default_scale,
     math_attention_with_weights,
-    unavailable_reason,
 )
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask, build_attention_mask
@@ -342,28 +339,10 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        # Construction knows the name, packages and dropout; the device and dtype are checked
+        # on the first forward pass on each, since the parameters may still move.
         here = torch.device("cpu" if device is None else device)
-        can_run = available_backends(here, dtype or torch.float32)
-        runnable = ", ".join(can_run)
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"unknown attention backend {backend!r}; expected one of {', '.join(BACKENDS)} "
-                f"(on {here.type}/{dtype or torch.float32} these can run: {runnable})"
-            )
-        if backend == "flex" and dropout > 0:
-            raise ValueError(
-                f"backend 'flex' does not support attention dropout (got dropout={dropout}); "
-                "use dropout=0.0 or another backend, e.g. one of "
-                f"{', '.join(n for n in can_run if n != 'flex')}"
-            )
-        if backend == "flash_attn":
-            reason = unavailable_reason(backend, torch.device("cuda"), torch.float16)
-            if reason is not None:
-                raise BackendUnavailableError(
-                    f"attention backend 'flash_attn': {reason}. Backends that can run on "
-                    f"{here.type}/{dtype or torch.float32}: {runnable}"
-                )
-
+        check_backend(backend, here, dtype or torch.float32, dropout=dropout, anywhere=True)
         _check_head_design(
             num_heads, backend, top_k_heads, num_shared_heads, head_mixing, mixing_groups
         )
