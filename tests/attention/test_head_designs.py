@@ -1,6 +1,8 @@
 """Sparse heads (MoH) and head mixings against written-out loops over heads and tokens."""
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -252,18 +254,31 @@ def test_aux_loss_by_hand():
     assert MultiHeadAttention(E, H).train().aux_loss is None
 
 
-def test_aux_loss_is_one_for_a_balanced_router():
+def test_a_layer_with_an_aux_loss_can_be_copied_and_pickled():
+    layer = MultiHeadAttention(E, H, top_k_heads=2).train()
+    layer(torch.randn(B, L, E))
+    assert layer.aux_loss.grad_fn is not None
+    copied = copy.deepcopy(layer)
+    assert copied.aux_loss is None and layer.aux_loss is not None
+    restored = pickle.loads(pickle.dumps(layer))
+    assert torch.equal(restored.head_gate.weight, layer.head_gate.weight)
+
+
+def test_aux_loss_is_one_for_a_uniform_gate_and_grows_with_imbalance():
     layer = MultiHeadAttention(E, H, top_k_heads=1).train()
-    with torch.no_grad():
-        layer.head_gate.weight.zero_()
-        layer.head_gate.weight[:, 0] = torch.tensor([3.0, 1.0, -1.0, -3.0])
-    # Token i is e_0 scaled so that head i % 4 wins: the four heads get equal shares.
     x = torch.zeros(1, 4, E)
     x[0, :, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    with torch.no_grad():
+        layer.head_gate.weight.zero_()  # P_i = 1/R whatever the ties pick: R * sum f_i / R = 1
     layer(x)
-    # f = (1/2, 0, 0, 1/2), P symmetric: P_0 = P_3, so R * sum f P = 4 * P_0.
-    p = torch.softmax(torch.tensor([3.0, 1.0, -1.0, -3.0]), 0)
-    assert layer.aux_loss.item() == pytest.approx(4 * (0.5 * p[0] + 0.5 * p[3]).item(), rel=1e-6)
+    assert layer.aux_loss.item() == pytest.approx(1.0, rel=1e-6)
+    with torch.no_grad():
+        layer.head_gate.weight[:, 0] = torch.tensor([3.0, 1.0, -1.0, -3.0])
+    layer(x)  # x_0 = +1 picks head 0, x_0 = -1 picks head 3: f = (1/2, 0, 0, 1/2)
+    p_plus = torch.softmax(torch.tensor([3.0, 1.0, -1.0, -3.0]), 0)
+    P = (p_plus + p_plus.flip(0)) / 2  # half the tokens each way
+    assert layer.aux_loss.item() == pytest.approx(4 * (0.5 * P[0] + 0.5 * P[3]).item(), rel=1e-6)
+    assert layer.aux_loss.item() > 1.5
 
 
 # --------------------------------------------------------------------------- decoding

@@ -379,6 +379,10 @@ class MultiHeadAttention(nn.Module):
         elif head_mixing == "head_attention":
             self.head_mix = HeadAttentionMixing(self.head_dim, **factory)
 
+    def __getstate__(self) -> dict:
+        # The last aux_loss holds an autograd graph, which can be neither copied nor pickled.
+        return {**super().__getstate__(), "aux_loss": None}
+
     def _reset_parameters(self) -> None:
         # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
         # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases. The bound is that of the
@@ -491,7 +495,10 @@ class MultiHeadAttention(nn.Module):
                 last ``L`` of ``S`` positions and each sees the keys up to itself.
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
-                by the ``math`` path whatever the backend.
+                by the ``math`` path whatever the backend. With sparse heads a token's
+                unselected heads have all-zero weights (they were not computed), and the
+                weights are those of the softmax, before the gate's factor; with talking
+                heads they are the mixed weights, those that multiply V.
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
