@@ -5,8 +5,10 @@ in turn), so a noisy machine slows them alike; ratios are against the dense laye
 same run. Figures, for one forward+backward of causal self-attention:
 
 * the median time over ``--repeats``;
-* the FLOPs that ``torch.utils.flop_counter.FlopCounterMode`` counts (matmuls and the
-  attention kernel; the gate's top-k, the gathers and the scatter are not FLOPs);
+* the FLOPs that ``torch.utils.flop_counter.FlopCounterMode`` counts, on a twin of each
+  layer with the ``math`` backend (whose matmuls it sees; it does not see inside SDPA's
+  CPU kernel), masked scores included; the gate's top-k, gathers and scatters are not
+  FLOPs;
 * ``C / L``: the most tokens any (sentence, routed head) got over the sequence length,
   which sets the packed size the sparse layer computes (``k / R`` for a balanced router).
 
@@ -63,13 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace) -> dict[str, MultiHeadAttention]:
-    """The dense layer and one sparse layer per ``--top-k``, same projections (same seed)."""
+def build(args: argparse.Namespace, backend: str) -> dict[str, MultiHeadAttention]:
+    """The dense layer and one sparse layer per ``--top-k``, same weights (same seed)."""
     layers = {}
     for k in [None, *args.top_k]:
         torch.manual_seed(args.seed)
         options = {} if k is None else {"top_k_heads": k, "num_shared_heads": args.shared}
-        layer = MultiHeadAttention(args.embed_dim, args.heads, backend=args.backend, **options)
+        layer = MultiHeadAttention(args.embed_dim, args.heads, backend=backend, **options)
         layers[layer.head_design] = layer
     return layers
 
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        layers = build(args)
+        layers, counted = build(args, args.backend), build(args, "math")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return run
 
     flops = {}
-    for name, layer in layers.items():
+    for name, layer in counted.items():
         with FlopCounterMode(display=False) as counter:
             step(layer)()
         flops[name] = counter.get_total_flops()
