@@ -110,8 +110,9 @@ def sparse_reference(layer, x, memory, kwargs):
 
 
 def dense_heads(layer, x, kwargs, logit_mix=None, weight_mix=None):
-    """All heads' outputs (B, L, H, D) written out, with talking-heads mixes if given."""
-    heads = torch.zeros(B, L, H, D)
+    """All heads' outputs (B, L, H, D) and weights (B, H, L, L) written out, with
+    talking-heads mixes if given."""
+    heads, weights = torch.zeros(B, L, H, D), torch.zeros(B, H, L, L)
     for b in range(B):
         for t in range(L):
             logits, values = [], []
@@ -127,7 +128,8 @@ def dense_heads(layer, x, kwargs, logit_mix=None, weight_mix=None):
                 probs = [sum(probs[i] * weight_mix[i, j] for i in range(H)) for j in range(H)]
             for h in range(H):
                 heads[b, t, h] = probs[h] @ values[h]
-    return heads
+                weights[b, h, t] = probs[h]
+    return heads, weights
 
 
 def project_out(layer, heads):
@@ -168,10 +170,12 @@ def test_talking_heads_match_the_formula(design):
     kwargs = masks("causal+padding", L)
     mix = layer.head_mix
     with torch.no_grad():
-        heads = dense_heads(layer, x, kwargs, mix.logit_mix, mix.weight_mix)
+        heads, expected_weights = dense_heads(layer, x, kwargs, mix.logit_mix, mix.weight_mix)
         torch.testing.assert_close(
             layer(x, **kwargs), project_out(layer, heads), atol=1e-5, rtol=1e-4
         )
+        _, weights = layer(x, need_weights=True, **kwargs)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("design", ["group_mlp", "group_mlp4-mqa"])
@@ -181,7 +185,7 @@ def test_group_mlp_matches_the_formula(design):
     mix, groups = layer.head_mix, layer.mixing_groups
     width = E // groups
     with torch.no_grad():
-        heads = dense_heads(layer, x, {"is_causal": True}).reshape(B, L, E)
+        heads = dense_heads(layer, x, {"is_causal": True})[0].reshape(B, L, E)
         mixed = torch.zeros(B, L, E)
         for b in range(B):
             for t in range(L):
@@ -199,7 +203,7 @@ def test_head_attention_matches_the_formula(design):
     x = torch.randn(B, L, E)
     proj = layer.head_mix.head_mix
     with torch.no_grad():
-        heads = dense_heads(layer, x, {"is_causal": True})
+        heads, _ = dense_heads(layer, x, {"is_causal": True})
         mixed = torch.zeros_like(heads)
         for b in range(B):
             for t in range(L):
@@ -225,6 +229,21 @@ def test_mixings_start_as_the_identity(design):
     plain = MultiHeadAttention(E, H, **options)
     x = torch.randn(B, L, E)
     torch.testing.assert_close(mixed(x, is_causal=True), plain(x, is_causal=True))
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_bf16_autocast_trains(design):
+    layer = build(design).train()
+    x = torch.randn(B, L, E, requires_grad=True)
+    pad = masks("padding", L)["key_padding_mask"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, key_padding_mask=pad)
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = layer.eval()(x, key_padding_mask=pad)
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
 
 
 # --------------------------------------------------------------------------- aux loss

@@ -648,7 +648,7 @@ class MultiHeadAttention(nn.Module):
         # Route: each token picks its top-k routed heads, weighted by a softmax over them.
         logits = self.head_gate(query)  # (B, L, R)
         top_logits, top_heads = logits.topk(top_k, dim=-1)  # (B, L, k)
-        top_gate = torch.softmax(top_logits.float(), dim=-1).to(query.dtype)  # (B, L, k)
+        top_gate = torch.softmax(top_logits.float(), dim=-1).to(logits.dtype)  # (B, L, k)
         gate = torch.zeros_like(logits).scatter(-1, top_heads, top_gate)  # (B, L, R)
         chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_heads, True)
         chosen = chosen.transpose(1, 2)  # (B, R, L)
@@ -678,7 +678,7 @@ class MultiHeadAttention(nn.Module):
         x = query.reshape(B * L, E).index_select(0, pair_token.reshape(-1)).view(R, M, E)
         q = torch.bmm(x, w_q.view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b_q is not None:
-            q = q + b_q[s * D : E].view(R, 1, D)
+            q = q + b_q[s * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
         q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
@@ -690,14 +690,14 @@ class MultiHeadAttention(nn.Module):
         slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
         pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
         y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, s:].permute(1, 2, 0))  # (R, M, E)
-        out = query.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
+        out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
         if s:
             shared, shared_weights = attend(q_shared, 0, s, None)  # (B, s, L, D)
             shared = shared.transpose(1, 2).reshape(B, L, s * D)  # (B, L, s*D)
             out = out + shared @ w_o[:, :s].reshape(E, s * D).T
         if self.out_proj.bias is not None:
-            out = out + self.out_proj.bias
+            out = out + self.out_proj.bias.to(out.dtype)
         if not need_weights:
             return out
 
