@@ -602,10 +602,12 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shared heads densely, then only the routed (token, head) pairs the gate selects.
 
-        For each sentence and routed head the positions that selected it are packed to the
-        front of a ``(B, R, C, ...)`` layout, ``C`` the most positions any (sentence, head)
-        got (``L * k / R`` when the router is balanced), so queries, scores, values and the
-        output projection are computed for those pairs only, by the chosen backend.
+        ``q_shared`` ``(B, s, L, D)`` holds the shared heads' queries; ``k``, ``v``
+        ``(B, G, S, D)`` all K/V heads. The routed heads' queries are projected here, for
+        the selected pairs only (``M`` rows per head, ``M`` the most pairs any head got in
+        the batch, ``B * L * k / R`` for a balanced router); their scores and values run in
+        the chosen backend on ``(B, R, C, D)`` queries, ``C`` the most positions any
+        (sentence, head) got; their ``W^O`` slices again on the ``M`` rows per head.
         """
         B, L, E = query.shape
         H, D = self.num_heads, self.head_dim
