@@ -264,7 +264,8 @@ class MultiHeadAttention(nn.Module):
     the whole query, padding included) and ``P_i`` the mean gate probability (softmax over
     all routed heads) of head ``i``. It is 1 for a perfectly balanced router; a model adds
     ``weight * aux_loss`` to its loss. ``aux_loss`` is ``None`` in eval mode and for dense
-    layers.
+    layers. The sparse path sizes its packed buffers from the routing, reading two counts
+    back to the host on every call (a sync on CUDA; shapes vary for ``torch.compile``).
 
     Shapes:
         query ``(B, L, E)``; key_value ``(B, S, E)`` for cross-attention;
