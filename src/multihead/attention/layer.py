@@ -382,7 +382,7 @@ class MultiHeadAttention(nn.Module):
 
     def __getstate__(self) -> dict:
         # The last aux_loss holds an autograd graph, which can be neither copied nor pickled.
-        return {**super().__getstate__(), "aux_loss": None}
+        return {**self.__dict__, "aux_loss": None}
 
     def _reset_parameters(self) -> None:
         # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
