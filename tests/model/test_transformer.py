@@ -72,22 +72,56 @@ def test_per_sublayer_attention_overrides_reach_their_layers():
     for layer in model.decoder_layers:
         assert (layer.self_attn.num_kv_heads, layer.self_attn.backend) == (1, "math")
         assert (layer.cross_attn.num_kv_heads, layer.cross_attn.backend) == (2, "sdpa")
+    dense = {"active_head_fraction": 1.0}
     assert model.head_config == {
         "encoder_self_attention": {
             "variant": "mha",
             "num_heads": 4,
             "num_kv_heads": 4,
             "backend": "math",
+            "design": "mha",
+            **dense,
         },
         "decoder_self_attention": {
             "variant": "mqa",
             "num_heads": 4,
             "num_kv_heads": 1,
             "backend": "math",
+            "design": "mqa",
+            **dense,
         },
-        "cross_attention": {"variant": "gqa", "num_heads": 4, "num_kv_heads": 2, "backend": "sdpa"},
+        "cross_attention": {
+            "variant": "gqa",
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "backend": "sdpa",
+            "design": "gqa",
+            **dense,
+        },
     }
     assert model.head_tag == "enc-mha4_dec-mqa4_cross-gqa4kv2_math-sdpa"
+
+
+def test_head_designs_reach_their_layers_and_aux_losses_sum():
+    model = tiny_model(
+        attention={"num_heads": 4, "top_k_heads": 2, "num_shared_heads": 1},
+        decoder_self_attention={"num_kv_heads": 2},
+        cross_attention={"top_k_heads": 1},
+    )
+    assert model.head_tag == "enc-mha4-moh-k2s1_dec-gqa4kv2-moh-k2s1_cross-mha4-moh-k1s1_sdpa"
+    assert model.head_config["cross_attention"]["active_head_fraction"] == 0.5
+    src, tgt_in = torch.randint(1, VOCAB, (2, 7)), torch.randint(1, VOCAB, (2, 5))
+    model.train()(src, tgt_in)
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    by_hand = sum(m.aux_loss.item() for m in layers)
+    assert len(layers) == 6 and model.aux_loss().item() == pytest.approx(by_hand, rel=1e-6)
+    model.eval()(src, tgt_in)
+    assert model.aux_loss() is None
+    assert tiny_model().train().aux_loss() is None
+    mixed = tiny_model(
+        attention={"num_heads": 4, "head_mixing": "talking_heads", "backend": "math"}
+    )
+    assert mixed.head_config["encoder_self_attention"]["design"] == "mha-talking_heads"
 
 
 def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():

@@ -43,16 +43,33 @@ def math_attention(
 
 
 def math_attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
+    *,
+    logit_mix: Tensor | None = None,
+    weight_mix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The math path, also returning the attention weights ``(B, H, L, S)``."""
+    """The math path, also returning the attention weights ``(B, H, L, S)``.
+
+    ``logit_mix`` and ``weight_mix`` (``(H, H)``, talking-heads attention) replace head
+    ``j``'s logits by ``sum_i logits_i * logit_mix[i, j]`` before the mask and softmax, and
+    its weights by ``sum_i weights_i * weight_mix[i, j]`` after the softmax. The returned
+    weights are the mixed ones, those that multiply V.
+    """
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
     # Group the query heads that share a K/V head, so K/V broadcast instead of being copied.
     qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D)
     scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * scale  # (B, G, H/G, L, S)
     scores = scores.view(B, H, L, S)
-    if mask.is_causal:
+    if logit_mix is not None:
+        # Mixed before masking: a masked (-inf) logit mixed into other heads would give NaN.
+        scores = torch.einsum("bhls,hj->bjls", scores, logit_mix)  # (B, H, L, S)
+    if mask.kernel_causal:
         causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask.tensor is not None:
@@ -62,6 +79,13 @@ def math_attention_with_weights(
             scores = scores + mask.tensor
     # Softmax in fp32: under autocast the scores may be bf16/fp16.
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, L, S)
+    if weight_mix is not None:
+        if mask.empty_rows is not None:
+            # An empty row is un-masked only to keep softmax finite; it lends no weight.
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+        weights = torch.einsum("bhls,hj->bjls", weights, weight_mix)  # (B, H, L, S)
+        # A per-head mask stays a mask after mixing: no head attends where it may not.
+        weights = weights.masked_fill(torch.isneginf(scores), 0.0)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
@@ -75,7 +99,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float
         v,
         attn_mask=mask.tensor,
         dropout_p=dropout_p,
-        is_causal=mask.is_causal,
+        is_causal=mask.kernel_causal,
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
@@ -140,10 +164,10 @@ def flex_attention(
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
-    if dropout_p > 0:
+    reason = unavailable_reason("flex", dropout=dropout_p)
+    if reason is not None:
         raise BackendUnavailableError(
-            f"backend 'flex' does not support attention dropout (got dropout={dropout_p}); "
-            f"use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
+            f"{reason}; use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
         )
     if (
         q.device.type != "cuda"
@@ -158,7 +182,7 @@ def flex_attention(
     B, H, L, _ = q.shape
     S = k.shape[2]
     score_mod = block_mask = None
-    if mask.is_causal:
+    if mask.kernel_causal:
         block_mask = _causal_block_mask(L, S, q.device)
     elif mask.tensor is not None:
         # Index the (broadcast, not copied) mask at each score's coordinates.
@@ -219,7 +243,7 @@ def flash_attn_attention(
     # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
     if mask.key_padding_mask is None:
         out = flash_attn.flash_attn_func(
-            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal
+            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal_requested
         )
         return out.transpose(1, 2)
     keep = ~mask.key_padding_mask  # (B, S)
@@ -236,7 +260,7 @@ def flash_attn_attention(
         int(seqlens_k.max()),
         dropout_p=dropout_p,
         softmax_scale=scale,
-        causal=mask.causal,
+        causal=mask.causal_requested,
     )
     return out.view(B, L, H, D).transpose(1, 2)
 
@@ -261,8 +285,33 @@ def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     return [n for n in available_backends(device, dtype) if n != name]
 
 
-def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why backend ``name`` cannot run on ``device``/``dtype``, or ``None`` if it can."""
+# Backends that take no attention dropout.
+_NO_DROPOUT = ("flex",)
+
+
+def unavailable_reason(
+    name: str,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    dropout: float = 0.0,
+) -> str | None:
+    """Why backend ``name`` cannot run, or ``None`` if it can: the one table of rules.
+
+    Args:
+        name: a backend name.
+        device, dtype: where it would run. ``None`` checks only what holds on every
+            device: the name, the installed packages and the dropout setting.
+        dropout: the attention dropout it would apply.
+    """
+    if name not in BACKENDS:
+        return f"unknown backend {name!r}"
+    if dropout > 0 and name in _NO_DROPOUT:
+        return f"backend {name!r} does not support attention dropout (got dropout={dropout})"
+    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install flash-attn)"
+    if device is None:
+        return None
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = device.type == "cuda"
     if name in ("math", "sdpa", "flex"):
@@ -279,13 +328,9 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> s
         if cuda and half:
             return None
         return f"SDPA's cuDNN kernel needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-    if name == "flash_attn":
-        if importlib.util.find_spec("flash_attn") is None:
-            return "the flash-attn package is not installed (pip install flash-attn)"
-        if not (cuda and half):
-            return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-        return None
-    return f"unknown backend {name!r}"
+    if not (cuda and half):  # flash_attn, installed
+        return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+    return None
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -294,13 +339,44 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     return [n for n in BACKENDS if unavailable_reason(n, device, dtype) is None]
 
 
-def check_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise :class:`BackendUnavailableError` if backend ``name`` cannot run here."""
-    reason = unavailable_reason(name, device, dtype)
+def check_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    dropout: float = 0.0,
+    anywhere: bool = False,
+) -> None:
+    """Raise if backend ``name`` cannot run, by the rules of :func:`unavailable_reason`.
+
+    The layer calls it when it is built (``anywhere=True``: the parameters may still move
+    to another device, so only the name, packages and dropout are checked) and on its first
+    forward pass on each device and dtype. The kernels raise only for what depends on the
+    inputs themselves (a mask, a gradient, a kernel's own refusal).
+
+    Raises:
+        ValueError: an unknown name, or a setting the backend lacks (dropout).
+        BackendUnavailableError: what this machine lacks (a package, the device or dtype).
+    """
+    runnable = available_backends(device, dtype)
+    where = f"{device.type}/{dtype}"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)} "
+            f"(on {where} these can run: {', '.join(runnable)})"
+        )
+    reason = unavailable_reason(name, dropout=dropout)
+    if reason is not None and dropout > 0 and name in _NO_DROPOUT:
+        others = [n for n in runnable if n not in _NO_DROPOUT]
+        raise ValueError(
+            f"{reason}; use dropout=0.0 or another backend, e.g. one of {', '.join(others)}"
+        )
+    if reason is None and not anywhere:
+        reason = unavailable_reason(name, device, dtype)
     if reason is not None:
         raise BackendUnavailableError(
-            f"attention backend {name!r} cannot run on {device.type}/{dtype}: {reason}. "
-            f"Backends that can: {', '.join(available_backends(device, dtype))}"
+            f"attention backend {name!r} cannot run on {where}: {reason}. "
+            f"Backends that can: {', '.join(runnable)}"
         )
 
 

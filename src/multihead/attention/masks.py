@@ -29,20 +29,23 @@ class AttentionMask:
     Attributes:
         tensor: ``None``, a bool "keep" mask (True = attend) or a float additive bias,
             broadcastable to ``(B, H, L, S)``. Causal masking is folded in unless
-            ``is_causal`` is set.
-        is_causal: ask the kernel for its built-in (top-left aligned, ``L == S``) causal
-            mask; only set when no other mask is present.
+            ``kernel_causal`` is set.
+        kernel_causal: the kernel must apply its own built-in (top-left aligned,
+            ``L == S``) causal mask, because ``tensor`` does not hold it; only set when no
+            other mask is present.
         empty_rows: ``None`` or a bool tensor broadcastable to ``(B, H, L, 1)``, True for
             query rows that had no key left to attend to; their output must be zeroed.
-        causal: the caller asked for causal attention (bottom-right aligned when ``L < S``).
+        causal_requested: the caller asked for causal attention (bottom-right aligned when
+            ``L < S``), whether or not ``tensor`` holds it. Kernels that take only a causal
+            flag and a padding mask (flash-attn) read this instead of ``tensor``.
         key_padding_mask: the caller's ``(B, S)`` padding mask, True = padding.
         has_attn_mask: the caller passed an ``attn_mask`` (an arbitrary mask).
     """
 
     tensor: Tensor | None = None
-    is_causal: bool = False
+    kernel_causal: bool = False
     empty_rows: Tensor | None = None
-    causal: bool = False
+    causal_requested: bool = False
     key_padding_mask: Tensor | None = None
     has_attn_mask: bool = False
 
@@ -142,9 +145,9 @@ def build_attention_mask(
 
     return AttentionMask(
         tensor=tensor,
-        is_causal=kernel_causal,
+        kernel_causal=kernel_causal,
         empty_rows=empty_rows,
-        causal=is_causal,
+        causal_requested=is_causal,
         key_padding_mask=key_padding_mask,
         has_attn_mask=attn_mask is not None,
     )

@@ -490,6 +490,21 @@ class Transformer(nn.Module):
             "cross": [m["cross"] for m in decoder_maps],
         }
 
+    def aux_loss(self) -> Tensor | None:
+        """The sum of the sparse attention layers' load-balancing losses, or ``None``.
+
+        Each :class:`~multihead.attention.MultiHeadAttention` with ``top_k_heads`` sets its
+        ``aux_loss`` on every training-mode forward pass; this sums them over the layers
+        (as the Switch Transformer does), for the training loss to add with a small weight.
+        ``None`` when no layer is sparse, or after an eval-mode pass.
+        """
+        losses = [
+            attn.aux_loss
+            for _, _, _, attn in self.attention_sublayers()
+            if attn.aux_loss is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
+
     # ------------------------------------------------------------------ summaries
     def num_parameters(self) -> int:
         """Trainable and frozen parameters, tied matrices counted once."""
@@ -541,7 +556,10 @@ class Transformer(nn.Module):
 
         Returns:
             ``{kind: {"variant": "mha" | "gqa" | "mqa", "num_heads": H, "num_kv_heads": G,
-            "backend": name}}`` for the three kinds of :data:`ATTENTION_KINDS`.
+            "backend": name, "design": head_design, "active_head_fraction": f}}`` for the
+            three kinds of :data:`ATTENTION_KINDS`; ``design`` is the layer's
+            :attr:`~multihead.attention.MultiHeadAttention.head_design` (e.g. ``"gqa"``,
+            ``"mha-moh-k2s1"``).
         """
         config: dict[str, dict[str, Any]] = {}
         for kind, _, _, attn in self.attention_sublayers():
@@ -552,16 +570,22 @@ class Transformer(nn.Module):
                     "num_heads": attn.num_heads,
                     "num_kv_heads": attn.num_kv_heads,
                     "backend": attn.backend,
+                    "design": attn.head_design,
+                    "active_head_fraction": attn.active_head_fraction,
                 },
             )
         return config
 
     @property
     def head_tag(self) -> str:
-        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``."""
+        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``.
+
+        A head design follows its sublayer's heads, e.g. ``enc-mha8-moh-k2s1``.
+        """
         parts = []
         for short, cfg in zip(("enc", "dec", "cross"), self.head_config.values(), strict=True):
             kv = f"kv{cfg['num_kv_heads']}" if cfg["variant"] == "gqa" else ""
-            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}")
+            design = cfg["design"].removeprefix(cfg["variant"])  # "" or e.g. "-moh-k2s1"
+            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}{design}")
         backends = sorted({cfg["backend"] for cfg in self.head_config.values()})
         return "_".join(parts + ["-".join(backends)])

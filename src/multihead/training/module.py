@@ -36,6 +36,8 @@ class TranslationModule(pl.LightningModule):
         bleu_every_n_val: compute BLEU on every n-th validation run (loss on all of them).
         seed: dropout is seeded with ``(seed, step)`` at every step, so a resumed run draws
             the same masks as an uninterrupted one whatever else used the RNG meanwhile.
+        aux_loss_weight: weight of the model's auxiliary loss (the load-balancing loss of
+            sparse heads, :meth:`~multihead.model.Transformer.aux_loss`) in the training loss.
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
@@ -56,6 +58,7 @@ class TranslationModule(pl.LightningModule):
         max_len_b: float,
         bleu_every_n_val: int = 1,
         seed: int = 0,
+        aux_loss_weight: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -72,7 +75,10 @@ class TranslationModule(pl.LightningModule):
             length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b
         )
         self.beam_sizes = {"val": beam_size, "test": test_beam_size or beam_size}
+        if aux_loss_weight < 0:
+            raise ValueError(f"module.aux_loss_weight must be >= 0, got {aux_loss_weight}")
         self.bleu_every_n_val = bleu_every_n_val
+        self.aux_loss_weight = aux_loss_weight
         self.seed = seed
         self.run_config: dict | None = None
         self._val_runs = 0
@@ -107,6 +113,10 @@ class TranslationModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss, ntokens = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=ntokens)
+        aux = self.model.aux_loss()
+        if aux is not None:  # sparse heads: keep the router's load balanced
+            self.log("train/aux_loss", aux, batch_size=ntokens)
+            loss = loss + self.aux_loss_weight * aux
         if "real_token_fraction" in batch:
             self.log("train/padding_fraction", 1.0 - float(batch["real_token_fraction"]))
         if self.trainer.world_size > 1:

@@ -70,9 +70,12 @@ def model_summary(model) -> dict[str, Any]:
     decoding cache holds; ``head_tag`` (also the run name) spells out all three kinds.
     """
     heads = model.head_config["decoder_self_attention"]
+    fractions = [attn.active_head_fraction for *_, attn in model.attention_sublayers()]
     return {
         "run_name": model.head_tag,
         "variant": heads["variant"],
+        "design": heads["design"],
+        "heads/active_fraction": sum(fractions) / len(fractions),
         "num_heads": heads["num_heads"],
         "num_kv_heads": heads["num_kv_heads"],
         "backend": heads["backend"],
