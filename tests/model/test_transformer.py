@@ -2,6 +2,7 @@ import pytest
 import torch
 from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
 
+from multihead.attention import MultiHeadAttention
 from multihead.model import Transformer
 
 VARIANTS = {"mha": None, "gqa": 2, "mqa": 1}
