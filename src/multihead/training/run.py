@@ -26,6 +26,7 @@ from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoi
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
+from multihead.training.checkpoint_io import AtomicCheckpointIO
 from multihead.training.precision import resolve_precision
 from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
 
@@ -204,7 +205,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     loggers = build_loggers(cfg, model, wandb_id)
     precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     trainer: pl.Trainer = instantiate(
-        cfg.trainer, precision=precision, callbacks=callbacks, logger=loggers or False
+        cfg.trainer,
+        precision=precision,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[AtomicCheckpointIO()],
     )
     for logger in trainer.loggers:
         logger.log_hyperparams({**config, **summary, "precision": precision})
