@@ -17,6 +17,13 @@ from multihead.checkpoints import FORMAT_VERSION
 from multihead.evaluation import corpus_scores
 from multihead.model import decode
 
+# With on_non_finite_loss=skip, this many bad batches in a row stop the run all the same.
+MAX_SKIPPED_IN_A_ROW = 10
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss became NaN or infinite (a user-facing, one-line error)."""
+
 
 class TranslationModule(pl.LightningModule):
     """Trains a :class:`multihead.model.Transformer` on batches from the data module.
@@ -36,6 +43,10 @@ class TranslationModule(pl.LightningModule):
         bleu_every_n_val: compute BLEU on every n-th validation run (loss on all of them).
         seed: dropout is seeded with ``(seed, step)`` at every step, so a resumed run draws
             the same masks as an uninterrupted one whatever else used the RNG meanwhile.
+        on_non_finite_loss: ``"stop"`` the run with a one-line error naming the step when
+            the training loss is NaN or infinite, or ``"skip"`` the batch: a step without an
+            update, counted in ``skipped_batches`` and in the run summary (single process
+            only; more than 10 in a row stop the run).
         aux_loss_weight: weight of the model's auxiliary loss (the load-balancing loss of
             sparse heads, :meth:`~multihead.model.Transformer.aux_loss`) in the training loss.
 
@@ -59,6 +70,7 @@ class TranslationModule(pl.LightningModule):
         bleu_every_n_val: int = 1,
         seed: int = 0,
         aux_loss_weight: float = 0.0,
+        on_non_finite_loss: str = "stop",
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -77,6 +89,13 @@ class TranslationModule(pl.LightningModule):
         self.beam_sizes = {"val": beam_size, "test": test_beam_size or beam_size}
         if aux_loss_weight < 0:
             raise ValueError(f"module.aux_loss_weight must be >= 0, got {aux_loss_weight}")
+        if on_non_finite_loss not in ("stop", "skip"):
+            raise ValueError(
+                f"module.on_non_finite_loss={on_non_finite_loss!r}; expected 'stop' or 'skip'"
+            )
+        self.on_non_finite_loss = on_non_finite_loss
+        self.skipped_batches = 0
+        self._skipped_in_a_row = 0
         self.bleu_every_n_val = bleu_every_n_val
         self.aux_loss_weight = aux_loss_weight
         self.seed = seed
@@ -110,29 +129,65 @@ class TranslationModule(pl.LightningModule):
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         torch.manual_seed(self.seed * 1_000_003 + self.global_step)
 
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor | None:
         loss, ntokens = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=ntokens)
+        cross_entropy = loss
         aux = self.model.aux_loss()
         if aux is not None:  # sparse heads: keep the router's load balanced
             self.log("train/aux_loss", aux, batch_size=ntokens)
             loss = loss + self.aux_loss_weight * aux
+        # One all-reduce under DDP: the step's tokens, and whether any rank's loss is bad
+        # (every rank must take the same decision, or the others wait for it forever).
+        counts = torch.tensor(
+            [float(ntokens), float(not torch.isfinite(loss))], device=loss.device
+        )
+        if self.trainer.world_size > 1:
+            counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        if counts[1] > 0:
+            return self._non_finite(loss)
+        self._skipped_in_a_row = 0
+        self.log("train/loss", cross_entropy, prog_bar=True, batch_size=ntokens)
         if "real_token_fraction" in batch:
             self.log("train/padding_fraction", 1.0 - float(batch["real_token_fraction"]))
         if self.trainer.world_size > 1:
             # DDP averages the ranks' gradients. Weighting each rank's per-token mean by its
             # share of the step's tokens makes that average the mean over all tokens: the
             # gradient one process computes from the whole (global) batch.
-            total = self.trainer.strategy.reduce(
-                torch.tensor(float(ntokens), device=loss.device), reduce_op="sum"
-            )
-            loss = loss * (ntokens * self.trainer.world_size / total)
+            loss = loss * (ntokens * self.trainer.world_size / counts[0])
         return loss
+
+    def _non_finite(self, loss: Tensor) -> None:
+        """Stop with a one-line error naming the step, or skip the batch and count it."""
+        if self.on_non_finite_loss == "stop":
+            raise NonFiniteLossError(
+                f"non-finite training loss ({loss.item()}) at step {self.global_step}; the "
+                "checkpoints written before it are intact. Lower module.optimizer.lr, or set "
+                "module.on_non_finite_loss=skip to skip such batches"
+            )
+        self.skipped_batches += 1
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row > MAX_SKIPPED_IN_A_ROW:
+            # A diverged run would otherwise skip every batch until max_steps.
+            raise NonFiniteLossError(
+                f"non-finite training loss in {self._skipped_in_a_row} batches in a row at step "
+                f"{self.global_step}; the run has diverged. Lower module.optimizer.lr"
+            )
+        self.print(f"skipped batch at step {self.global_step}: non-finite training loss")
+        return None  # Lightning skips backward: a step without an update
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping; under AMP Lightning has already unscaled the gradients here.
         norms = grad_norm(self.model, norm_type=2)
-        self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        if norms:  # none after a skipped batch: no gradients
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    def on_fit_start(self) -> None:
+        if self.on_non_finite_loss == "skip" and self.trainer.world_size > 1:
+            # A skipped step returns no loss, which DDP's gradient all-reduce cannot take.
+            raise ValueError(
+                "module.on_non_finite_loss=skip works in one process only; "
+                f"this run has {self.trainer.world_size}. Use stop"
+            )
 
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer_factory(self.parameters())

@@ -230,6 +230,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             )
         if trainer.is_global_zero:
             summary.update(training_summary(trainer))
+            summary["train/skipped_batches"] = module.skipped_batches
             if cfg.summary.decode_speed:
                 device = trainer.strategy.root_device
                 summary.update(decode_summary(module, datamodule, device, cfg))
