@@ -50,6 +50,10 @@ def resume_checkpoint(setting: str | None, ckpt_dir: Path) -> tuple[str | None, 
         if not ok:
             raise ValueError(f"ckpt_path={setting} cannot resume a run: {why}")
         return setting, wandb_id
+    # A write that a kill interrupted leaves its temporary file (never the target): drop it.
+    for stale in ckpt_dir.glob(".*.ckpt.*.tmp"):
+        log.warning("removing %s, left by an interrupted checkpoint write", stale.name)
+        stale.unlink(missing_ok=True)
     found = [p for p in ckpt_dir.glob("*.ckpt") if not p.name.startswith(".")]
     tried = []
     for path in sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True):
