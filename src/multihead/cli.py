@@ -21,13 +21,14 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("path_name", lambda path: Path(str(path)).name)
 
 
-# Errors caused by what the user gave us (config values, files, checkpoints, input). Our
-# code raises these with messages meant for users; a TypeError is more often a bug, so it
-# keeps its traceback (a wrongly typed config value still arrives as InstantiationException).
+# Errors caused by what the user gave us (config values, files, checkpoints, input) or by
+# where they asked us to write (OSError: a read-only or full disk, a path through a file).
+# Our code raises these with messages meant for users; a TypeError is more often a bug, so
+# it keeps its traceback (a wrongly typed config value still arrives as
+# InstantiationException).
 USER_ERRORS = (
     ValueError,
-    FileNotFoundError,
-    FileExistsError,
+    OSError,
     BackendUnavailableError,
     InstantiationException,
 )

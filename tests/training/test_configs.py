@@ -154,7 +154,9 @@ def test_precision_auto_and_errors() -> None:
         resolve_precision("fp8", "cpu")
 
 
-def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, *args: str, stdin: str | None = None, preexec_fn=None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
@@ -165,6 +167,7 @@ def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.
         env=env,
         cwd=REPO_ROOT,
         timeout=300,
+        preexec_fn=preexec_fn,
     )
 
 

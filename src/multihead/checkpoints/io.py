@@ -149,8 +149,13 @@ def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> Pa
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        # A full or read-only disk: torch.save reports the OSError's aftermath as a
+        # RuntimeError, so find the OSError and say which file could not be written.
+        cause = err if isinstance(err, OSError) else err.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, f"cannot write {path}: {cause.strerror}") from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -97,8 +97,8 @@ class TranslationDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         for arg, value in (("vocab_size", vocab_size), ("max_tokens", max_tokens)):
-            if value < 1:
-                raise ValueError(f"{arg} must be a positive integer, got {value}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{arg} must be a positive integer, got {value!r}")
         if eval_max_tokens is not None and eval_max_tokens < 1:
             raise ValueError(
                 f"eval_max_tokens must be a positive integer or None, got {eval_max_tokens}"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_translator, write_atomically
 from multihead.data import load_parallel_dataset
 from multihead.evaluation.metrics import corpus_scores, tokenized_bleu
 from multihead.evaluation.translate import search_settings, translate
@@ -89,6 +89,9 @@ def evaluate_checkpoint(
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"hypotheses.{split}.txt").write_text("\n".join(hypotheses) + "\n")
-    (out_dir / "scores.json").write_text(json.dumps(result, indent=2) + "\n")
+    for name, text in (
+        (f"hypotheses.{split}.txt", "\n".join(hypotheses) + "\n"),
+        ("scores.json", json.dumps(result, indent=2) + "\n"),
+    ):
+        write_atomically(out_dir / name, lambda f, text=text: f.write(text.encode()))
     return result

@@ -318,16 +318,30 @@ class Transformer(nn.Module):
         cross_attention: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        sizes = {
+            "d_model": d_model,
+            "ffn_dim": ffn_dim,
+            "num_encoder_layers": num_encoder_layers,
+            "num_decoder_layers": num_decoder_layers,
+            "max_positions": max_positions,
+            "src_vocab_size": src_vocab_size,
+            "tgt_vocab_size": tgt_vocab_size,
+        }
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (
+            ("dropout", dropout),
+            ("attention_dropout", attention_dropout),
+            ("activation_dropout", activation_dropout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="
                 f"{src_vocab_size} != tgt_vocab_size={tgt_vocab_size}; set "
                 "share_embeddings=False or build a joint vocabulary"
-            )
-        if num_encoder_layers < 1 or num_decoder_layers < 1:
-            raise ValueError(
-                f"num_encoder_layers and num_decoder_layers must be >= 1, got "
-                f"{num_encoder_layers} and {num_decoder_layers}"
             )
         overrides = (encoder_self_attention, decoder_self_attention, cross_attention)
         self.attention_config = {
