@@ -3,6 +3,9 @@ docs/cluster.md says; the Trainers are built only where CUDA is (pytest -m gpu).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from omegaconf import OmegaConf
 from multihead.checkpoints import build_model
 from multihead.model import DecoderLayer, EncoderLayer
 from multihead.training.precision import resolve_precision
-from tests.conftest import CONFIG_DIR, compose_config
+from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
 
 CUDA = torch.cuda.is_available()
 
@@ -77,3 +80,37 @@ def test_multi_gpu_trainers_instantiate(preset, tmp_path) -> None:
     assert isinstance(trainer.strategy, expected)
     assert trainer.num_devices == torch.cuda.device_count()
     assert precision == ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed")
+
+
+GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.sh"
+
+
+def gpu_check_recipe() -> list[str]:
+    """The overrides scripts/gpu_check.sh trains with (its `recipe=(...)` line)."""
+    (line,) = [x for x in GPU_CHECK.read_text().splitlines() if x.startswith("recipe=(")]
+    return line.removeprefix("recipe=(").removesuffix(")").split()
+
+
+def test_gpu_check_recipe_composes_into_three_minutes_of_the_gpu_recipe(tmp_path) -> None:
+    cfg = trainer_config(tmp_path, *gpu_check_recipe(), "data.local_dir=/data/multi30k")
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "auto"
+    assert cfg.trainer.max_time == "00:00:03:00"
+    # The cooldown ends the budget; longer than the budget, the rate would never peak.
+    assert 0 < cfg.module.scheduler.cooldown_minutes < 3
+    assert cfg.task_name == "multi30k_en_de" and cfg.model.d_model == 128
+    assert list(cfg.logger) == ["csv"]  # the script reads csv/hparams.yaml and summary.json
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message given where CUDA is missing")
+def test_gpu_check_without_cuda_fails_in_one_line(tmp_path) -> None:
+    report = tmp_path / "report.md"
+    result = subprocess.run(
+        ["bash", str(GPU_CHECK), str(report)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("gpu_check: no CUDA device (torch: ")
+    assert len(result.stderr.splitlines()) == 1 and not report.exists()
