@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU paths in one command, on a CUDA machine, in under 10 minutes: the GPU tests, three
+# The GPU paths in one command, on a CUDA machine, in about 10 minutes: the GPU tests, three
 # minutes of the Multi30k recipe in bf16 with its throughput, the attention benchmark for
 # every backend in bf16 and fp16, and the training-step benchmark; one markdown report.
 #
@@ -118,7 +118,7 @@ if precision != expected or missing:
 EOF
 
 # ---------------------------------------------------------------- the checks
-section "GPU tests (pytest -m gpu)" 150 \
+section "GPU tests (pytest -m gpu)" 240 \
     "$python" -m pytest -q -rs -m gpu tests
 section "Trainer presets on this GPU (gpu, ddp, fsdp)" 60 \
     "$python" -m pytest -q -rs tests/training/test_configs.py -k "trainer_options or gpu_variant"
