@@ -21,7 +21,7 @@ pytest.importorskip(
 
 
 def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
-    tmp_path: Path, multi30k_dir: Path
+    tmp_path: Path, multi30k_dir: Path, cache_dir: Path
 ) -> None:
     result = run_script(
         "train.py",
@@ -36,7 +36,7 @@ def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
         "summary.limit=4",
         f"data.local_dir={multi30k_dir}",
         f"hydra.sweep.dir={tmp_path}",
-        f"paths.cache_dir={tmp_path / 'cache'}",
+        f"paths.cache_dir={cache_dir}",  # the session's smoke data, built once
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # submitit ran each job as a job of its own: one folder of logs and result per job.
