@@ -7,6 +7,8 @@ ones a real run uses), then times forward + backward + Adam step on real Multi30
 Precisions are interleaved block by block, so machine noise hits them alike. It prints
 real (non-padding) target and source tokens per second and the ratio to the first precision.
 ``--compile`` adds each precision again with the model's forward under ``torch.compile``.
+``--device cuda`` times on the GPU (``--precisions 32-true bf16-mixed 16-mixed`` there; fp16
+scales the loss as Lightning's 16-mixed does).
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ from multihead.checkpoints import build_model
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
-def autocast(precision: str):
-    if precision == "bf16-mixed":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+def autocast(precision: str, device: torch.device):
     if precision == "32-true":
         return contextlib.nullcontext()
-    raise ValueError(f"precision {precision!r}; expected 32-true or bf16-mixed on CPU")
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "16-mixed" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16)
+    expected = (
+        "32-true, bf16-mixed or 16-mixed" if device.type == "cuda" else "32-true or bf16-mixed"
+    )
+    raise ValueError(f"precision {precision!r}; expected {expected} on {device.type}")
 
 
 def label(precision: str, compiled: bool) -> str:
@@ -46,12 +53,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per precision")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument(
         "--compile", action="store_true", help="also time each precision with torch.compile"
     )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # not a device name at all
+        device = torch.device("meta")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"benchmark_training: --device {args.device}; expected cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"benchmark_training: --device {args.device}, but CUDA is not available")
+    for precision in args.precisions:
+        try:
+            autocast(precision, device)
+        except ValueError as err:
+            raise SystemExit(f"benchmark_training: {err}") from None
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["paths.output_dir=outputs/benchmark", *args.overrides])
@@ -60,7 +81,7 @@ def main() -> None:
     dm.setup("fit")
     batches = []
     for batch in dm.train_dataloader():
-        batches.append(batch)
+        batches.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
         if len(batches) == args.steps:
             break
     pad = dm.pad_id
@@ -74,23 +95,34 @@ def main() -> None:
     for precision, compiled in variants:
         torch.manual_seed(cfg.seed)
         model = build_model(OmegaConf.to_container(cfg, resolve=True), dm.vocab_size, pad)
+        model.to(device)
         if compiled:
             # Batches differ in shape (token buckets): compile for dynamic shapes up front.
             model.compile(dynamic=True)
         module = instantiate(cfg.module, model=model, tokenizer=dm.tokenizer)
         optimizer = module.configure_optimizers()["optimizer"]
-        runs[label(precision, compiled)] = (precision, module.train(), optimizer)
+        # fp16 needs loss scaling (as Lightning's 16-mixed); a disabled scaler is a no-op.
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
+        runs[label(precision, compiled)] = (precision, module.train(), optimizer, scaler)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def step_block(name: str) -> float:
-        precision, module, optimizer = runs[name]
+        precision, module, optimizer, scaler = runs[name]
+        sync()
         start = time.perf_counter()
         for batch in batches:
-            with autocast(precision):
+            with autocast(precision, device):
                 loss, _ = module.loss(batch)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - start
 
     for name in runs:  # warm-up (and compilation)
@@ -100,8 +132,9 @@ def main() -> None:
         for name in runs:
             times[name].append(step_block(name))
 
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
         f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens, "
         f"params {next(iter(runs.values()))[1].model.num_parameters():,}"
     )
