@@ -121,6 +121,8 @@ class TranslationDataModule(L.LightningDataModule):
         self.limits = limits
         self.seed = seed
 
+        # Split validation and test between the ranks (DDP); False: every rank sees all.
+        self.shard_eval = True
         self._tokenizer: Tokenizer | None = None
         self._datasets: datasets.DatasetDict | None = None
         self._train_sampler: TokenBucketSampler | None = None
@@ -286,7 +288,7 @@ class TranslationDataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.tokenized[split]
         trainer = self.trainer
-        if trainer is not None and trainer.world_size > 1:
+        if self.shard_eval and trainer is not None and trainer.world_size > 1:
             # Under DDP rank r decodes examples r, r + W, r + 2W, ...: disjoint shares that
             # together are the split once (the module gathers them for corpus BLEU).
             dataset = dataset.shard(trainer.world_size, trainer.global_rank, contiguous=False)

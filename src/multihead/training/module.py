@@ -233,8 +233,9 @@ class TranslationModule(pl.LightningModule):
         """Every rank's hypotheses and references (all of them on every rank)."""
         hyps, refs = self._hyps, self._refs
         self._hyps, self._refs = [], []
-        if self.trainer.world_size == 1:
-            return hyps, refs
+        datamodule = self.trainer.datamodule
+        if self.trainer.world_size == 1 or not getattr(datamodule, "shard_eval", True):
+            return hyps, refs  # this rank decoded the whole split
         # Corpus BLEU is not a mean of per-rank BLEUs: score the union of the ranks' outputs.
         gathered: list = [None] * self.trainer.world_size
         torch.distributed.all_gather_object(gathered, (hyps, refs))
@@ -245,7 +246,7 @@ class TranslationModule(pl.LightningModule):
         if nll is not None:
             self.log(f"{stage}/ppl", torch.exp(nll))
         if not self._hyps and self.trainer.world_size == 1:
-            return
+            return  # no BLEU this validation run
         hyps, refs = self._gathered()
         if not hyps:
             return

@@ -14,6 +14,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.checkpoints import (
@@ -211,6 +212,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],
     )
+    # Under DDP each rank decodes its share of the evaluation splits; under FSDP every layer
+    # needs every rank, so all ranks decode the whole split, step for step.
+    datamodule.shard_eval = not isinstance(trainer.strategy, FSDPStrategy)
     for logger in trainer.loggers:
         logger.log_hyperparams({**config, **summary, "precision": precision})
 
@@ -231,7 +235,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             summary.update(training_summary(trainer))
             summary["train/skipped_batches"] = module.skipped_batches
-            if cfg.summary.decode_speed:
+            if cfg.summary.decode_speed and isinstance(trainer.strategy, FSDPStrategy):
+                # Each FSDP layer gathers its weights from every rank: rank 0 cannot decode alone.
+                log.warning("summary.decode_speed is not measured under FSDP")
+            elif cfg.summary.decode_speed:
                 device = trainer.strategy.root_device
                 summary.update(decode_summary(module, datamodule, device, cfg))
             summary.update(metrics)
