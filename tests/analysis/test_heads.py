@@ -10,12 +10,13 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 
-from multihead.analysis.heads import head_outputs, head_similarity
+from multihead.analysis.heads import head_outputs, head_similarity, head_similarity_matrix
 from multihead.attention import MultiHeadAttention
 from multihead.data import Tokenizer, collate
 from multihead.model import Transformer
 from multihead.training.diagnostics import AttentionMapLogger
 from tests.conftest import compose_config
+from tests.training.test_configs import run_script
 
 SENTENCES = [
     ("A dog runs in the park.", "Ein Hund rennt im Park."),
@@ -106,6 +107,39 @@ def test_head_similarity_extremes_and_hand_computation() -> None:
     cos = torch.nn.functional.cosine_similarity
     expected = (cos(h[0], h[1], dim=0) + cos(h[0], h[2], dim=0) + cos(h[1], h[2], dim=0)) / 3
     assert head_similarity(heads, mask) == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_similarity_matrix_by_hand_and_a_silent_head() -> None:
+    torch.manual_seed(1)
+    heads = torch.randn(2, 3, 4, 5)
+    heads[1, 2, 1] = 0.0  # head 2 is off at one position (a sparse head not selected there)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    cos = torch.nn.functional.cosine_similarity
+    expected = torch.zeros(3, 3)
+    positions = [(b, q) for b in range(2) for q in range(4) if mask[b, q]]
+    for h in range(3):
+        for k in range(3):
+            values = [cos(heads[b, h, q], heads[b, k, q], dim=0) for b, q in positions]
+            expected[h, k] = sum(float(v) for v in values) / len(positions)
+    torch.testing.assert_close(head_similarity_matrix(heads, mask), expected)
+
+
+def test_head_diversity_script_writes_figures_and_table(smoke_run_dir, multi30k_dir, tmp_path):
+    ckpt = smoke_run_dir / "checkpoints" / "last.ckpt"
+    result = run_script(
+        "head_diversity.py",
+        f"ckpts=[{ckpt}]",
+        "labels=[smoke]",
+        f"out={tmp_path}",
+        "sentences=8",
+        f"data.local_dir={multi30k_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "smoke_head_similarity.png").stat().st_size > 0
+    table = (tmp_path / "head_diversity.md").read_text().splitlines()
+    assert len(table) == 2 + 3  # header, rule, one row per sublayer kind
+    bad = run_script("head_diversity.py", f"ckpts=[{ckpt}]", "labels=[a,b]", f"out={tmp_path}")
+    assert bad.returncode == 2 and "expected one label per checkpoint" in bad.stderr
 
 
 class RecordingWandb(WandbLogger):

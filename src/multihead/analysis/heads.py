@@ -80,27 +80,37 @@ def head_outputs(
     return maps, outputs
 
 
-def head_similarity(outputs: Tensor, query_mask: Tensor | None = None) -> float:
-    """Mean pairwise cosine similarity between heads' outputs, in ``[-1, 1]``.
+def head_similarity_matrix(outputs: Tensor, query_mask: Tensor | None = None) -> Tensor:
+    """``(H, H)`` pairwise cosine similarities of heads' outputs, averaged over positions.
+
+    Entry ``(h, h')`` is the mean over real query positions ``(b, l)`` of
+    ``cos(outputs[b, h, l], outputs[b, h', l])`` (eq. 5.3.11 of the notes). A head whose
+    output is zero at a position (a sparse head that was not selected there) counts as
+    orthogonal to the others at that position.
 
     Args:
         outputs: ``(B, H, L, D)`` per-head outputs.
         query_mask: ``(B, L)`` bool, True = a real query position; ``None`` = all real.
-
-    Returns:
-        The mean over head pairs ``h < h'`` and real positions of
-        ``cos(outputs[b, h, l], outputs[b, h', l])``; NaN with a single head.
     """
     B, H, L, _ = outputs.shape
-    if H < 2:
-        return float("nan")
-    unit = F.normalize(outputs.float(), dim=-1)  # (B, H, L, D)
+    unit = F.normalize(outputs.float(), dim=-1)  # (B, H, L, D); zero rows stay zero
     cos = torch.einsum("bhld,bkld->blhk", unit, unit)  # (B, L, H, H)
-    pairs = torch.triu_indices(H, H, offset=1, device=outputs.device)
-    per_pair = cos[:, :, pairs[0], pairs[1]]  # (B, L, H*(H-1)/2)
     if query_mask is None:
         query_mask = torch.ones(B, L, dtype=torch.bool, device=outputs.device)
-    return float(per_pair[query_mask].mean().clamp(-1.0, 1.0))
+    return cos[query_mask].mean(dim=0).clamp(-1.0, 1.0)  # (H, H)
+
+
+def head_similarity(outputs: Tensor, query_mask: Tensor | None = None) -> float:
+    """Mean pairwise cosine similarity between heads' outputs, in ``[-1, 1]``.
+
+    The mean of :func:`head_similarity_matrix` over head pairs ``h < h'``; NaN with a
+    single head.
+    """
+    H = outputs.shape[1]
+    if H < 2:
+        return float("nan")
+    pairs = torch.triu_indices(H, H, offset=1)
+    return float(head_similarity_matrix(outputs, query_mask)[pairs[0], pairs[1]].mean())
 
 
 def token_labels(tokenizer: Any, ids: Tensor) -> list[str]:
@@ -163,4 +173,92 @@ def plot_similarity(similarity: dict[str, list[float]], title: str) -> plt.Figur
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def similarity_matrices(
+    model: nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], batch_size: int = 50
+) -> dict[str, list[Tensor]]:
+    """:func:`head_similarity_matrix` of every sublayer over (source, reference) ``pairs``.
+
+    The decoder is teacher-forced on the references. Each matrix averages over all real
+    query positions of all pairs (batches weighted by their positions).
+
+    Returns:
+        ``{kind: [(H, H) per layer]}`` with the kinds of :data:`MAP_KINDS`.
+    """
+    from multihead.data import collate
+
+    queries = {"encoder_self": "src", "decoder_self": "tgt", "cross": "tgt"}
+    sums: dict[str, list[Tensor]] = {}
+    counts: dict[str, list[int]] = {}
+    model.eval()
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        examples = [
+            {"src_ids": tokenizer.encode(s), "tgt_ids": tokenizer.encode(t), "src": s, "tgt": t}
+            for s, t in chunk
+        ]
+        batch = collate(
+            examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
+        )
+        src, tgt_in = batch["src"], batch["tgt"][:, :-1]
+        real = {"src": src.ne(tokenizer.pad_id), "tgt": tgt_in.ne(tokenizer.pad_id)}
+        with torch.no_grad():
+            _, outputs = head_outputs(model, src, tgt_in)
+        for kind, layers in outputs.items():
+            mask = real[queries[kind]]
+            n = int(mask.sum())
+            for i, out in enumerate(layers):
+                weighted = head_similarity_matrix(out, mask) * n
+                if i == len(sums.setdefault(kind, [])):
+                    sums[kind].append(weighted)
+                    counts.setdefault(kind, []).append(n)
+                else:
+                    sums[kind][i] += weighted
+                    counts[kind][i] += n
+    return {kind: [m / c for m, c in zip(sums[kind], counts[kind], strict=True)] for kind in sums}
+
+
+def mean_off_diagonal(matrix: Tensor) -> float:
+    """The mean of an ``(H, H)`` similarity matrix over pairs of different heads."""
+    H = matrix.shape[0]
+    return float((matrix.sum() - matrix.trace()) / max(H * (H - 1), 1))
+
+
+def diversity_markdown(per_model: dict[str, dict[str, list[Tensor]]]) -> str:
+    """A table of :func:`mean_off_diagonal` per model, sublayer kind and layer."""
+    layers = max(len(m) for matrices in per_model.values() for m in matrices.values())
+    lines = ["| model | sublayer | " + " | ".join(f"layer {i}" for i in range(layers)) + " |"]
+    lines.append("|---|---|" + "---:|" * layers)
+    for label, matrices in per_model.items():
+        for kind, per_layer in matrices.items():
+            cells = " | ".join(f"{mean_off_diagonal(m):.3f}" for m in per_layer)
+            lines.append(f"| {label} | {kind} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_similarity_matrices(matrices: dict[str, list[Tensor]], title: str) -> plt.Figure:
+    """One ``(H, H)`` heatmap per sublayer: rows are kinds, columns layers, scale [-1, 1]."""
+    kinds = list(matrices)
+    layers = max(len(m) for m in matrices.values())
+    fig, axes = plt.subplots(
+        len(kinds), layers, figsize=(2.2 * layers + 1, 2.1 * len(kinds) + 0.6), squeeze=False
+    )
+    for row, kind in enumerate(kinds):
+        for col, ax in enumerate(axes[row]):
+            if col >= len(matrices[kind]):
+                ax.axis("off")
+                continue
+            matrix = matrices[kind][col]
+            image = ax.imshow(matrix.numpy(), cmap="RdBu_r", vmin=-1.0, vmax=1.0)
+            H = matrix.shape[0]
+            off = mean_off_diagonal(matrix)
+            ax.set_title(f"{kind} layer {col}\nmean off-diag {off:.2f}", fontsize=7)
+            ax.set_xticks(range(H))
+            ax.set_yticks(range(H))
+            ax.tick_params(labelsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6)
     return fig
