@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import CONFIG_DIR
@@ -35,6 +36,7 @@ def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
     assert jobs == EXPECTED
 
 
+@pytest.mark.slow  # seven training jobs; the 2-job submitit sweep covers multiruns by default
 def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> None:
     result = run_script(
         "train.py",
