@@ -1,6 +1,8 @@
 """Translate sentences: python scripts/translate.py ckpt=PATH [input=FILE] < sentences.txt
 
 Reads one sentence per line (from input= or stdin) and prints one translation per line.
+``engine=ctranslate2 model=DIR`` translates with a model exported by ``scripts/export.py``
+instead (``compute_type=int8`` quantizes it when loading), under the same length rules.
 """
 
 import sys
@@ -10,10 +12,11 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-import multihead.training  # noqa: F401
 from multihead.training.checkpoint import load_translator
 from multihead.training.config import exit_on_user_error
 from multihead.training.inference import translate
+
+ENGINES = ("torch", "ctranslate2")
 
 
 def read_input(path: str | None) -> list[str]:
@@ -28,23 +31,46 @@ def read_input(path: str | None) -> list[str]:
         raise ValueError(f"{p} is not UTF-8 text (byte {err.start}); expected UTF-8") from None
 
 
+def check_engine(cfg: DictConfig) -> None:
+    """One-line errors for an engine without the file it needs, or with one it ignores."""
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"unknown engine {cfg.engine!r}; expected one of {', '.join(ENGINES)}")
+    needed, other = ("ckpt", "model") if cfg.engine == "torch" else ("model", "ckpt")
+    if cfg[needed] is None:
+        raise ValueError(f"engine={cfg.engine} needs {needed}=PATH")
+    if cfg[other] is not None:
+        raise ValueError(f"engine={cfg.engine} reads {needed}=, not {other}= ({cfg[other]})")
+    if cfg.engine == "torch" and cfg.compute_type != "default":
+        raise ValueError(
+            f"compute_type={cfg.compute_type} is for engine=ctranslate2; engine=torch runs "
+            "the checkpoint's own float32 weights"
+        )
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="translate")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    translator = load_translator(cfg.ckpt, backend=cfg.backend)
+    check_engine(cfg)
     lines = read_input(cfg.input)
-    model = translator.model.to(cfg.device)
-    with torch.inference_mode():
-        outputs = translate(
-            model,
-            translator.tokenizer,
-            lines,
-            beam_size=cfg.beam_size,
-            length_penalty=cfg.length_penalty,
-            max_len_a=cfg.max_len_a,
-            max_len_b=cfg.max_len_b,
-            batch_size=cfg.batch_size,
-        )
+    options = dict(
+        beam_size=cfg.beam_size,
+        length_penalty=cfg.length_penalty,
+        max_len_a=cfg.max_len_a,
+        max_len_b=cfg.max_len_b,
+        batch_size=cfg.batch_size,
+    )
+    if cfg.engine == "ctranslate2":
+        from multihead.checkpoints.engine import CTranslate2Engine
+
+        if cfg.device != "cpu":
+            raise ValueError(f"engine=ctranslate2 runs on device=cpu, got device={cfg.device}")
+        engine = CTranslate2Engine(cfg.model, compute_type=cfg.compute_type)
+        outputs = engine.translate(lines, **options)
+    else:
+        translator = load_translator(cfg.ckpt, backend=cfg.backend)
+        model = translator.model.to(cfg.device)
+        with torch.inference_mode():
+            outputs = translate(model, translator.tokenizer, lines, **options)
     for line in outputs:
         print(line)
 

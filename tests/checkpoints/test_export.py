@@ -223,3 +223,22 @@ def test_cli_exports(ckpt, tmp_path):
     assert result.returncode == 0, result.stderr
     names = {p.name for p in (tmp_path / "model").iterdir()}
     assert {"model.bin", "config.json", "shared_vocabulary.json", "README.md"} <= names
+
+
+def test_translate_cli_with_ctranslate2(trained, tmp_path):
+    _, out = trained
+    source = sentences(5, seed=8)
+    (tmp_path / "in.txt").write_text("\n".join(source) + "\n")
+    script = str(ROOT / "scripts" / "translate.py")
+    args = [f"model={out}", f"input={tmp_path / 'in.txt'}", "beam_size=5"]
+    result = subprocess.run(
+        [sys.executable, script, "engine=ctranslate2", *args, "compute_type=int8"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = CTranslate2Engine(out, compute_type="int8").translate(source, beam_size=5)
+    assert result.stdout.splitlines() == expected
+    wrong = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == "error: engine=torch needs ckpt=PATH"

@@ -94,7 +94,7 @@ class KVCache:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((index.numel(), *old.shape[1:]))  # positions >= size unset
-            new[:, :, : self.size] = old[:, :, : self.size].index_select(0, index)
+            torch.index_select(old[:, :, : self.size], 0, index, out=new[:, :, : self.size])
             setattr(self, name, new)
 
     def reset(self) -> None:
