@@ -1,7 +1,7 @@
 """Translate sentences: python scripts/translate.py ckpt=PATH [input=FILE] < sentences.txt
 
 Reads one sentence per line (from input= or stdin) and prints one translation per line.
-``engine=ctranslate2 model=DIR`` translates with a model exported by ``scripts/export.py``
+``engine=ctranslate2 model_dir=DIR`` translates with a model exported by ``scripts/export.py``
 instead (``compute_type=int8`` quantizes it when loading), under the same length rules.
 """
 
@@ -35,7 +35,7 @@ def check_engine(cfg: DictConfig) -> None:
     """One-line errors for an engine without the file it needs, or with one it ignores."""
     if cfg.engine not in ENGINES:
         raise ValueError(f"unknown engine {cfg.engine!r}; expected one of {', '.join(ENGINES)}")
-    needed, other = ("ckpt", "model") if cfg.engine == "torch" else ("model", "ckpt")
+    needed, other = ("ckpt", "model_dir") if cfg.engine == "torch" else ("model_dir", "ckpt")
     if cfg[needed] is None:
         raise ValueError(f"engine={cfg.engine} needs {needed}=PATH")
     if cfg[other] is not None:
@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> None:
 
         if cfg.device != "cpu":
             raise ValueError(f"engine=ctranslate2 runs on device=cpu, got device={cfg.device}")
-        engine = CTranslate2Engine(cfg.model, compute_type=cfg.compute_type)
+        engine = CTranslate2Engine(cfg.model_dir, compute_type=cfg.compute_type)
         outputs = engine.translate(lines, **options)
     else:
         translator = load_translator(cfg.ckpt, backend=cfg.backend)

@@ -61,12 +61,15 @@ Exported from `{ckpt}` with CTranslate2 {ct2_version}. Translate with it:
 import ctranslate2, tokenizers
 tok, model = tokenizers.Tokenizer.from_file("{out}/tokenizer.json"), ctranslate2.Translator("{out}")
 tokens = tok.encode("A dog runs on the beach.", add_special_tokens=False).tokens
-out = model.translate_batch([tokens], beam_size=5, min_decoding_length=0, max_input_length=0)
+out = model.translate_batch(
+    [tokens], beam_size=5, min_decoding_length=0, max_input_length=0, max_decoding_length={limit}
+)
 print(tok.decoder.decode(out[0].hypotheses[0]))
 ```
 
+`max_decoding_length` stays below the {max_positions} positions the model has.
 `Translator(..., compute_type="int8")` quantizes the weights when loading.
-`python scripts/translate.py engine=ctranslate2 model={out}` translates exactly as
+`python scripts/translate.py engine=ctranslate2 model_dir={out}` translates exactly as
 `scripts/translate.py ckpt=...` does: its per-sentence length limit
 (`floor(max_len_a * src_len + max_len_b)`), eos allowed as the first token, and the length
 penalty counting eos. `multihead.json` holds the settings it reads (max_positions, languages).
@@ -310,7 +313,13 @@ def export_ctranslate2(*, ckpt: str | Path, out: str | Path, overwrite: bool = F
         }
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(
-            README.format(out=out, ckpt=ckpt, ct2_version=ctranslate2.__version__),
+            README.format(
+                out=out,
+                ckpt=ckpt,
+                ct2_version=ctranslate2.__version__,
+                max_positions=translator.model.max_positions,
+                limit=translator.model.max_positions - 1,
+            ),
             encoding="utf-8",
         )
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model directory is not
