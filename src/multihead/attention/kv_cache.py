@@ -94,7 +94,11 @@ class KVCache:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((index.numel(), *old.shape[1:]))  # positions >= size unset
-            torch.index_select(old[:, :, : self.size], 0, index, out=new[:, :, : self.size])
+            filled = old[:, :, : self.size]
+            if torch.is_grad_enabled() and filled.requires_grad:
+                new[:, :, : self.size] = filled.index_select(0, index)  # out= has no autograd
+            else:
+                torch.index_select(filled, 0, index, out=new[:, :, : self.size])
             setattr(self, name, new)
 
     def reset(self) -> None:
