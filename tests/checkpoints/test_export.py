@@ -88,7 +88,6 @@ def trained(tok, tmp_path_factory):
     return tmp / "model.ckpt", export_ctranslate2(ckpt=tmp / "model.ckpt", out=tmp / "ct2")
 
 
-@pytest.mark.slow  # trains a model for about a minute
 @pytest.mark.parametrize(("beam_size", "rate"), [(1, 1.0), (5, 0.98)])
 def test_trained_model_translations_match(trained, beam_size, rate):
     ckpt, out = trained
