@@ -1,23 +1,30 @@
-"""Decoding speed of trained checkpoints, compared in one run.
+"""Decoding speed of trained checkpoints, ours against CTranslate2, compared in one run.
 
     python scripts/benchmark_decoding.py CKPT [CKPT ...] --local-dir ../shared/data/multi30k
+    python scripts/benchmark_decoding.py CKPT --ctranslate2 --threads 2   # + CT2 fp32, int8
 
 Translates the test split with greedy search and beam search (KV cache on) for every
-checkpoint. Checkpoints are interleaved repeat by repeat, so machine noise hits them alike;
-the table gives the median sentences/s and the ratio to the first checkpoint.
+checkpoint and engine, on the same sentences, threads, beam size, length penalty and batches
+(sorted by length). With ``--ctranslate2`` each checkpoint is exported to a temporary
+CTranslate2 model and also decoded by CTranslate2 in float32 and int8. Runs are interleaved
+repeat by repeat, so machine noise hits them alike; the table gives the median sentences/s,
+the ratio to our decoder on the same checkpoint (or, without CT2, to the first checkpoint),
+cased BLEU, and for CT2 the share of outputs identical to ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from multihead.checkpoints import load_translator
 from multihead.data import load_parallel_dataset
-from multihead.evaluation import search_settings, translate
+from multihead.evaluation import corpus_scores, search_settings, translate
 
 
 def main() -> None:
@@ -27,52 +34,92 @@ def main() -> None:
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=None, help="first N sentences only")
     parser.add_argument("--beam-size", type=int, default=5)
+    parser.add_argument("--length-penalty", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's choice")
+    parser.add_argument("--ctranslate2", action="store_true", help="also time CTranslate2")
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     translators = [load_translator(path) for path in args.checkpoints]
     data_cfg = translators[0].config["data"]
-    sources = load_parallel_dataset(
+    split = load_parallel_dataset(
         name=data_cfg["name"],
         src_lang=data_cfg["src_lang"],
         tgt_lang=data_cfg["tgt_lang"],
         local_dir=args.local_dir or data_cfg.get("local_dir"),
-    )[args.split]["src"][: args.limit]
+    )[args.split]
+    sources, references = split["src"][: args.limit], split["tgt"][: args.limit]
     searches = {"greedy": 1, f"beam{args.beam_size}": args.beam_size}
-    seconds = {(i, s): [] for i in range(len(translators)) for s in searches}
+
+    # engines[(checkpoint index, engine name)] = function(sentences, beam) -> outputs
+    engines = {}
+    tmp = tempfile.TemporaryDirectory(prefix="benchmark_decoding.")
+    for i, t in enumerate(translators):
+        # The checkpoint's own length limits; the length penalty as given, for both engines.
+        options = dict(
+            batch_size=args.batch_size,
+            **search_settings(t.config, length_penalty=args.length_penalty),
+        )
+        engines[i, "ours"] = lambda s, beam, t=t, o=options: translate(
+            t.model, t.tokenizer, s, beam_size=beam, **o
+        )
+        if args.ctranslate2:
+            from multihead.checkpoints.engine import CTranslate2Engine
+            from multihead.checkpoints.export import export_ctranslate2
+
+            out = export_ctranslate2(ckpt=args.checkpoints[i], out=Path(tmp.name) / f"ct2_{i}")
+            for name, compute_type in (("ct2 fp32", "float32"), ("ct2 int8", "int8")):
+                engine = CTranslate2Engine(out, compute_type=compute_type, threads=threads)
+                engines[i, name] = lambda s, beam, e=engine, o=options: e.translate(
+                    s, beam_size=beam, **o
+                )
+
+    seconds = {(key, s): [] for key in engines for s in searches}
+    outputs = {}
     for _ in range(args.repeats):
-        for i, t in enumerate(translators):
+        for key, run in engines.items():
             for name, beam in searches.items():
                 start = time.perf_counter()
                 with torch.inference_mode():
-                    translate(
-                        t.model,
-                        t.tokenizer,
-                        sources,
-                        beam_size=beam,
-                        batch_size=args.batch_size,
-                        **search_settings(t.config),
-                    )
-                seconds[i, name].append(time.perf_counter() - start)
+                    outputs[key, name] = run(sources, beam)
+                seconds[key, name].append(time.perf_counter() - start)
+    tmp.cleanup()
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(sources)} "
-        f"{args.split} sentences, batches of {args.batch_size}, median of {args.repeats}"
+        f"torch {torch.__version__}, {threads} threads, {len(sources)} {args.split} sentences, "
+        f"batches of {args.batch_size} sorted by length, length penalty {args.length_penalty}, "
+        f"median of {args.repeats}"
     )
-    header = " | ".join(f"{n} sent/s | {n} ×" for n in searches)
-    print(f"| checkpoint | decoder heads | KV-cache bytes/token | {header} |")
-    print("|---|---|---|" + "---|---|" * len(searches))
-    base = {n: statistics.median(seconds[0, n]) for n in searches}
-    for i, (path, t) in enumerate(zip(args.checkpoints, translators, strict=True)):
-        heads = t.model.head_config["decoder_self_attention"]
+    cols = " | ".join(f"{n} sent/s | {n} × | {n} BLEU | {n} same as ours" for n in searches)
+    print(f"| checkpoint | engine | decoder heads | KV-cache bytes/token | {cols} |")
+    print("|---|---|---|---|" + "---|---|---|---|" * len(searches))
+    for (i, engine), _ in engines.items():
+        model = translators[i].model
+        heads = model.head_config["decoder_self_attention"]
+        cache = model.kv_cache_bytes_per_token()
+        if engine != "ours":
+            # CTranslate2 4.8 repeats GQA/MQA K/V heads to all query heads before caching
+            # (layers/attention.cc), so its cache holds H heads whatever G is.
+            cache = cache * heads["num_heads"] // heads["num_kv_heads"]
+        base_key = (i, "ours") if args.ctranslate2 else (0, "ours")
         cells = []
         for name in searches:
-            median = statistics.median(seconds[i, name])
-            cells.append(f"{len(sources) / median:,.1f} | {base[name] / median:.2f}")
+            median = statistics.median(seconds[(i, engine), name])
+            base = statistics.median(seconds[base_key, name])
+            bleu = corpus_scores(outputs[(i, engine), name], references).bleu
+            ours = outputs[(i, "ours"), name]
+            same = sum(a == b for a, b in zip(outputs[(i, engine), name], ours, strict=True))
+            cells.append(
+                f"{len(sources) / median:,.1f} | {base / median:.2f} | {bleu:.2f} | "
+                f"{same}/{len(sources)}"
+            )
         print(
-            f"| {path} | {heads['num_heads']}q/{heads['num_kv_heads']}kv | "
-            f"{t.model.kv_cache_bytes_per_token()} | {' | '.join(cells)} |"
+            f"| {args.checkpoints[i]} | {engine} | {heads['num_heads']}q/{heads['num_kv_heads']}kv "
+            f"| {cache} | {' | '.join(cells)} |"
         )
 
 

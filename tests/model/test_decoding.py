@@ -157,3 +157,15 @@ def test_decoding_leaves_model_state_alone():
     assert not torch.is_inference_mode_enabled()
     with pytest.raises(ValueError, match="beam_size must be >= 1, got 0"):
         beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=0, **BEAM)
+
+
+def test_beam_wider_than_half_the_vocabulary_matches_reference():
+    """With 2K > V the first step cannot run on one row per sentence; all K rows start."""
+    model = decoding_model(3)
+    src = random_src(2, 5, seed=13, min_len=2)
+    limits = dict(max_len_a=0.0, max_len_b=3)
+    outputs = beam_search(
+        model, src, bos_id=BOS, eos_id=EOS, beam_size=25, length_penalty=1.0, **limits
+    )
+    expected = [naive_beam(model, row, 3, 25, 1.0) for row in src]
+    assert outputs == expected

@@ -86,9 +86,20 @@ class KVCache:
         return self.k[:, :, : self.size], self.v[:, :, : self.size]
 
     def select(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (reorder beams, drop finished sentences)."""
-        self.k = self.k.index_select(0, index)
-        self.v = self.v.index_select(0, index)
+        """Keep batch rows ``index`` (reorder beams, drop finished sentences).
+
+        Only the filled positions are copied: beam search reorders every step, and copying
+        the whole ``max_len`` buffer each time cost more than the attention itself.
+        """
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((index.numel(), *old.shape[1:]))  # positions >= size unset
+            filled = old[:, :, : self.size]
+            if torch.is_grad_enabled() and filled.requires_grad:
+                new[:, :, : self.size] = filled.index_select(0, index)  # out= has no autograd
+            else:
+                torch.index_select(filled, 0, index, out=new[:, :, : self.size])
+            setattr(self, name, new)
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""

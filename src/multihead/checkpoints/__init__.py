@@ -1,7 +1,10 @@
 """A checkpoint's life after training: read it, rebuild its model, write files atomically,
-average several, convert its K/V heads.
+resume from it, average several, convert its K/V heads, export it to CTranslate2.
 
-Checkpoints are self-contained (see :mod:`multihead.checkpoints.io`). Imports no Lightning.
+Checkpoints are self-contained (see :mod:`multihead.checkpoints.io`).
+:mod:`multihead.checkpoints.export` writes a CTranslate2 model directory from any of them;
+:mod:`multihead.checkpoints.engine` translates with such a directory under the length rules
+of our own decoder (``scripts/translate.py engine=ctranslate2``). Imports no Lightning.
 """
 
 from multihead.checkpoints.io import (

@@ -157,33 +157,43 @@ def beam_search(
     K = beam_size
     device = src.device
     max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
-    # Rows are sentence-major, (n * K, ...): row i * K + k is beam k of running sentence i.
-    memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, E)
-    src_pad_mask = src_pad_mask.repeat_interleave(K, dim=0)  # (B*K, S)
-    caches = model.make_decoder_cache(B * K, num_steps, S)
+    V = model.output_projection.out_features
+    # At the first step every beam of a sentence would extend the same bos with the same
+    # log-probabilities, and only beam 0 counts, so the first step runs on one row per
+    # sentence (as CTranslate2 does); the rows become K after it. That needs 2K candidates
+    # from one row, so with a vocabulary under 2K all K rows start at once instead.
+    first_rows = 1 if 2 * K <= V else K
+    if first_rows > 1:
+        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, E)
+        src_pad_mask = src_pad_mask.repeat_interleave(K, dim=0)  # (B*K, S)
+    caches = model.make_decoder_cache(B * first_rows, num_steps, S)
 
-    # Only beam 0 is real at the first step, so the K first tokens are K distinct ones.
-    scores = torch.full((B, K), float("-inf"), device=device)  # (n, K) live log-probs
-    scores[:, 0] = 0.0
-    history = src.new_full((B * K, num_steps), eos_id)  # (n*K, steps) tokens of live beams
+    # Rows are sentence-major: row i * k + b is beam b of running sentence i, with k rows per
+    # sentence (first_rows at the first step, K afterwards).
+    scores = torch.full((B, first_rows), float("-inf"), device=device)  # (n, k) live log-probs
+    scores[:, 0] = 0.0  # the other rows (only when first_rows == K) must not be picked
+    history = src.new_full((B * first_rows, num_steps), eos_id)  # (n*k, steps) live beams
     num_finished = torch.zeros(B, dtype=torch.long, device=device)  # (n,)
     best_score = torch.full((B,), float("-inf"), device=device)  # per sentence, all B
     best_tokens = src.new_full((B, num_steps), eos_id)
-    alive = torch.arange(B, device=device)  # sentence of each running group of K rows
-    tokens = src.new_full((B * K, 1), bos_id)  # (n*K, 1)
+    alive = torch.arange(B, device=device)  # sentence of each running group of rows
+    tokens = src.new_full((B * first_rows, 1), bos_id)  # (n*k, 1)
     beam_offsets = torch.arange(K, device=device)
     for step in range(num_steps):
-        n = alive.numel()
-        logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*K, V)
-        V = logits.shape[-1]
-        log_probs = F.log_softmax(logits.float(), dim=-1).view(n, K, V)
+        n, k = scores.shape
+        logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*k, V)
+        # Log-probabilities plus each beam's score, in place: the (n*k, V) buffers are the
+        # largest of the search and allocating them again per step costs as much as the sum.
+        candidates = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
         forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
         if bool(forced.any()):
-            not_eos = torch.arange(V, device=device).ne(eos_id)
-            log_probs = log_probs.masked_fill(forced[:, None, None] & not_eos, float("-inf"))
-        candidates = (scores[:, :, None] + log_probs).view(n, K * V)
+            eos_log_prob = candidates[:, eos_id].clone()
+            candidates.view(n, k, V)[forced] = float("-inf")
+            candidates[:, eos_id] = eos_log_prob
+        candidates.add_(scores.view(-1, 1))
+        candidates = candidates.view(n, k * V)
         top_scores, top_index = candidates.topk(2 * K, dim=1)  # (n, 2K), best first
-        top_beam = top_index // V  # (n, 2K) the beam each candidate extends
+        top_beam = top_index // V  # (n, 2K) the row each candidate extends
         top_token = top_index % V
         top_eos = top_token.eq(eos_id)
 
@@ -199,7 +209,7 @@ def beam_search(
             better = step_best > best_score[alive]
             if bool(better.any()):
                 ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
-                rows = torch.arange(n, device=device) * K + ended_beam  # its history row
+                rows = torch.arange(n, device=device) * k + ended_beam  # its history row
                 best_score[alive[better]] = step_best[better]
                 # Its history is eos from column `step` on, so the eos is already there.
                 best_tokens[alive[better]] = history[rows[better]]
@@ -208,22 +218,25 @@ def beam_search(
         live_scores = top_scores.masked_fill(top_eos, float("-inf"))
         scores, pick = live_scores.topk(K, dim=1)  # (n, K)
         next_tokens = top_token.gather(1, pick)  # (n, K)
-        origin = torch.arange(n, device=device)[:, None] * K + top_beam.gather(1, pick)
+        origin = torch.arange(n, device=device)[:, None] * k + top_beam.gather(1, pick)
         origin = origin.view(-1)  # (n*K,) the row each new beam extends
         history = history[origin]
         history[:, step] = next_tokens.view(-1)
 
         done = num_finished.ge(K) | forced  # (n,)
+        regroup = k != K  # after the first step, rows per sentence go from 1 to K
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)  # (n',)
             if keep.numel() == 0:
                 break
             keep_rows = (keep[:, None] * K + beam_offsets).view(-1)  # (n'*K,)
-            caches.select(origin[keep_rows])
-            memory, src_pad_mask = memory[keep_rows], src_pad_mask[keep_rows]
-            history = history[keep_rows]
+            origin, history = origin[keep_rows], history[keep_rows]
             scores, next_tokens = scores[keep], next_tokens[keep]
             alive, max_lens, num_finished = alive[keep], max_lens[keep], num_finished[keep]
+            regroup = True
+        if regroup:
+            caches.select(origin)
+            memory, src_pad_mask = memory[origin], src_pad_mask[origin]
         else:
             # Beams only move within their sentence, whose memory rows are all the same.
             caches.select(origin, cross=False)

@@ -1,0 +1,253 @@
+"""Export to CTranslate2: the exported model scores and translates as ours does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ct2_models import pairs, save_checkpoint, sentences, tokenizer
+from torch import nn
+
+from multihead.checkpoints import load_translator
+from multihead.checkpoints.engine import CTranslate2Engine
+from multihead.checkpoints.export import ExportError, build_spec, export_ctranslate2
+from multihead.evaluation import translate
+
+# The search settings every test translates with (the recipe's length limits).
+SEARCH = dict(length_penalty=1.0, max_len_a=1.2, max_len_b=10)
+ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (.[deploy])")
+
+ROOT = Path(__file__).resolve().parents[2]
+GQA = {"num_heads": 4, "num_kv_heads": 2, "backend": "sdpa"}
+VARIANTS = {
+    "post-LN MHA, separate embeddings, sinusoidal": {},
+    "pre-LN GQA, shared embeddings, learned positions": dict(
+        norm_first=True, positional="learned", share_embeddings=True, attention=GQA
+    ),
+    "MHA encoder, MQA decoder, GQA cross-attention, gelu": dict(
+        activation="gelu",
+        decoder_self_attention={"num_kv_heads": 1},
+        cross_attention={"num_kv_heads": 2},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def exported(request, tok, tmp_path_factory):
+    """A random model of each variant, saved as a checkpoint and exported."""
+    tmp = tmp_path_factory.mktemp("variant")
+    save_checkpoint(tmp / "model.ckpt", tok, seed=3, **VARIANTS[request.param])
+    return tmp / "model.ckpt", export_ctranslate2(ckpt=tmp / "model.ckpt", out=tmp / "ct2")
+
+
+def test_scores_match_teacher_forced_log_probs(exported, tok):
+    """CTranslate2's log-probabilities of reference targets equal our forward pass's."""
+    ckpt, out = exported
+    model = load_translator(ckpt).model
+    vocabulary = CTranslate2Engine(out).vocabulary
+    batch = pairs(8, seed=4)
+    src_ids = [tok.encode(en) for en, _ in batch]
+    tgt_ids = [tok.encode(de) for _, de in batch]
+    results = ctranslate2.Translator(str(out)).score_batch(
+        [[vocabulary[i] for i in ids] for ids in src_ids],
+        [[vocabulary[i] for i in ids] for ids in tgt_ids],
+        max_input_length=0,
+    )
+    for src, tgt, result in zip(src_ids, tgt_ids, results, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([src + [tok.eos_id]]), torch.tensor([[tok.bos_id, *tgt]]))
+        expected = F.log_softmax(logits[0], dim=-1)  # (T, V): token t given bos + tgt[:t]
+        targets = torch.tensor(tgt + [tok.eos_id])
+        ours = expected.gather(1, targets[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(result.log_probs), ours, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_output_is_identical(exported):
+    """Greedy is cut to each sentence's own limit, so even a random model agrees exactly."""
+    ckpt, out = exported
+    translator = load_translator(ckpt)
+    source = sentences(48, seed=5)
+    ours = translate(
+        translator.model, translator.tokenizer, source, beam_size=1, batch_size=16, **SEARCH
+    )
+    theirs = CTranslate2Engine(out).translate(source, beam_size=1, batch_size=16, **SEARCH)
+    assert theirs == ours
+    assert len({len(s) for s in ours}) > 5  # varied lengths, some at the limit
+
+
+@pytest.fixture(scope="module")
+def trained(tok, tmp_path_factory):
+    """A model trained briefly on the toy pairs, so its outputs end with eos."""
+    tmp = tmp_path_factory.mktemp("trained")
+    save_checkpoint(tmp / "model.ckpt", tok, seed=1, steps=150, **VARIANTS[list(VARIANTS)[2]])
+    return tmp / "model.ckpt", export_ctranslate2(ckpt=tmp / "model.ckpt", out=tmp / "ct2")
+
+
+@pytest.mark.parametrize(("beam_size", "rate"), [(1, 1.0), (5, 0.98)])
+def test_trained_model_translations_match(trained, beam_size, rate):
+    ckpt, out = trained
+    translator = load_translator(ckpt)
+    source = sentences(100, seed=6)
+    ours = translate(translator.model, translator.tokenizer, source, beam_size=beam_size, **SEARCH)
+    theirs = CTranslate2Engine(out).translate(source, beam_size=beam_size, **SEARCH)
+    # Differences are the documented ones: beam searches that run into a length limit.
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    assert same >= rate * len(source)
+    # int8 is another model: most, not all, outputs agree.
+    int8 = CTranslate2Engine(out, compute_type="int8").translate(
+        source, beam_size=beam_size, **SEARCH
+    )
+    assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= 0.5 * len(source)
+
+
+def test_readme_code_translates(ckpt, tmp_path):
+    """The Python lines the export's README gives run and print the engine's translation."""
+    out = export_ctranslate2(ckpt=ckpt, out=tmp_path / "ct2")
+    readme = (out / "README.md").read_text()
+    code = readme.split("```python\n")[1].split("```")[0]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    # The README passes one fixed limit: max_positions - 1 = 127 tokens here.
+    expected = CTranslate2Engine(out).translate(
+        ["A dog runs on the beach."], beam_size=5, max_len_a=0, max_len_b=127
+    )
+    assert result.stdout.rstrip("\n") == expected[0]
+
+
+# ---------------------------------------------------------------- what cannot be exported
+
+
+def test_heads_differing_between_layers_are_refused(tok, tmp_path):
+    model = save_checkpoint(tmp_path / "m.ckpt", tok)
+    model.decoder_layers[1].self_attn = model.decoder_layers[1].self_attn.with_kv_heads(1)
+    with pytest.raises(ExportError, match="decoder self-attention .* differing between layers"):
+        build_spec(model, tok)
+
+
+def test_unknown_head_design_is_refused(tok, tmp_path):
+    model = save_checkpoint(tmp_path / "m.ckpt", tok)
+    model.encoder_layers[0].self_attn = nn.MultiheadAttention(32, 4, batch_first=True)
+    with pytest.raises(ExportError, match="encoder self-attention is a MultiheadAttention"):
+        build_spec(model, tok)
+
+
+def test_decoder_query_heads_must_agree(tok, tmp_path):
+    model = save_checkpoint(
+        tmp_path / "m.ckpt", tok, cross_attention={"num_heads": 2, "num_kv_heads": None}
+    )
+    with pytest.raises(ExportError, match="4 query heads but cross-attention 2"):
+        build_spec(model, tok)
+
+
+# ---------------------------------------------------------------- files and the CLI
+
+
+@pytest.fixture(scope="module")
+def ckpt(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "model.ckpt"
+    save_checkpoint(path, tok)
+    return path
+
+
+def test_bad_checkpoints_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        export_ctranslate2(ckpt=tmp_path / "missing.ckpt", out=tmp_path / "out")
+    (tmp_path / "notes.ckpt").write_text("hello")
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        export_ctranslate2(ckpt=tmp_path / "notes.ckpt", out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_kept_unless_overwrite(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty; pass overwrite=true"):
+        export_ctranslate2(ckpt=ckpt, out=out)
+    assert (out / "keep.txt").read_text() == "mine"
+    export_ctranslate2(ckpt=ckpt, out=out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.bin").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left
+
+
+def test_failed_export_leaves_the_old_output(ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+
+    def fail(self, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("multihead.data.Tokenizer.save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_ctranslate2(ckpt=ckpt, out=out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_missing_ctranslate2_is_refused(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # makes the import fail
+    with pytest.raises(ExportError, match=r"ctranslate2 is not installed.*\.\[deploy\]"):
+        export_ctranslate2(ckpt=ckpt, out=tmp_path / "out")
+
+
+def _export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "export.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    # One process each: the other refusals are tested on export_ctranslate2 itself.
+    cases = {
+        (f"ckpt={ckpt}", f"out={busy}"): "is not empty",
+        (f"ckpt={ckpt}", "format=onnx", f"out={tmp_path / 'x'}"): "unknown format 'onnx'",
+    }
+    for args, message in cases.items():
+        result = _export_cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+
+
+def test_cli_exports(ckpt, tmp_path):
+    result = _export_cli(f"ckpt={ckpt}", "format=ctranslate2", f"out={tmp_path / 'model'}")
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in (tmp_path / "model").iterdir()}
+    assert {"model.bin", "config.json", "shared_vocabulary.json", "README.md"} <= names
+
+
+def test_translate_cli_with_ctranslate2(ckpt, tmp_path):
+    out = export_ctranslate2(ckpt=ckpt, out=tmp_path / "ct2")
+    source = sentences(5, seed=8)
+    (tmp_path / "in.txt").write_text("\n".join(source) + "\n")
+    script = str(ROOT / "scripts" / "translate.py")
+    args = [f"model_dir={out}", f"input={tmp_path / 'in.txt'}", "beam_size=5"]
+    result = subprocess.run(
+        [sys.executable, script, "engine=ctranslate2", *args, "compute_type=int8"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = CTranslate2Engine(out, compute_type="int8").translate(source, beam_size=5, **SEARCH)
+    assert result.stdout.splitlines() == expected
+    wrong = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == "error: engine=torch needs ckpt=PATH"
