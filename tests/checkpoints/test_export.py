@@ -119,7 +119,7 @@ def test_readme_code_translates(ckpt, tmp_path):
     )
     # The README passes one fixed limit: max_positions - 1 = 127 tokens here.
     expected = CTranslate2Engine(out).translate(
-        ["A dog runs on the beach."], beam_size=5, max_len_a=0, max_len_b=127
+        ["A dog runs on the beach."], beam_size=5, length_penalty=1.0, max_len_a=0, max_len_b=127
     )
     assert result.stdout.rstrip("\n") == expected[0]
 

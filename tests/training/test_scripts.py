@@ -68,6 +68,54 @@ def test_translate_script_reads_stdin(run_dir) -> None:
     assert len(result.stdout.splitlines()) == 2
 
 
+def test_translate_keeps_blank_lines_aligned(run_dir) -> None:
+    result = run_script(
+        "translate.py",
+        f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "beam_size=1",
+        "progress=false",
+        stdin="A dog runs.\n\nTwo men are talking.\n   \n",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout.split("\n")[:-1]
+    assert len(out) == 4 and out[1] == "" and out[3] == "" and out[0] and out[2]
+
+
+def test_translate_streams_ten_thousand_lines_with_progress(run_dir) -> None:
+    result = run_script(
+        "translate.py",
+        f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "beam_size=1",
+        "max_len_a=0",
+        "max_len_b=2",
+        stdin="A dog runs.\n" * 10_000,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(result.stdout.splitlines()) == 10_000
+    assert "10000 lines" in result.stderr  # tqdm's final count on stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "no input lines"),
+        (b"A dog.\ncaf\xe9 au lait\n", "line 2 is not UTF-8"),
+        (b"A dog.\n" + b"word " * 3000 + b"\n", "line 2 has"),
+    ],
+)
+def test_translate_bad_input_is_one_line(run_dir, tmp_path, content, message) -> None:
+    path = tmp_path / "in.txt"
+    path.write_bytes(content)
+    result = run_script(
+        "translate.py", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", f"input={path}"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert message in result.stderr
+    assert path.read_bytes() == content
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
