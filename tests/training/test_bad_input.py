@@ -12,6 +12,7 @@ import os
 import resource
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,33 @@ def test_unwritable_output_location(ckpt, tmp_path, capsys, multi30k_dir) -> Non
     )
     assert str(blocker) in line, line
     assert blocker.read_text() == "precious"
+
+
+def test_checkpoints_never_stage_in_the_temp_directory(smoke_config, tmp_path, monkeypatch):
+    """With TMPDIR on another filesystem, every checkpoint is still renamed within its own
+    directory (a rename across filesystems would be a copy that a kill can tear)."""
+    other = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path / "elsewhere"
+    elsewhere = other / f"multihead-tmp-{os.getpid()}"
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(elsewhere))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    renames: list[tuple[Path, Path]] = []
+    replace = os.replace
+
+    def recording_replace(src, dst):
+        renames.append((Path(src), Path(dst)))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    cfg = smoke_config(
+        "trainer.max_steps=4", "trainer.val_check_interval=2", "summary.decode_speed=false"
+    )
+    train(cfg)
+    ckpts = [(src, dst) for src, dst in renames if dst.suffix == ".ckpt"]
+    assert {dst.name for _, dst in ckpts} >= {"step2.ckpt", "step4.ckpt", "last.ckpt"}
+    assert all(src.parent == dst.parent for src, dst in ckpts), ckpts
+    assert list(elsewhere.iterdir()) == []
+    elsewhere.rmdir()
 
 
 def test_a_full_disk_leaves_the_old_file_and_no_partial_one(tmp_path) -> None:
