@@ -58,3 +58,24 @@ def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> Non
         assert s["kv_cache/bytes_per_token"] > 0 and s["decode/greedy_sentences_per_s"] > 0
     kv = {(s["num_heads"], s["num_kv_heads"]): s["kv_cache/bytes_per_token"] for s in summaries}
     assert kv[(8, 1)] * 8 == kv[(8, 8)]  # MQA caches one K/V head instead of eight
+
+
+def test_compare_designs_composes_the_recipe_for_every_design() -> None:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        sweep = compose("train", ["experiment=compare_designs"], return_hydra_config=True)
+        options = sweep.hydra.sweeper.params.attention.split(",")
+        assert options == ["mha", "gqa", "mqa", "moh", "talking_heads"]
+        designs = set()
+        for option in options:
+            cfg = compose("train", ["experiment=compare_designs", f"attention={option}"])
+            assert cfg.trainer.max_time == "00:00:30:00" and cfg.test_ckpt == "avg10"
+            assert cfg.module.optimizer.lr == 2e-3 and cfg.module.scheduler.cooldown_minutes == 10
+            a = cfg.attention
+            designs.add((a.num_kv_heads, a.top_k_heads, a.head_mixing, a.backend))
+    assert designs == {
+        (None, None, None, "sdpa"),
+        (2, None, None, "sdpa"),
+        (1, None, None, "sdpa"),
+        (None, 2, None, "sdpa"),
+        (None, None, "talking_heads", "math"),
+    }
