@@ -37,6 +37,8 @@ def summary(variant: str, heads: int, kv: int, **figures) -> dict:
         "num_kv_heads": kv,
         "backend": "sdpa",
         "head_tag": name,
+        "design": variant,
+        "heads/active_fraction": 1.0,
         "params/total": 70000 + 1000 * kv,
         "params/attention": 20000 + 1000 * kv,
         "kv_cache/bytes_per_token": 128 * kv,
@@ -92,12 +94,16 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
 
     md = (out / "comparison.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| run | variant | heads | kv heads | backend | params |")
-    assert table[1] == (
-        "| mha-h4-kv4-sdpa | mha | 4 | 4 | sdpa | 74,000 | 24,000 | 512 | 30,000 | 100.0 | 25.0"
-        " | 500 | 2.50 | 24.00 |"
+    assert table[0].startswith(
+        "| run | variant | design | heads | heads active | kv heads | backend | params |"
     )
-    assert table[3].startswith("| mqa-h4-kv1-sdpa | mqa | 4 | 1 | sdpa | 71,000 | 21,000 | 128 |")
+    assert table[1] == (
+        "| mha-h4-kv4-sdpa | mha | mha | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "
+        "| 30,000 | 100.0 | 25.0 | 500 | 2.50 | 24.00 |"
+    )
+    assert table[3].startswith(
+        "| mqa-h4-kv1-sdpa | mqa | mqa | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
+    )
     assert "| 400.0 | – | 500 |" in table[3]  # the missing beam speed
     # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam ×, test BLEU Δ
     assert "| gqa-h4-kv2-sdpa | mha-h4-kv4-sdpa | 0.50 | 0.92 | 1.00 | 2.00 | 2.00 | -2.00 |" in md

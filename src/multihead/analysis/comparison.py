@@ -206,7 +206,9 @@ class Column:
 
 COLUMNS = (
     Column("variant", "variant", "s"),
+    Column("design", "design", "s"),
     Column("heads", "num_heads", "d"),
+    Column("heads active", "heads/active_fraction", ".2f"),
     Column("kv heads", "num_kv_heads", "d"),
     Column("backend", "backend", "s"),
     Column("params", "params/total", ",d"),
