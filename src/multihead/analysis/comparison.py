@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,35 +77,24 @@ def find_run_dirs(root: str | os.PathLike) -> list[Path]:
 
 
 def read_metrics_csv(path: str | os.PathLike, keys: tuple[str, ...] = CURVE_KEYS) -> dict:
-    """``{key: [(step, value), ...]}`` from a Lightning CSVLogger ``metrics.csv``.
+    """``{key: [(step, value), ...]}`` from a Lightning CSVLogger ``metrics.csv``."""
+    with open(path, newline="") as f:
+        return curves_from_rows(csv.DictReader(f), keys, step_key="step")
+
+
+def curves_from_rows(
+    rows: Iterable[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS, step_key: str = STEP_KEY
+) -> dict[str, Curve]:
+    """``{key: [(step, value), ...]}`` sorted by step, from metrics.csv or wandb history rows.
 
     Rows are sparse (each logging call writes its own row), so empty cells are skipped.
     """
-    curves: dict[str, Curve] = {key: [] for key in keys}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = _number(row.get("step"))
-            if step is None:
-                continue
-            for key in keys:
-                value = _number(row.get(key))
-                if value is not None:
-                    curves[key].append((int(step), value))
-    return {key: sorted(points) for key, points in curves.items() if points}
-
-
-def curves_from_history(
-    rows: list[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS
-) -> dict[str, Curve]:
-    """``{key: [(step, value), ...]}`` from history rows, stepped by the trainer step."""
     curves: dict[str, Curve] = {}
     for row in rows:
-        step = _number(row.get(STEP_KEY, row.get("_step")))
-        if step is None:
-            continue
+        step = _number(row.get(step_key, row.get("_step")))
         for key in keys:
             value = _number(row.get(key))
-            if value is not None:
+            if step is not None and value is not None:
                 curves.setdefault(key, []).append((int(step), value))
     return {key: sorted(points) for key, points in curves.items()}
 
@@ -120,7 +110,6 @@ def read_run_dir(run_dir: str | os.PathLike) -> RunResult:
     metrics_csv = run_dir / "csv" / "metrics.csv"
     if metrics_csv.is_file():
         run.curves, run.curve_source = read_metrics_csv(metrics_csv), "csv"
-        return run
     return run
 
 
@@ -154,7 +143,7 @@ def load_wandb_group(
             for key in keys:  # one call per key: history(keys=...) keeps rows with all keys
                 rows += api_run.history(keys=[STEP_KEY, key], pandas=False)
             run = RunResult(source=f"{path}/{api_run.id}", summary=summary)
-            run.curves, run.curve_source = curves_from_history(rows, keys), "wandb-api"
+            run.curves, run.curve_source = curves_from_rows(rows, keys), "wandb-api"
             runs.append(run)
     except wandb.errors.CommError as err:
         raise ValueError(f"wandb API, project {path}: {err}") from None
@@ -274,11 +263,6 @@ def ratio_row(run: RunResult, base: RunResult) -> dict[str, float | None]:
     return row
 
 
-def table_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """One dict per run: ``run`` and the raw value of every column (``None`` if missing)."""
-    return [{"run": run.label, **{c.header: value(run, c.key) for c in COLUMNS}} for run in runs]
-
-
 def format_cell(raw: Any, fmt: str) -> str:
     if raw is None or (isinstance(raw, float) and math.isnan(raw)):
         return MISSING
@@ -347,7 +331,8 @@ def write_csv(runs: list[RunResult], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        for run, row in zip(runs, table_rows(runs), strict=True):
+        for run in runs:
+            row = {"run": run.label, **{c.header: value(run, c.key) for c in COLUMNS}}
             base = mha_baseline(run, runs)
             ratios = ratio_row(run, base) if base is not None else {}
             row.update({h: ratios.get(h) for h in ratio_headers}, source=run.source)
@@ -358,64 +343,31 @@ def write_csv(runs: list[RunResult], path: Path) -> None:
 # Plots
 
 
-def _annotated_scatter(ax, points: list[tuple[float, float, str]], marker: str, label: str):
-    if not points:
-        return
-    xs, ys, names = zip(*points, strict=True)
-    ax.scatter(xs, ys, marker=marker, label=label)
-    for x, y, name in points:
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+def plot_bleu_against(runs: list[RunResult], path: Path, panels: list[tuple[str, str]]) -> None:
+    """Test BLEU against each ``(key, x label)`` of ``panels``, one annotated scatter each."""
+    import matplotlib.pyplot as plt
 
-
-def _points(runs: list[RunResult], x_key: str, y_key: str = "test/bleu"):
-    points = []
-    for run in runs:
-        x, y = _number(value(run, x_key)), _number(value(run, y_key))
-        if x is not None and y is not None:
-            points.append((x, y, run.label))
-    return points
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+    for ax, (key, xlabel) in zip(axes[0], panels, strict=True):
+        for run in runs:
+            x, y = _number(value(run, key)), _number(value(run, "test/bleu"))
+            if x is not None and y is not None:
+                ax.scatter([x], [y], color="C0")
+                ax.annotate(
+                    run.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
+        if not ax.collections:
+            _no_data(ax, f"test BLEU and {xlabel}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test BLEU")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _no_data(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what}", ha="center", va="center", transform=ax.transAxes)
-
-
-def plot_bleu_vs_decode_speed(runs: list[RunResult], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
-    for ax, key, title, marker in (
-        (axes[0], "decode/greedy_sentences_per_s", "greedy", "o"),
-        (axes[1], "beam", "beam search", "^"),
-    ):
-        points = _points(runs, key)
-        _annotated_scatter(ax, points, marker, title)
-        if not points:
-            _no_data(ax, f"test BLEU and {title} speed")
-        ax.set_xlabel(f"{title} decoding, sentences/s")
-        ax.set_title(f"test BLEU vs {title} speed")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("test BLEU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_bleu_vs_kv_cache(runs: list[RunResult], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    points = _points(runs, "kv_cache/bytes_per_token")
-    _annotated_scatter(ax, points, "o", "runs")
-    if not points:
-        _no_data(ax, "test BLEU and KV-cache size")
-    ax.set_xlabel("KV-cache bytes per decoded token")
-    ax.set_ylabel("test BLEU")
-    ax.set_title("test BLEU vs KV-cache size")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_validation_curves(runs: list[RunResult], path: Path) -> None:
@@ -463,8 +415,9 @@ def write_comparison(runs: list[RunResult], out_dir: str | os.PathLike, source: 
     md, table, speed, kv, curves = paths
     md.write_text(comparison_markdown(runs, source))
     write_csv(runs, table)
-    plot_bleu_vs_decode_speed(runs, speed)
-    plot_bleu_vs_kv_cache(runs, kv)
+    speeds = [("decode/greedy_sentences_per_s", "greedy sentences/s"), ("beam", "beam sentences/s")]
+    plot_bleu_against(runs, speed, speeds)
+    plot_bleu_against(runs, kv, [("kv_cache/bytes_per_token", "KV-cache bytes per token")])
     plot_validation_curves(runs, curves)
     return paths
 
