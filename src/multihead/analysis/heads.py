@@ -176,6 +176,36 @@ def plot_similarity(similarity: dict[str, list[float]], title: str) -> plt.Figur
     return fig
 
 
+# Which sequence holds each sublayer kind's queries and keys.
+QUERIES = {"encoder_self": "src", "decoder_self": "tgt", "cross": "tgt"}
+KEYS = {"encoder_self": "src", "decoder_self": "tgt", "cross": "src"}
+
+
+def teacher_forced(model: nn.Module, tokenizer: Any, examples: list[dict]) -> dict[str, Any]:
+    """Attention maps and per-head outputs of ``examples``, the decoder fed the references.
+
+    ``examples`` are tokenized pairs (``src_ids``, ``tgt_ids``, ``src``, ``tgt``). Returns
+    ``src`` ``(B, S)`` and ``tgt_in`` ``(B, T)`` ids, ``real`` (``{"src", "tgt"}``: True at
+    non-padding positions) and ``maps``/``outputs`` of :func:`head_outputs`. Runs the model
+    in eval mode without gradients and restores its mode.
+    """
+    from multihead.data import collate
+
+    ids = dict(pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    batch = collate(examples, **ids)
+    device = next(model.parameters()).device
+    src, tgt_in = batch["src"].to(device), batch["tgt"][:, :-1].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            maps, outputs = head_outputs(model, src, tgt_in)
+    finally:
+        model.train(was_training)
+    real = {"src": src.ne(tokenizer.pad_id), "tgt": tgt_in.ne(tokenizer.pad_id)}
+    return {"src": src, "tgt_in": tgt_in, "real": real, "maps": maps, "outputs": outputs}
+
+
 def similarity_matrices(
     model: nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], batch_size: int = 50
 ) -> dict[str, list[Tensor]]:
@@ -187,27 +217,16 @@ def similarity_matrices(
     Returns:
         ``{kind: [(H, H) per layer]}`` with the kinds of :data:`MAP_KINDS`.
     """
-    from multihead.data import collate
-
-    queries = {"encoder_self": "src", "decoder_self": "tgt", "cross": "tgt"}
     sums: dict[str, list[Tensor]] = {}
     counts: dict[str, list[int]] = {}
-    model.eval()
     for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
         examples = [
             {"src_ids": tokenizer.encode(s), "tgt_ids": tokenizer.encode(t), "src": s, "tgt": t}
-            for s, t in chunk
+            for s, t in pairs[start : start + batch_size]
         ]
-        batch = collate(
-            examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
-        )
-        src, tgt_in = batch["src"], batch["tgt"][:, :-1]
-        real = {"src": src.ne(tokenizer.pad_id), "tgt": tgt_in.ne(tokenizer.pad_id)}
-        with torch.no_grad():
-            _, outputs = head_outputs(model, src, tgt_in)
-        for kind, layers in outputs.items():
-            mask = real[queries[kind]]
+        run = teacher_forced(model, tokenizer, examples)
+        for kind, layers in run["outputs"].items():
+            mask = run["real"][QUERIES[kind]]
             n = int(mask.sum())
             for i, out in enumerate(layers):
                 weighted = head_similarity_matrix(out, mask) * n

@@ -35,9 +35,7 @@ def translate(
     out: list[str] = [""] * len(ids)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        examples = [
-            {"src_ids": ids[i], "tgt_ids": [], "src": "", "tgt": ""} for i in chunk
-        ]
+        examples = [{"src_ids": ids[i], "tgt_ids": [], "src": "", "tgt": ""} for i in chunk]
         src = collate(
             examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
         )["src"].to(device)  # (B, S), ids + eos

@@ -260,6 +260,4 @@ def decode(
     limits = dict(bos_id=bos_id, eos_id=eos_id, max_len_a=max_len_a, max_len_b=max_len_b)
     if beam_size == 1:
         return greedy_decode(model, src, **limits)
-    return beam_search(
-        model, src, beam_size=beam_size, length_penalty=length_penalty, **limits
-    )
+    return beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty, **limits)

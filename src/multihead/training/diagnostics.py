@@ -15,18 +15,18 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import matplotlib.pyplot as plt
-import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from multihead.analysis.heads import (
+    KEYS,
     MAP_KINDS,
-    head_outputs,
+    QUERIES,
     head_similarity,
     plot_heads,
     plot_similarity,
+    teacher_forced,
     token_labels,
 )
-from multihead.data import collate
 
 log = logging.getLogger(__name__)
 
@@ -92,28 +92,10 @@ class AttentionMapLogger(pl.Callback):
     ) -> list[Path]:
         """Compute, write and log the figures for ``examples``; returns the PNG paths."""
         tokenizer = pl_module.tokenizer
-        batch = collate(
-            examples,
-            pad_id=tokenizer.pad_id,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-        )
-        model = pl_module.model
-        src = batch["src"].to(pl_module.device)
-        tgt_in = batch["tgt"][:, :-1].to(pl_module.device)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                maps, outputs = head_outputs(model, src, tgt_in)
-        finally:
-            model.train(was_training)
-
-        real = {"src": src.ne(tokenizer.pad_id), "tgt": tgt_in.ne(tokenizer.pad_id)}
-        queries = {"encoder_self": "src", "decoder_self": "tgt", "cross": "tgt"}
-        keys = {"encoder_self": "src", "decoder_self": "tgt", "cross": "src"}
+        run = teacher_forced(pl_module.model, tokenizer, examples)
+        src, tgt_in, real, maps = run["src"], run["tgt_in"], run["real"], run["maps"]
         similarity = {
-            kind: [head_similarity(out, real[queries[kind]]) for out in outputs[kind]]
+            kind: [head_similarity(out, real[QUERIES[kind]]) for out in run["outputs"][kind]]
             for kind in MAP_KINDS
         }
         self.last_similarity = similarity
@@ -126,7 +108,7 @@ class AttentionMapLogger(pl.Callback):
         written: list[Path] = []
         images: dict[str, tuple[list[Path], list[str]]] = {}
         for kind, j in itertools.product(MAP_KINDS, range(len(examples))):
-            q, k = queries[kind], keys[kind]
+            q, k = QUERIES[kind], KEYS[kind]
             n_q = min(lengths[q][j], self.max_tokens_shown)
             n_k = min(lengths[k][j], self.max_tokens_shown)
             row_labels = token_labels(tokenizer, ids[q][j, :n_q])

@@ -138,9 +138,7 @@ class TranslationModule(pl.LightningModule):
             loss = loss + self.aux_loss_weight * aux
         # One all-reduce under DDP: the step's tokens, and whether any rank's loss is bad
         # (every rank must take the same decision, or the others wait for it forever).
-        counts = torch.tensor(
-            [float(ntokens), float(not torch.isfinite(loss))], device=loss.device
-        )
+        counts = torch.tensor([float(ntokens), float(not torch.isfinite(loss))], device=loss.device)
         if self.trainer.world_size > 1:
             counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
         if counts[1] > 0:
