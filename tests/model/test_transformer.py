@@ -196,7 +196,7 @@ def test_decoder_cache_select_and_reset():
     first = model.decode(tgt[:, :2], memory, pad, caches)
     assert torch.allclose(first, full[:, :2], atol=1e-5)
     keep = torch.tensor([2, 0])
-    caches.select(keep)
+    caches.select(keep, keep)  # self rows, then sentences (cross rows)
     rest = model.decode(tgt[keep, 2:], memory[keep], pad[keep], caches)
     assert caches.batch_size == 2
     assert torch.allclose(rest, full[keep, 2:], atol=1e-5)
