@@ -196,12 +196,34 @@ def test_decoder_cache_select_and_reset():
     first = model.decode(tgt[:, :2], memory, pad, caches)
     assert torch.allclose(first, full[:, :2], atol=1e-5)
     keep = torch.tensor([2, 0])
-    caches.select(keep)
+    caches.select(keep, keep)  # self rows, then sentences (cross rows)
     rest = model.decode(tgt[keep, 2:], memory[keep], pad[keep], caches)
     assert caches.batch_size == 2
     assert torch.allclose(rest, full[keep, 2:], atol=1e-5)
     caches.reset()
     assert caches.position == 0
+
+
+def test_target_rows_can_share_memory_rows():
+    """k target rows per memory row (the beams of a sentence) decode as with the memory repeated."""
+    model = tiny_model(decoder_self_attention={"num_kv_heads": 1})
+    src = random_src(2, 5, min_len=3)
+    tgt = torch.randint(3, VOCAB, (6, 4))  # 3 rows per sentence
+    memory, pad = model.encode(src)
+    repeated_maps, shared_maps = [], []
+    repeated = model.decode(
+        tgt, memory.repeat_interleave(3, 0), pad.repeat_interleave(3, 0), maps=repeated_maps
+    )
+    shared = model.decode(tgt, memory, pad, maps=shared_maps)
+    assert torch.allclose(shared, repeated, atol=1e-5)
+    for a, b in zip(shared_maps, repeated_maps, strict=True):
+        assert torch.allclose(a["cross"], b["cross"], atol=1e-6)  # (6, H, 4, S) both
+    caches = model.make_decoder_cache(6, 4, 5, num_sentences=2)
+    steps = [model.decode(tgt[:, t : t + 1], memory, pad, caches) for t in range(4)]
+    assert caches.cross_caches[0].batch_size == 2  # the memory's K/V once per sentence
+    assert torch.allclose(torch.cat(steps, dim=1), repeated, atol=1e-5)
+    with pytest.raises(ValueError, match="N dividing the 6 rows of tgt_in"):
+        model.decode(tgt, memory[[0, 1, 0, 1]], pad[[0, 1, 0, 1]])
 
 
 def test_start_pos_must_agree_with_cache():

@@ -2,7 +2,8 @@
 
 Both decoders encode the source once, then feed one new target token per step: the
 self-attention caches grow by one position, the cross-attention caches hold the memory's
-K/V projected on the first step, and the output projection runs on the new position only.
+K/V projected on the first step (one row per sentence, shared by its beams), and the output
+projection runs on the new position only.
 A sentence that is finished leaves the running batch (its cache rows are dropped with
 :meth:`DecoderCache.select`), so late steps only pay for the sentences still decoding.
 
@@ -103,7 +104,7 @@ def greedy_decode(
             keep = (~done).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
-            caches.select(keep)
+            caches.select(keep, keep)
             memory, src_pad_mask = memory[keep], src_pad_mask[keep]
             alive, max_lens, next_tokens = alive[keep], max_lens[keep], next_tokens[keep]
         tokens = next_tokens[:, None]
@@ -163,10 +164,9 @@ def beam_search(
     # sentence (as CTranslate2 does); the rows become K after it. That needs 2K candidates
     # from one row, so with a vocabulary under 2K all K rows start at once instead.
     first_rows = 1 if 2 * K <= V else K
-    if first_rows > 1:
-        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, E)
-        src_pad_mask = src_pad_mask.repeat_interleave(K, dim=0)  # (B*K, S)
-    caches = model.make_decoder_cache(B * first_rows, num_steps, S)
+    # memory, src_pad_mask and the cross-attention caches keep one row per sentence, which
+    # its beams share (see Transformer.decode).
+    caches = model.make_decoder_cache(B * first_rows, num_steps, S, num_sentences=B)
 
     # Rows are sentence-major: row i * k + b is beam b of running sentence i, with k rows per
     # sentence (first_rows at the first step, K afterwards).
@@ -224,7 +224,7 @@ def beam_search(
         history[:, step] = next_tokens.view(-1)
 
         done = num_finished.ge(K) | forced  # (n,)
-        regroup = k != K  # after the first step, rows per sentence go from 1 to K
+        keep = None
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)  # (n',)
             if keep.numel() == 0:
@@ -233,13 +233,10 @@ def beam_search(
             origin, history = origin[keep_rows], history[keep_rows]
             scores, next_tokens = scores[keep], next_tokens[keep]
             alive, max_lens, num_finished = alive[keep], max_lens[keep], num_finished[keep]
-            regroup = True
-        if regroup:
-            caches.select(origin)
-            memory, src_pad_mask = memory[origin], src_pad_mask[origin]
-        else:
-            # Beams only move within their sentence, whose memory rows are all the same.
-            caches.select(origin, cross=False)
+            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
+        # Beams move every step, sentences leave only now and then: the memory's K/V are
+        # copied only then.
+        caches.select(origin, keep)
         tokens = next_tokens.view(-1, 1)
     return _to_lists(best_tokens, eos_id)
 

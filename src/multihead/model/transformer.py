@@ -148,10 +148,11 @@ class DecoderLayer(_ResidualLayer):
         cross_cache: KVCache | None = None,
         maps: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        """``x`` ``(B, T, E)``, ``memory`` ``(B, S, E)``, ``memory_pad_mask`` ``(B, S)``.
+        """``x`` ``(B, T, E)``, ``memory`` ``(N, S, E)``, ``memory_pad_mask`` ``(N, S)``.
 
-        With caches ``x`` holds only the new positions. ``maps``, if given, receives the
-        weights under ``"self"`` and ``"cross"``.
+        ``N`` divides ``B``: rows ``i*k .. i*k + k-1`` of ``x`` (``k = B / N``, the beams of
+        one sentence) share memory row ``i``. With caches ``x`` holds only the new positions.
+        ``maps``, if given, receives the weights under ``"self"`` and ``"cross"``.
         """
         # No key padding mask here: targets are right-padded, so under the causal mask a real
         # token never sees a padded one; only padded queries see padding, and their outputs
@@ -160,15 +161,24 @@ class DecoderLayer(_ResidualLayer):
         h = _attend(self.self_attn, maps, "self", h, is_causal=True, kv_cache=self_cache)
         x = self._sublayer_output(x, h, self.self_attn_norm)
         h = self._sublayer_input(x, self.cross_attn_norm)
+        # The k rows that share a memory row attend to it as one query of k*T positions:
+        # cross-attention treats query positions independently, and its K/V (cached or not)
+        # are then read once per sentence instead of once per beam.
+        B, T, E = h.shape
+        N = memory.shape[0]
         h = _attend(
             self.cross_attn,
             maps,
             "cross",
-            h,
+            h.reshape(N, B // N * T, E),  # (N, k*T, E)
             memory,
             key_padding_mask=memory_pad_mask,
             kv_cache=cross_cache,
         )
+        h = h.reshape(B, T, E)
+        if maps is not None:
+            weights = maps["cross"]  # (N, H, k*T, S)
+            maps["cross"] = weights.unflatten(2, (B // N, T)).transpose(1, 2).flatten(0, 1)
         x = self._sublayer_output(x, h, self.cross_attn_norm)
         h = self.ffn(self._sublayer_input(x, self.ffn_norm))
         return self._sublayer_output(x, h, self.ffn_norm)
@@ -177,9 +187,10 @@ class DecoderLayer(_ResidualLayer):
 class DecoderCache:
     """One self-attention and one cross-attention :class:`KVCache` per decoder layer.
 
-    The self-attention caches grow by the decoded positions; the cross-attention caches are
-    filled with the projected memory on the first decoding step and only read afterwards.
-    Made by :meth:`Transformer.make_decoder_cache`.
+    The self-attention caches grow by the decoded positions and hold one row per decoded
+    sequence (sentence times beam); the cross-attention caches are filled with the projected
+    memory on the first decoding step, only read afterwards, and hold one row per sentence
+    (its beams share it). Made by :meth:`Transformer.make_decoder_cache`.
     """
 
     def __init__(self, self_caches: list[KVCache], cross_caches: list[KVCache]) -> None:
@@ -195,16 +206,18 @@ class DecoderCache:
         """Target positions decoded so far, the ``start_pos`` of the next step."""
         return self.self_caches[0].size
 
-    def select(self, index: Tensor, *, cross: bool = True) -> None:
-        """Keep batch rows ``index`` (reorder beams, drop finished sentences).
+    def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep self-attention rows ``rows`` and, if given, cross-attention rows ``sentences``.
 
-        Pass ``cross=False`` when ``index`` only permutes rows that share the same memory
-        (beams of one sentence): the cross-attention caches are then left as they are
-        instead of being copied.
+        ``rows`` reorders beams and drops finished ones; ``sentences`` drops finished
+        sentences. Beam search moves rows at every step but drops sentences only now and
+        then, so the memory's K/V are copied only then.
         """
-        caches = self.self_caches + self.cross_caches if cross else self.self_caches
-        for cache in caches:
-            cache.select(index)
+        for cache in self.self_caches:
+            cache.select(rows)
+        if sentences is not None:
+            for cache in self.cross_caches:
+                cache.select(sentences)
 
     def reset(self) -> None:
         """Forget every position, self and cross (to decode a new batch of the same size)."""
@@ -437,9 +450,11 @@ class Transformer(nn.Module):
 
         Args:
             tgt_in: ``(B, T)`` target ids. With ``caches``, only the new positions.
-            memory: ``(B, S, E)`` from :meth:`encode`. With ``caches`` it is projected into
+            memory: ``(N, S, E)`` from :meth:`encode`, ``N`` dividing ``B``: rows
+                ``i*k .. i*k + k-1`` of ``tgt_in`` (``k = B / N``, e.g. the beams of one
+                sentence) all read memory row ``i``. With ``caches`` it is projected into
                 the cross-attention caches on the first call and only checked afterwards.
-            src_pad_mask: ``(B, S)`` bool, True = padding.
+            src_pad_mask: ``(N, S)`` bool, True = padding.
             caches: a :class:`DecoderCache` from :meth:`make_decoder_cache`, updated in place.
             start_pos: position of ``tgt_in[:, 0]``. Defaults to the positions already in
                 ``caches`` (0 without caches); an explicit value must agree with them.
@@ -459,6 +474,11 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"start_pos={start_pos} disagrees with the {cached} positions in the caches"
             )
+        if memory.dim() != 3 or tgt_in.shape[0] % memory.shape[0] != 0:
+            raise ValueError(
+                f"memory must be (N, S, E) with N dividing the {tgt_in.shape[0]} rows of "
+                f"tgt_in, got shape {tuple(memory.shape)}"
+            )
         x = self.decoder_embedding(tgt_in, start_pos)  # (B, T, E)
         for i, layer in enumerate(self.decoder_layers):
             self_cache = None if caches is None else caches.self_caches[i]
@@ -469,18 +489,28 @@ class Transformer(nn.Module):
                 maps.append(layer_maps)
         return self.output_projection(self.decoder_norm(x))  # (B, T, V)
 
-    def make_decoder_cache(self, batch_size: int, max_tgt_len: int, src_len: int) -> DecoderCache:
+    def make_decoder_cache(
+        self,
+        batch_size: int,
+        max_tgt_len: int,
+        src_len: int,
+        *,
+        num_sentences: int | None = None,
+    ) -> DecoderCache:
         """Empty caches to decode ``batch_size`` rows.
 
         Args:
             batch_size: rows decoded together (sentences times beams).
             max_tgt_len: the most target positions that will be fed, bos included.
             src_len: ``S``, the memory length.
+            num_sentences: ``N``, the rows of the memory (see :meth:`decode`); defaults to
+                ``batch_size``.
         """
         layers = self.decoder_layers
+        num_sentences = batch_size if num_sentences is None else num_sentences
         return DecoderCache(
             [layer.self_attn.make_kv_cache(batch_size, max_tgt_len) for layer in layers],
-            [layer.cross_attn.make_kv_cache(batch_size, src_len) for layer in layers],
+            [layer.cross_attn.make_kv_cache(num_sentences, src_len) for layer in layers],
         )
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
