@@ -36,6 +36,10 @@ class TranslationModule(pl.LightningModule):
             the optimiser and ``time_left`` (seconds of training left under
             ``trainer.max_time``); stepped every update.
         label_smoothing: epsilon of label-smoothed cross-entropy (padding is ignored).
+        bf16_projection: run the output projection's GEMMs inside the training loss on
+            bfloat16 operands (softmax and loss stay fp32; see
+            :func:`~multihead.training.loss.linear_cross_entropy`). Validation and test
+            losses stay fp32, so they compare across runs.
         beam_size: 1 = greedy; the search for validation BLEU.
         test_beam_size: the search for test BLEU; ``None`` = ``beam_size``.
         length_penalty, max_len_a, max_len_b: decoding settings (see
@@ -62,6 +66,7 @@ class TranslationModule(pl.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         *,
         label_smoothing: float = 0.1,
+        bf16_projection: bool = False,
         beam_size: int,
         test_beam_size: int | None = None,
         length_penalty: float,
@@ -83,6 +88,7 @@ class TranslationModule(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing
+        self.bf16_projection = bf16_projection
         self.decode_settings = dict(
             length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b
         )
@@ -106,7 +112,7 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def _losses(self, batch: dict) -> tuple[Tensor, Tensor, int]:
+    def _losses(self, batch: dict, bf16: bool = False) -> tuple[Tensor, Tensor, int]:
         """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
 
         The output projection runs inside the loss, chunk by chunk (see
@@ -122,6 +128,7 @@ class TranslationModule(pl.LightningModule):
             tgt_out,
             ignore_index=self.pad_id,
             label_smoothing=self.label_smoothing,
+            bf16=bf16,
         )
         return loss, nll, int(tgt_out.ne(self.pad_id).sum())
 
@@ -131,7 +138,7 @@ class TranslationModule(pl.LightningModule):
 
     def loss(self, batch: dict) -> tuple[Tensor, int]:
         """Label-smoothed cross-entropy per real target token, and that token count."""
-        loss, _, ntokens = self._losses(batch)
+        loss, _, ntokens = self._losses(batch, bf16=self.bf16_projection)
         return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -146,9 +153,7 @@ class TranslationModule(pl.LightningModule):
             loss = loss + self.aux_loss_weight * aux
         # One all-reduce under DDP: the step's tokens, and whether any rank's loss is bad
         # (every rank must take the same decision, or the others wait for it forever).
-        counts = torch.tensor(
-            [float(ntokens), float(not torch.isfinite(loss))], device=loss.device
-        )
+        counts = torch.tensor([float(ntokens), float(not torch.isfinite(loss))], device=loss.device)
         if self.trainer.world_size > 1:
             counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
         if counts[1] > 0:
