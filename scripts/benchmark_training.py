@@ -1,4 +1,4 @@
-"""Training-step throughput of the project's model, per precision, measured in one run.
+r"""Training-step throughput of the project's model, per precision, measured in one run.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k [overrides]
 
@@ -15,10 +15,11 @@ scales the loss as Lightning's 16-mixed does).
 A variant is ``step`` (the training module's own loss) or ``+``-joined options:
 ``unfused`` (the full ``(B, T, V)`` logits into ``F.cross_entropy``, the step before the fused
 loss), ``chunk=N`` and ``bf16`` (:func:`~multihead.training.loss.linear_cross_entropy` with
-that chunk size, bf16 projection GEMMs), ``fused-adam`` (``Adam(fused=True)``). E.g.
+that chunk size, bf16 projection GEMMs), ``adam-loop`` (``Adam(fused=False)``, the
+per-tensor loop). ``unfused+adam-loop`` is the step before either change. E.g.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
-        experiment=multi30k_en_de --threads 1 --variants unfused step bf16 fused-adam
+        experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step bf16
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.checkpoints import build_model
+from multihead.cli import register_resolvers
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+register_resolvers()  # as scripts/train.py does
 
 
 def autocast(precision: str, device: torch.device):
@@ -54,12 +57,12 @@ def autocast(precision: str, device: torch.device):
     raise ValueError(f"precision {precision!r}; expected {expected} on {device.type}")
 
 
-VARIANT_WORDS = ("step", "unfused", "chunk=N", "bf16", "fused-adam")
+VARIANT_WORDS = ("step", "unfused", "chunk=N", "bf16", "adam-loop")
 
 
 def parse_variant(spec: str) -> dict:
-    """``"bf16+chunk=256+fused-adam"`` -> the options of :func:`loss_fn` and the optimiser."""
-    options = {"unfused": False, "fused_loss": {}, "fused_adam": False}
+    """``"bf16+chunk=256+adam-loop"`` -> the options of :func:`loss_fn` and the optimiser."""
+    options = {"unfused": False, "fused_loss": {}, "optimizer": {}}
     for word in spec.split("+"):
         if word == "step":
             continue
@@ -69,8 +72,8 @@ def parse_variant(spec: str) -> dict:
             options["fused_loss"]["bf16"] = True
         elif word.startswith("chunk=") and word[6:].isdigit():
             options["fused_loss"]["chunk_size"] = int(word[6:])
-        elif word == "fused-adam":
-            options["fused_adam"] = True
+        elif word == "adam-loop":
+            options["optimizer"]["fused"] = False
         else:
             raise ValueError(f"variant word {word!r} in {spec!r}; expected {VARIANT_WORDS}")
     if options["unfused"] and options["fused_loss"]:
@@ -190,8 +193,7 @@ def main() -> None:
         module = instantiate(cfg.module, model=model, tokenizer=dm.tokenizer)
         options = specs[spec]
         # Not configure_optimizers(): its scheduler may need a Trainer (cooldown_minutes).
-        fused = {"fused": True} if options["fused_adam"] else {}
-        optimizer = module.optimizer_factory(module.parameters(), **fused)
+        optimizer = module.optimizer_factory(module.parameters(), **options["optimizer"])
         # fp16 needs loss scaling (as Lightning's 16-mixed); a disabled scaler is a no-op.
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
         name = " ".join([precision, spec] + (["+ compile"] if compiled else []))
