@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Positions projected at a time: (512, 8000) fp32 logits are 16 MB. Measured on the 2-core
-# CPU with scripts/benchmark_training.py (docs/benchmarks.md); 256 to 1024 perform alike.
+# Positions projected at a time: (512, 8000) fp32 logits are 16 MB. On one thread of the
+# 2-core CPU (scripts/benchmark_training.py, docs/benchmarks.md) 256 and 512 were equal,
+# 128 4% slower and 1024 to 2048 about 10% slower.
 DEFAULT_CHUNK_SIZE = 512
 
 
