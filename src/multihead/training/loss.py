@@ -48,7 +48,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         # hidden (N, E) real positions only, weight (V, E), targets (N,)
         vocab_size = weight.shape[0]
-        # The three GEMMs' operands; softmax, loss and gradients stay in fp32.
+        # bf16 changes only the three GEMMs' operands; softmax, loss and sums stay in fp32.
         gemm_dtype = torch.bfloat16 if bf16 else hidden.dtype
         gemm_hidden, gemm_weight = hidden.to(gemm_dtype), weight.to(gemm_dtype)
         smooth = label_smoothing / vocab_size  # the smoothed target puts this on every class
@@ -96,9 +96,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_loss: Tensor, grad_nll: Tensor
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is None:
-            raise RuntimeError("linear_cross_entropy was called without gradients")
+        grad_hidden, grad_weight = ctx.saved_tensors  # made in forward (with_grad=True)
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
 
 
