@@ -1,14 +1,25 @@
-"""Training-step throughput of the project's model, per precision, measured in one run.
+r"""Training-step throughput of the project's model, per precision, measured in one run.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k [overrides]
 
 Composes configs/train.yaml with the overrides (so model, attention and batching are the
 ones a real run uses), then times forward + backward + Adam step on real Multi30k batches.
-Precisions are interleaved block by block, so machine noise hits them alike. It prints
-real (non-padding) target and source tokens per second and the ratio to the first precision.
-``--compile`` adds each precision again with the model's forward under ``torch.compile``.
+Every variant (each precision times each ``--variants`` entry, and each again compiled with
+``--compile``) is timed block by block, interleaved, so machine noise hits them alike. It
+prints real (non-padding) target and source tokens per second, the ratio to the first
+variant, and the model's GFLOP per step (counted on the unfused step, all positions) as
+GFLOP/s and as a fraction of the fp32 GEMM peak measured in the same run (``--peak``).
 ``--device cuda`` times on the GPU (``--precisions 32-true bf16-mixed 16-mixed`` there; fp16
 scales the loss as Lightning's 16-mixed does).
+
+A variant is ``step`` (the training module's own loss) or ``+``-joined options:
+``unfused`` (the full ``(B, T, V)`` logits into ``F.cross_entropy``, the step before the fused
+loss), ``chunk=N`` and ``bf16`` (:func:`~multihead.training.loss.linear_cross_entropy` with
+that chunk size, bf16 projection GEMMs), ``adam-loop`` (``Adam(fused=False)``, the
+per-tensor loop). ``unfused+adam-loop`` is the step before either change. E.g.
+
+    python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
+        experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step bf16
 """
 
 from __future__ import annotations
@@ -23,10 +34,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.checkpoints import build_model
+from multihead.cli import register_resolvers
+from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+register_resolvers()  # as scripts/train.py does
 
 
 def autocast(precision: str, device: torch.device):
@@ -42,8 +57,69 @@ def autocast(precision: str, device: torch.device):
     raise ValueError(f"precision {precision!r}; expected {expected} on {device.type}")
 
 
-def label(precision: str, compiled: bool) -> str:
-    return f"{precision} + compile" if compiled else precision
+VARIANT_WORDS = ("step", "unfused", "chunk=N", "bf16", "adam-loop")
+
+
+def parse_variant(spec: str) -> dict:
+    """``"bf16+chunk=256+adam-loop"`` -> the options of :func:`loss_fn` and the optimiser."""
+    options = {"unfused": False, "fused_loss": {}, "optimizer": {}}
+    for word in spec.split("+"):
+        if word == "step":
+            continue
+        elif word == "unfused":
+            options["unfused"] = True
+        elif word == "bf16":
+            options["fused_loss"]["bf16"] = True
+        elif word.startswith("chunk=") and word[6:].isdigit():
+            options["fused_loss"]["chunk_size"] = int(word[6:])
+        elif word == "adam-loop":
+            options["optimizer"]["fused"] = False
+        else:
+            raise ValueError(f"variant word {word!r} in {spec!r}; expected {VARIANT_WORDS}")
+    if options["unfused"] and options["fused_loss"]:
+        raise ValueError(f"variant {spec!r}: unfused takes no chunk= or bf16")
+    return options
+
+
+def loss_fn(module, batch: dict, options: dict) -> torch.Tensor:
+    """The training loss of ``batch`` as the variant computes it."""
+    if not (options["unfused"] or options["fused_loss"]):
+        return module.loss(batch)[0]
+    tgt_in, tgt_out = batch["tgt"][:, :-1], batch["tgt"][:, 1:]
+    if options["unfused"]:
+        logits = module.model(batch["src"], tgt_in)  # (B, T, V)
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            tgt_out.reshape(-1),
+            ignore_index=module.pad_id,
+            label_smoothing=module.label_smoothing,
+        )
+    states = module.model.decoder_states(batch["src"], tgt_in)  # (B, T, E)
+    loss, _ = linear_cross_entropy(
+        states,
+        module.model.output_projection.weight,
+        tgt_out,
+        ignore_index=module.pad_id,
+        label_smoothing=module.label_smoothing,
+        **options["fused_loss"],
+    )
+    return loss
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, size: int = 2048) -> float:
+    """GFLOP/s of a square ``size`` GEMM, the median of 5 after a warm-up."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds[1:]) / 1e9
 
 
 def main() -> None:
@@ -55,7 +131,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument(
-        "--compile", action="store_true", help="also time each precision with torch.compile"
+        "--variants", nargs="+", default=["step"], help=f"+-joined words of {VARIANT_WORDS}"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="also time each variant with torch.compile"
+    )
+    parser.add_argument(
+        "--peak",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the fp32 GEMM peak (a 2048^3 matmul) for the fraction-of-peak column",
     )
     args = parser.parse_args()
     if args.threads:
@@ -73,6 +158,10 @@ def main() -> None:
             autocast(precision, device)
         except ValueError as err:
             raise SystemExit(f"benchmark_training: {err}") from None
+    try:
+        specs = {spec: parse_variant(spec) for spec in args.variants}
+    except ValueError as err:
+        raise SystemExit(f"benchmark_training: {err}") from None
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["paths.output_dir=outputs/benchmark", *args.overrides])
@@ -88,34 +177,48 @@ def main() -> None:
     tgt_tokens = sum(int((b["tgt"][:, 1:] != pad).sum()) for b in batches)
     src_tokens = sum(int((b["src"] != pad).sum()) for b in batches)
 
-    variants = [(p, False) for p in args.precisions]
+    variants = [(p, s, False) for p in args.precisions for s in specs]
     if args.compile:
-        variants += [(p, True) for p in args.precisions]
+        variants += [(p, s, True) for p in args.precisions for s in specs]
     runs = {}
-    for precision, compiled in variants:
+    for precision, spec, compiled in variants:
         torch.manual_seed(cfg.seed)
         model = build_model(OmegaConf.to_container(cfg, resolve=True), dm.vocab_size, pad)
         model.to(device)
         if compiled:
             # Batches differ in shape (token buckets): compile for dynamic shapes up front.
+            # The loss calls decoder_states (the fused loss) or forward (unfused).
+            model.decoder_states = torch.compile(model.decoder_states, dynamic=True)
             model.compile(dynamic=True)
         module = instantiate(cfg.module, model=model, tokenizer=dm.tokenizer)
-        optimizer = module.configure_optimizers()["optimizer"]
+        options = specs[spec]
+        # Not configure_optimizers(): its scheduler may need a Trainer (cooldown_minutes).
+        optimizer = module.optimizer_factory(module.parameters(), **options["optimizer"])
         # fp16 needs loss scaling (as Lightning's 16-mixed); a disabled scaler is a no-op.
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
-        runs[label(precision, compiled)] = (precision, module.train(), optimizer, scaler)
+        name = " ".join([precision, spec] + (["+ compile"] if compiled else []))
+        runs[name] = (precision, options, module.train(), optimizer, scaler)
+
+    # The model's FLOPs: the unfused step's GEMMs and attention over all positions, so
+    # every variant is measured against the same work.
+    _, _, module, _, _ = next(iter(runs.values()))
+    with FlopCounterMode(display=False) as counter:
+        for batch in batches:
+            loss_fn(module, batch, parse_variant("unfused")).backward()
+    module.zero_grad(set_to_none=True)
+    step_gflop = counter.get_total_flops() / len(batches) / 1e9
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def step_block(name: str) -> float:
-        precision, module, optimizer, scaler = runs[name]
+        precision, options, module, optimizer, scaler = runs[name]
         sync()
         start = time.perf_counter()
         for batch in batches:
             with autocast(precision, device):
-                loss, _ = module.loss(batch)
+                loss = loss_fn(module, batch, options)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
@@ -126,7 +229,8 @@ def main() -> None:
         return time.perf_counter() - start
 
     for name in runs:  # warm-up (and compilation)
-        step_block(name)
+        print(f"warm-up (and compilation) of {name}: {step_block(name):.1f} s", flush=True)
+    peak = gemm_peak(device, torch.float32) if args.peak else None
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.blocks):
         for name in runs:
@@ -136,17 +240,20 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
         f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens, "
-        f"params {next(iter(runs.values()))[1].model.num_parameters():,}"
+        f"params {module.model.num_parameters():,}, {step_gflop:.1f} GFLOP/step"
+        + (f", fp32 GEMM peak {peak:.0f} GFLOP/s" if peak else "")
     )
-    print("| precision | s/step | target tok/s | src+tgt tok/s | ratio |")
-    print("|---|---|---|---|---|")
+    print("| variant | s/step | target tok/s | src+tgt tok/s | GFLOP/s | of peak | ratio |")
+    print("|---|---|---|---|---|---|---|")
     base = None
     for name in runs:
         seconds = statistics.median(times[name])
         base = base or seconds
+        gflops = step_gflop * len(batches) / seconds
         print(
             f"| {name} | {seconds / len(batches):.3f} | {tgt_tokens / seconds:,.0f} | "
-            f"{(src_tokens + tgt_tokens) / seconds:,.0f} | {base / seconds:.2f}x |"
+            f"{(src_tokens + tgt_tokens) / seconds:,.0f} | {gflops:.0f} | "
+            f"{f'{gflops / peak:.0%}' if peak else '-'} | {base / seconds:.2f}x |"
         )
 
 

@@ -1,5 +1,5 @@
 """What the scripts share: user errors become one ``error: ...`` line and exit status 2,
-and the one config resolver of their own."""
+and the config resolvers of their own."""
 
 from __future__ import annotations
 
@@ -13,12 +13,20 @@ from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from multihead.attention import BackendUnavailableError
+from multihead.training.precision import resolve_precision
 
 
 def register_resolvers() -> None:
-    """``${path_name:PATH}``, the last component of a path (e.g. a sweep's time stamp)."""
+    """``${path_name:PATH}``, the last component of a path (e.g. a sweep's time stamp), and
+    ``${full_precision:PRECISION,ACCELERATOR}``, whether the run trains in 32-true once
+    ``auto`` is resolved (:func:`~multihead.training.precision.resolve_precision`)."""
     if not OmegaConf.has_resolver("path_name"):
         OmegaConf.register_new_resolver("path_name", lambda path: Path(str(path)).name)
+    if not OmegaConf.has_resolver("full_precision"):
+        OmegaConf.register_new_resolver(
+            "full_precision",
+            lambda precision, accelerator: resolve_precision(precision, accelerator) == "32-true",
+        )
 
 
 # Errors caused by what the user gave us (config values, files, checkpoints, input) or by

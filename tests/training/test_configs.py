@@ -81,6 +81,16 @@ def test_callbacks_and_module_instantiate(tmp_path) -> None:
     optimizer = instantiate(cfg.module.optimizer)([torch.nn.Parameter(torch.zeros(1))])
     scheduler = instantiate(cfg.module.scheduler)(optimizer, time_left=lambda: None)
     assert scheduler.get_last_lr()[0] == pytest.approx(3e-3 / 800)  # the recipe's peak, warmup
+    assert optimizer.defaults["fused"] is True  # 32-true on CPU (auto)
+
+
+@pytest.mark.parametrize(
+    "precision, fused", [("auto", True), ("32-true", True), ("bf16-mixed", False)]
+)
+def test_adam_is_fused_only_at_full_precision(precision, fused, tmp_path) -> None:
+    # Lightning refuses gradient clipping with a fused optimiser under mixed precision.
+    cfg = compose_config("train", [f"trainer.precision={precision}", *base(tmp_path)])
+    assert cfg.module.optimizer.fused is fused
 
 
 def test_required_overrides_compose(tmp_path) -> None:

@@ -411,8 +411,17 @@ class Transformer(nn.Module):
         Returns:
             ``(B, T, V)`` logits; position ``t`` predicts target token ``t + 1``.
         """
+        return self.output_projection(self.decoder_states(src, tgt_in))
+
+    def decoder_states(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced decoder outputs ``(B, T, E)``, before the output projection.
+
+        :meth:`forward` projects them to logits. Training feeds them to
+        :func:`multihead.training.loss.linear_cross_entropy` instead, which projects a
+        chunk of positions at a time and never holds all ``(B, T, V)`` logits.
+        """
         memory, src_pad_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_pad_mask)
+        return self._decoder_states(tgt_in, memory, src_pad_mask)
 
     def encode(
         self, src: Tensor, maps: list[dict[str, Tensor]] | None = None
@@ -465,6 +474,19 @@ class Transformer(nn.Module):
             ``(B, T, V)`` logits. The output projection, the largest matmul when decoding,
             only runs on the positions fed, so an incremental step costs ``(B, 1, V)``.
         """
+        states = self._decoder_states(tgt_in, memory, src_pad_mask, caches, start_pos, maps)
+        return self.output_projection(states)  # (B, T, V)
+
+    def _decoder_states(
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        src_pad_mask: Tensor,
+        caches: DecoderCache | None = None,
+        start_pos: int | None = None,
+        maps: list[dict[str, Tensor]] | None = None,
+    ) -> Tensor:
+        """:meth:`decode` without the output projection: ``(B, T, E)``."""
         if tgt_in.dim() != 2:
             raise ValueError(f"tgt_in must be (B, T) token ids, got shape {tuple(tgt_in.shape)}")
         cached = 0 if caches is None else caches.position
@@ -487,7 +509,7 @@ class Transformer(nn.Module):
             x = layer(x, memory, src_pad_mask, self_cache, cross_cache, layer_maps)
             if maps is not None:
                 maps.append(layer_maps)
-        return self.output_projection(self.decoder_norm(x))  # (B, T, V)
+        return self.decoder_norm(x)  # (B, T, E)
 
     def make_decoder_cache(
         self,

@@ -1,5 +1,7 @@
-"""Training only: the LightningModule, the learning-rate schedule, the callbacks that run
-during ``fit``, and :func:`~multihead.training.run.train`, which wires them from a config.
+"""Training only: the LightningModule and its fused loss
+(:func:`~multihead.training.loss.linear_cross_entropy`), the learning-rate schedule, the
+callbacks that run during ``fit``, and :func:`~multihead.training.run.train`, which wires
+them from a config.
 
 What happens to a checkpoint after training lives in :mod:`multihead.checkpoints`;
 translating and scoring in :mod:`multihead.evaluation`; reports about finished runs in

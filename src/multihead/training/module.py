@@ -7,7 +7,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import grad_norm
@@ -16,6 +15,7 @@ from torch import Tensor, nn
 from multihead.checkpoints import FORMAT_VERSION
 from multihead.evaluation import corpus_scores
 from multihead.model import decode
+from multihead.training.loss import linear_cross_entropy
 
 # With on_non_finite_loss=skip, this many bad batches in a row stop the run all the same.
 MAX_SKIPPED_IN_A_ROW = 10
@@ -36,6 +36,10 @@ class TranslationModule(pl.LightningModule):
             the optimiser and ``time_left`` (seconds of training left under
             ``trainer.max_time``); stepped every update.
         label_smoothing: epsilon of label-smoothed cross-entropy (padding is ignored).
+        bf16_projection: run the output projection's GEMMs inside the training loss on
+            bfloat16 operands (softmax and loss stay fp32; see
+            :func:`~multihead.training.loss.linear_cross_entropy`). Validation and test
+            losses stay fp32, so they compare across runs.
         beam_size: 1 = greedy; the search for validation BLEU.
         test_beam_size: the search for test BLEU; ``None`` = ``beam_size``.
         length_penalty, max_len_a, max_len_b: decoding settings (see
@@ -62,6 +66,7 @@ class TranslationModule(pl.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         *,
         label_smoothing: float = 0.1,
+        bf16_projection: bool = False,
         beam_size: int,
         test_beam_size: int | None = None,
         length_penalty: float,
@@ -83,6 +88,7 @@ class TranslationModule(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing
+        self.bf16_projection = bf16_projection
         self.decode_settings = dict(
             length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b
         )
@@ -106,13 +112,25 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def _logits(self, batch: dict) -> tuple[Tensor, Tensor, int]:
-        """Teacher-forced logits ``(B*T, V)``, their targets ``(B*T,)`` and the real-token count."""
+    def _losses(self, batch: dict, bf16: bool = False) -> tuple[Tensor, Tensor, int]:
+        """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
+
+        The output projection runs inside the loss, chunk by chunk (see
+        :func:`~multihead.training.loss.linear_cross_entropy`): the same numbers as
+        ``F.cross_entropy`` on the model's logits, without the ``(B, T, V)`` logits.
+        """
         src, tgt = batch["src"], batch["tgt"]
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
-        logits = self.model(src, tgt_in)  # (B, T, V)
-        targets = tgt_out.reshape(-1)
-        return logits.reshape(-1, logits.shape[-1]), targets, int(targets.ne(self.pad_id).sum())
+        states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
+        loss, nll = linear_cross_entropy(
+            states,
+            self.model.output_projection.weight,  # (V, E), bias-free
+            tgt_out,
+            ignore_index=self.pad_id,
+            label_smoothing=self.label_smoothing,
+            bf16=bf16,
+        )
+        return loss, nll, int(tgt_out.ne(self.pad_id).sum())
 
     @property
     def pad_id(self) -> int:
@@ -120,10 +138,7 @@ class TranslationModule(pl.LightningModule):
 
     def loss(self, batch: dict) -> tuple[Tensor, int]:
         """Label-smoothed cross-entropy per real target token, and that token count."""
-        logits, targets, ntokens = self._logits(batch)
-        loss = F.cross_entropy(
-            logits, targets, ignore_index=self.pad_id, label_smoothing=self.label_smoothing
-        )
+        loss, _, ntokens = self._losses(batch, bf16=self.bf16_projection)
         return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -215,12 +230,8 @@ class TranslationModule(pl.LightningModule):
         )
 
     def _eval_step(self, batch: dict, stage: str, with_bleu: bool) -> None:
-        logits, targets, ntokens = self._logits(batch)
-        loss = F.cross_entropy(
-            logits, targets, ignore_index=self.pad_id, label_smoothing=self.label_smoothing
-        )
         # Perplexity is exp of the plain NLL; the smoothed loss would overstate it.
-        nll = F.cross_entropy(logits, targets, ignore_index=self.pad_id)
+        loss, nll, ntokens = self._losses(batch)
         self.log(f"{stage}/loss", loss, batch_size=ntokens, sync_dist=True)
         self.log(f"{stage}/nll", nll, batch_size=ntokens, sync_dist=True)
         if with_bleu:
