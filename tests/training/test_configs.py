@@ -34,7 +34,12 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     kinds = net.head_config
     H, G = cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads
     variant = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
-    design = {"moh": "mha-moh-k2s1", "talking_heads": "mha-talking_heads"}.get(attention, variant)
+    design = {
+        "moh": "mha-moh-k2s1",
+        "talking_heads": "mha-talking_heads",
+        "group_mlp": "mha-group_mlp2",
+        "head_attention": "mha-head_attention",
+    }.get(attention, variant)
     assert {
         (k["variant"], k["num_heads"], k["num_kv_heads"], k["design"]) for k in kinds.values()
     } == {(variant, H, G, design)}

@@ -64,7 +64,9 @@ def test_compare_designs_composes_the_recipe_for_every_design() -> None:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         sweep = compose("train", ["experiment=compare_designs"], return_hydra_config=True)
         options = sweep.hydra.sweeper.params.attention.split(",")
-        assert options == ["mha", "gqa", "mqa", "moh", "talking_heads"]
+        assert options == [
+            "mha", "gqa", "mqa", "moh", "talking_heads", "group_mlp", "head_attention"
+        ]
         designs = set()
         for option in options:
             cfg = compose("train", ["experiment=compare_designs", f"attention={option}"])
@@ -78,4 +80,6 @@ def test_compare_designs_composes_the_recipe_for_every_design() -> None:
         (1, None, None, "sdpa"),
         (None, 2, None, "sdpa"),
         (None, None, "talking_heads", "math"),
+        (None, None, "group_mlp", "sdpa"),
+        (None, None, "head_attention", "sdpa"),
     }
