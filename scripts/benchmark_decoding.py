@@ -9,7 +9,8 @@ checkpoint and engine, on the same sentences, threads, beam size, length penalty
 CTranslate2 model and also decoded by CTranslate2 in float32 and int8. Runs are interleaved
 repeat by repeat, so machine noise hits them alike; the table gives the median sentences/s,
 the ratio to our decoder on the same checkpoint (or, without CT2, to the first checkpoint),
-cased BLEU, and for CT2 the share of outputs identical to ours.
+output words per second (fairer than sentences/s between models whose outputs differ in
+length), cased BLEU, and for CT2 the share of outputs identical to ours.
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def main() -> None:
         f"batches of {args.batch_size} sorted by length, length penalty {args.length_penalty}, "
         f"median of {args.repeats}"
     )
-    cols = " | ".join(f"{n} sent/s | {n} × | {n} BLEU | {n} same as ours" for n in searches)
+    cols = " | ".join(
+        f"{n} sent/s | {n} × | {n} words/s | {n} BLEU | {n} same as ours" for n in searches
+    )
     print(f"| checkpoint | engine | decoder heads | KV-cache bytes/token | {cols} |")
-    print("|---|---|---|---|" + "---|---|---|---|" * len(searches))
+    print("|---|---|---|---|" + "---|---|---|---|---|" * len(searches))
     for (i, engine), _ in engines.items():
         model = translators[i].model
         heads = model.head_config["decoder_self_attention"]
@@ -113,8 +116,10 @@ def main() -> None:
             bleu = corpus_scores(outputs[(i, engine), name], references).bleu
             ours = outputs[(i, "ours"), name]
             same = sum(a == b for a, b in zip(outputs[(i, engine), name], ours, strict=True))
+            words = sum(len(h.split()) for h in outputs[(i, engine), name])
             cells.append(
-                f"{len(sources) / median:,.1f} | {base / median:.2f} | {bleu:.2f} | "
+                f"{len(sources) / median:,.1f} | {base / median:.2f} | {words / median:,.0f} | "
+                f"{bleu:.2f} | "
                 f"{same}/{len(sources)}"
             )
         print(

@@ -31,7 +31,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.train([t for pair in SENTENCES for t in pair] * 5, vocab_size=300)
 
 
-def tiny_model(vocab_size: int, backend: str = "sdpa", layers: int = 2) -> Transformer:
+def tiny_model(
+    vocab_size: int, backend: str = "sdpa", layers: int = 2, head_mixing: str | None = None
+) -> Transformer:
     torch.manual_seed(0)
     return Transformer(
         src_vocab_size=vocab_size,
@@ -42,7 +44,7 @@ def tiny_model(vocab_size: int, backend: str = "sdpa", layers: int = 2) -> Trans
         num_decoder_layers=layers,
         dropout=0.1,
         max_positions=1024,
-        attention={"num_heads": 4, "backend": backend},
+        attention={"num_heads": 4, "backend": backend, "head_mixing": head_mixing},
         decoder_self_attention={"num_kv_heads": 2},
         cross_attention={"num_kv_heads": 1},
     ).eval()
@@ -60,13 +62,21 @@ def examples(tokenizer: Tokenizer) -> list[dict]:
     ]
 
 
-def test_head_outputs_recombine_into_each_layers_output(tokenizer) -> None:
-    model = tiny_model(tokenizer.vocab_size)
+@pytest.mark.parametrize(
+    "backend, head_mixing",
+    [("sdpa", None), ("math", "talking_heads"), ("sdpa", "group_mlp"), ("sdpa", "head_attention")],
+)
+def test_head_outputs_recombine_into_each_layers_output(tokenizer, backend, head_mixing) -> None:
+    model = tiny_model(tokenizer.vocab_size, backend, head_mixing=head_mixing)
+    with torch.no_grad():  # move the mixings off their identity start, so they count
+        for name, param in model.named_parameters():
+            if ".head_mix." in name:
+                param.add_(0.3 * torch.randn_like(param))
     batch = collate(examples(tokenizer), pad_id=0, bos_id=1, eos_id=2)
     src, tgt_in = batch["src"], batch["tgt"][:, :-1]
     layer_outputs = {}
 
-    def record(module, args, out) -> None:  # the first call: the plain sdpa forward
+    def record(module, args, out) -> None:  # the first call: the plain forward
         layer_outputs.setdefault(module, out)
 
     hooks = [
@@ -75,7 +85,7 @@ def test_head_outputs_recombine_into_each_layers_output(tokenizer) -> None:
         if isinstance(module, MultiHeadAttention)
     ]
     with torch.no_grad():
-        model(src, tgt_in)  # the sdpa path
+        model(src, tgt_in)  # the layers' own forward
         maps, outputs = head_outputs(model, src, tgt_in)
     for hook in hooks:
         hook.remove()

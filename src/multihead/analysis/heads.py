@@ -39,7 +39,9 @@ def head_outputs(
     """Attention weights and per-head outputs of every sublayer (math path).
 
     The per-head output is ``weights_h @ V_h``, the head's contribution before the heads
-    are concatenated and projected by ``out_proj``. ``V`` is recomputed from each
+    are concatenated and projected by ``out_proj``; for the ``group_mlp`` and
+    ``head_attention`` mixings it is taken after the mixing, as it enters ``out_proj``
+    (talking heads' mixing is inside the weights). ``V`` is recomputed from each
     sublayer's key/value input, captured by a forward pre-hook while
     :meth:`~multihead.model.Transformer.attention_maps` runs. Call it in eval mode under
     ``torch.no_grad()``.
@@ -76,7 +78,10 @@ def head_outputs(
         v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
         v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
         v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): query head h uses group h//(H/G)
-        outputs[kind].append(maps[kind][i] @ v)  # (B, H, L, D)
+        heads = maps[kind][i] @ v  # (B, H, L, D)
+        if attn.head_mixing in ("group_mlp", "head_attention"):
+            heads = attn.head_mix(heads.transpose(1, 2)).transpose(1, 2)  # mixes (B, L, H, D)
+        outputs[kind].append(heads)
     return maps, outputs
 
 
