@@ -65,7 +65,13 @@ def test_compare_designs_composes_the_recipe_for_every_design() -> None:
         sweep = compose("train", ["experiment=compare_designs"], return_hydra_config=True)
         options = sweep.hydra.sweeper.params.attention.split(",")
         assert options == [
-            "mha", "gqa", "mqa", "moh", "talking_heads", "group_mlp", "head_attention"
+            "mha",
+            "gqa",
+            "mqa",
+            "moh",
+            "talking_heads",
+            "group_mlp",
+            "head_attention",
         ]
         designs = set()
         for option in options:

@@ -78,10 +78,8 @@ def head_outputs(
         v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
         v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
         v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): query head h uses group h//(H/G)
-        heads = maps[kind][i] @ v  # (B, H, L, D)
-        if attn.head_mixing in ("group_mlp", "head_attention"):
-            heads = attn.head_mix(heads.transpose(1, 2)).transpose(1, 2)  # mixes (B, L, H, D)
-        outputs[kind].append(heads)
+        heads = attn.mix_head_outputs((maps[kind][i] @ v).transpose(1, 2))  # (B, L, H, D)
+        outputs[kind].append(heads.transpose(1, 2))  # (B, H, L, D)
     return maps, outputs
 
 

@@ -584,12 +584,17 @@ class MultiHeadAttention(nn.Module):
             if weights is not None:
                 weights = weights.masked_fill(mask.empty_rows, 0.0)
 
-        out = out.transpose(1, 2)  # (B, L, H, D)
-        if self.head_mixing is not None and self.head_mixing not in _LOGIT_MIXINGS:
-            out = self.head_mix(out)  # (B, L, H, D)
+        out = self.mix_head_outputs(out.transpose(1, 2))  # (B, L, H, D)
         out = out.reshape(B, L, E)  # (B, L, H*D): heads concatenated
         out = self.out_proj(out)
         return (out, weights) if need_weights else out
+
+    def mix_head_outputs(self, heads: Tensor) -> Tensor:
+        """``heads`` ``(B, L, H, D)`` as they enter ``W^O``: mixed by ``group_mlp`` or
+        ``head_attention``, unchanged otherwise (talking heads mix inside the attention)."""
+        if self.head_mixing is None or self.head_mixing in _LOGIT_MIXINGS:
+            return heads
+        return self.head_mix(heads)
 
     def _sparse_attention(
         self,
