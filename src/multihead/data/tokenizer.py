@@ -8,10 +8,11 @@ output is real detokenized text that sacreBLEU can score against raw references.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import datasets
@@ -39,6 +40,9 @@ class Tokenizer:
     Raises:
         ValueError: The special tokens are not at ids 0 to 3.
     """
+
+    # The ids of SPECIAL_TOKENS (checked in __init__); byte-level BPE never produces <unk>.
+    pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
 
     def __init__(self, hf_tokenizer: HFTokenizer) -> None:
         for expected_id, token in enumerate(SPECIAL_TOKENS):
@@ -80,33 +84,15 @@ class Tokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        hf.train_from_iterator(_batched(texts, 1000), trainer=trainer)
+        texts = iter(texts)
+        batches = iter(lambda: list(itertools.islice(texts, 1000)), [])  # lists of 1000 texts
+        hf.train_from_iterator(batches, trainer=trainer)
         return cls(hf)
 
     @property
     def vocab_size(self) -> int:
         """Number of ids, special tokens included."""
         return self._hf.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def pad_id(self) -> int:
-        """Id of ``<pad>`` (0)."""
-        return 0
-
-    @property
-    def bos_id(self) -> int:
-        """Id of ``<bos>`` (1)."""
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        """Id of ``<eos>`` (2)."""
-        return 2
-
-    @property
-    def unk_id(self) -> int:
-        """Id of ``<unk>`` (3); byte-level BPE never produces it for text."""
-        return 3
 
     def encode(self, text: str) -> list[int]:
         """Subword ids of ``text``, without ``<bos>``/``<eos>``."""
@@ -184,17 +170,6 @@ class Tokenizer:
         return hashlib.sha256(self._hf.to_str().encode("utf-8")).hexdigest()
 
 
-def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def load_or_train_tokenizer(
     dataset: datasets.DatasetDict,
     cache_dir: str | Path,
@@ -230,14 +205,10 @@ def load_or_train_tokenizer(
     ds = dataset[split]
     logger.info("training a %d-token joint BPE on %d %s pairs", vocab_size, len(ds), split)
     tokenizer = Tokenizer.train(
-        _interleave(ds["src"], ds["tgt"]), vocab_size=vocab_size, min_frequency=min_frequency
+        itertools.chain.from_iterable(zip(ds["src"], ds["tgt"], strict=True)),  # src, tgt, ...
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
     )
     tokenizer.save(path)
     logger.info("saved tokenizer (%d ids) to %s", tokenizer.vocab_size, path)
     return tokenizer
-
-
-def _interleave(src: Iterable[str], tgt: Iterable[str]) -> Iterator[str]:
-    for s, t in zip(src, tgt, strict=True):
-        yield s
-        yield t
