@@ -149,10 +149,7 @@ def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
     if config is None:
         raise DataError(f"dataset {name!r} has no {src_lang}-{tgt_lang} pair")
     try:
-        if config == "default":
-            raw = datasets.load_dataset(spec.repo_id)
-        else:
-            raw = datasets.load_dataset(spec.repo_id, config)
+        raw = datasets.load_dataset(spec.repo_id, None if config == "default" else config)
     except (ConnectionError, OSError) as exc:
         # Offline mode raises ConnectionError, a missing repo FileNotFoundError; keep it one line.
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -241,13 +238,6 @@ def read_lines(path: str | Path) -> list[str]:
     return lines
 
 
-def _trailing_empty(lines: list[str]) -> int:
-    count = 0
-    while count < len(lines) and not lines[-1 - count]:
-        count += 1
-    return count
-
-
 def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
     expected = "{train,val,test_2016_flickr}.{lang}[.gz]"
     if not directory.is_dir():
@@ -281,7 +271,7 @@ def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> dataset
         src, tgt = read_lines(src_path), read_lines(tgt_path)
         if len(src) != len(tgt):
             longer = src if len(src) > len(tgt) else tgt
-            trailing = _trailing_empty(longer)
+            trailing = next((i for i, line in enumerate(reversed(longer)) if line), len(longer))
             hint = (
                 f" (the longer file ends with {trailing} empty line(s))"
                 if trailing >= abs(len(src) - len(tgt))
