@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Sampler
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class TokenBucketSampler(Sampler[list[int]]):
                 max_tokens,
                 int(self.lengths.max()),
             )
-        self._num_batches = len(self._batches(0))
+        self._num_batches = len(self.epoch_batches(0))
         self._epoch = 0
         self._start = 0  # batches of self._epoch to skip on the next iter
         self._yielded = 0  # batches of self._epoch handed out so far (skipped ones included)
@@ -154,7 +155,8 @@ class TokenBucketSampler(Sampler[list[int]]):
         """Budget of a global batch, the one all ranks share: ``max_tokens * world_size``."""
         return self.max_tokens * self.world_size
 
-    def _batches(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch`` in the order ``iter`` yields them (no state change)."""
         if not self.shuffle:
             order = np.argsort(-self.lengths, kind="stable")
             batches = pack_batches(order, self.lengths, self.global_max_tokens)
@@ -177,7 +179,7 @@ class TokenBucketSampler(Sampler[list[int]]):
             self._start = 0
         self._fresh = False
         self._yielded = self._start
-        return self._generate(self._batches(self._epoch), self._start)
+        return self._generate(self.epoch_batches(self._epoch), self._start)
 
     def _generate(self, batches: list[list[int]], start: int) -> Iterator[list[int]]:
         for batch in batches[start:]:
@@ -240,10 +242,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._yielded = start
         self._fresh = True
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch`` in the order ``iter`` yields them (no state change)."""
-        return self._batches(epoch)
-
 
 def real_token_fraction(
     batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Sequence[int]
@@ -260,13 +258,6 @@ def real_token_fraction(
         real += int(src[index].sum() + tgt[index].sum())
         padded += len(index) * int(src[index].max() + tgt[index].max())
     return real / padded
-
-
-def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
-    out = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
 
 
 def collate(
@@ -287,8 +278,10 @@ def collate(
         raise ValueError("collate got an empty list of examples; expected at least one")
     src_rows = [list(ex["src_ids"]) + [eos_id] for ex in examples]
     tgt_rows = [[bos_id, *ex["tgt_ids"], eos_id] for ex in examples]
-    src = _pad(src_rows, pad_id)
-    tgt = _pad(tgt_rows, pad_id)
+    src, tgt = (
+        pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id)
+        for rows in (src_rows, tgt_rows)
+    )
     real = sum(map(len, src_rows)) + sum(map(len, tgt_rows))
     return {
         "src": src,
