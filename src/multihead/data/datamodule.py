@@ -230,15 +230,12 @@ class TranslationDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------------- dataloaders
 
-    def _collate(self) -> partial:
-        tok = self.tokenizer
-        return partial(collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id)
-
     def _loader(self, dataset: datasets.Dataset, sampler: TokenBucketSampler) -> DataLoader:
+        tok = self.tokenizer
         return DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=self._collate(),
+            collate_fn=partial(collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
