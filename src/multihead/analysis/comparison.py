@@ -313,12 +313,11 @@ def comparison_markdown(runs: list[RunResult], source: str) -> str:
         )
         parts.append(markdown_table(["run", "MHA run"] + [h for h, _, _ in RATIOS], ratio_lines))
 
-    parts.append("\n## Plots\n")
-    parts.append("![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n")
-    parts.append("![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n")
-    parts.append("![validation curves](validation_curves.png)\n")
-
-    parts.append("## Sources\n")
+    parts.append(
+        "\n## Plots\n\n![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n\n"
+        "![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n\n"
+        "![validation curves](validation_curves.png)\n\n## Sources\n"
+    )
     for run in runs:
         parts.append(f"- {run.label}: `{run.source}` (validation curves: {run.curve_source})")
     return "\n".join(parts) + "\n"
@@ -375,14 +374,10 @@ def plot_validation_curves(runs: list[RunResult], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(6 * len(CURVE_KEYS), 4.5))
     for ax, key in zip(axes, CURVE_KEYS, strict=True):
-        drawn = False
         for run in runs:
-            curve = run.curves.get(key)
-            if curve:
-                steps, values = zip(*curve, strict=True)
-                ax.plot(steps, values, marker=".", label=run.label)
-                drawn = True
-        if drawn:
+            if curve := run.curves.get(key):
+                ax.plot(*zip(*curve, strict=True), marker=".", label=run.label)
+        if ax.lines:
             ax.legend(fontsize=7)
         else:
             _no_data(ax, f"{key} history")
