@@ -25,14 +25,6 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 MAP_KINDS = ("encoder_self", "decoder_self", "cross")
 
 
-def _attention_layers(model: nn.Module) -> dict[MultiHeadAttention, tuple[str, int]]:
-    """Every attention sublayer of a :class:`~multihead.model.Transformer`: (kind, layer)."""
-    return {
-        attn: (kind.removesuffix("_attention"), i)
-        for kind, i, _, attn in model.attention_sublayers()
-    }
-
-
 def head_outputs(
     model: nn.Module, src: Tensor, tgt_in: Tensor
 ) -> tuple[dict[str, list[Tensor]], dict[str, list[Tensor]]]:
@@ -55,7 +47,10 @@ def head_outputs(
         ``(maps, outputs)``, both ``{kind: [per layer]}`` with the kinds of
         :data:`MAP_KINDS`; maps are ``(B, H, L, S)``, outputs ``(B, H, L, D)``.
     """
-    layers = _attention_layers(model)
+    layers = {  # every attention sublayer: (kind of MAP_KINDS, layer index)
+        attn: (kind.removesuffix("_attention"), i)
+        for kind, i, _, attn in model.attention_sublayers()
+    }
     inputs: dict[tuple[str, int], Tensor] = {}
 
     def capture(module: MultiHeadAttention, args: tuple, kwargs: dict) -> None:
