@@ -71,11 +71,6 @@ class AttentionMapLogger(pl.Callback):
         self.last_similarity: dict[str, list[float]] = {}
         self._val_runs = 0
 
-    def _out_dir(self, trainer: pl.Trainer) -> Path:
-        if self.out_dir is not None:
-            return Path(self.out_dir)
-        return Path(trainer.default_root_dir or trainer.log_dir or ".") / "attention_maps"
-
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -101,7 +96,8 @@ class AttentionMapLogger(pl.Callback):
         self.last_similarity = similarity
 
         step = trainer.global_step
-        out_dir = self._out_dir(trainer)
+        root = Path(trainer.default_root_dir or trainer.log_dir or ".")
+        out_dir = root / "attention_maps" if self.out_dir is None else Path(self.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         ids = {"src": src.cpu(), "tgt": tgt_in.cpu()}
         lengths = {name: mask.sum(dim=1).tolist() for name, mask in real.items()}
