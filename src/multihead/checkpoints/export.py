@@ -45,7 +45,7 @@ from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
 from multihead.evaluation.translate import search_settings
 from multihead.model import Transformer
-from multihead.model.embedding import SinusoidalPositionalEncoding
+from multihead.model.transformer import DecoderLayer
 
 FORMATS = ("ctranslate2",)
 _ACTIVATIONS = ("relu", "gelu")
@@ -122,17 +122,12 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
-    heads = {
-        "encoder self-attention": _same_across_layers(
-            "encoder self-attention", [layer.self_attn for layer in model.encoder_layers]
-        ),
-        "decoder self-attention": _same_across_layers(
-            "decoder self-attention", [layer.self_attn for layer in model.decoder_layers]
-        ),
-        "cross-attention": _same_across_layers(
-            "cross-attention", [layer.cross_attn for layer in model.decoder_layers]
-        ),
+    sublayers = {
+        "encoder self-attention": [layer.self_attn for layer in model.encoder_layers],
+        "decoder self-attention": [layer.self_attn for layer in model.decoder_layers],
+        "cross-attention": [layer.cross_attn for layer in model.decoder_layers],
     }
+    heads = {kind: _same_across_layers(kind, layers) for kind, layers in sublayers.items()}
     if heads["decoder self-attention"][0] != heads["cross-attention"][0]:
         raise ExportError(
             f"decoder self-attention has {heads['decoder self-attention'][0]} query heads but "
@@ -210,27 +205,20 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> Any:
     encoder.embeddings[0].weight = _numpy(model.encoder_embedding.token.weight)
     decoder.embeddings.weight = _numpy(model.decoder_embedding.token.weight)
     for spec, embedding in ((encoder, model.encoder_embedding), (decoder, model.decoder_embedding)):
-        positional = embedding.positional
-        table = (
-            positional.table
-            if isinstance(positional, SinusoidalPositionalEncoding)
-            else positional.weight
-        )
-        spec.position_encodings.encodings = _numpy(table)  # (P, E), position 0 first
+        positional = embedding.positional  # sinusoidal or learned: (P, E), position 0 first
+        spec.position_encodings.encodings = _numpy(positional(positional.max_positions))
         spec.scale_embeddings = True  # multiplied by sqrt(E), as TransformerEmbedding
     decoder.projection.weight = _numpy(model.output_projection.weight)  # no bias
 
-    for spec, layer in zip(encoder.layer, model.encoder_layers, strict=True):
+    for spec, layer in [
+        *zip(encoder.layer, model.encoder_layers, strict=True),
+        *zip(decoder.layer, model.decoder_layers, strict=True),
+    ]:
         _set_attention(spec.self_attention, layer.self_attn, cross=False)
         _set_layer_norm(spec.self_attention.layer_norm, layer.self_attn_norm)
-        _set_layer_norm(spec.ffn.layer_norm, layer.ffn_norm)
-        _set_linear(spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
-        _set_linear(spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
-    for spec, layer in zip(decoder.layer, model.decoder_layers, strict=True):
-        _set_attention(spec.self_attention, layer.self_attn, cross=False)
-        _set_layer_norm(spec.self_attention.layer_norm, layer.self_attn_norm)
-        _set_attention(spec.attention, layer.cross_attn, cross=True)
-        _set_layer_norm(spec.attention.layer_norm, layer.cross_attn_norm)
+        if isinstance(layer, DecoderLayer):
+            _set_attention(spec.attention, layer.cross_attn, cross=True)
+            _set_layer_norm(spec.attention.layer_norm, layer.cross_attn_norm)
         _set_layer_norm(spec.ffn.layer_norm, layer.ffn_norm)
         _set_linear(spec.ffn.linear_0, layer.ffn.linear1.weight, layer.ffn.linear1.bias)
         _set_linear(spec.ffn.linear_1, layer.ffn.linear2.weight, layer.ffn.linear2.bias)
