@@ -43,10 +43,7 @@ def max_output_lengths(
 
 def _to_lists(tokens: Tensor, eos_id: int) -> list[list[int]]:
     """Rows of ``(B, L)`` ids, each cut at its first eos (rows are eos-filled past the end)."""
-    out = []
-    for row in tokens.tolist():
-        out.append(row[: row.index(eos_id)] if eos_id in row else row)
-    return out
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens.tolist()]
 
 
 def _start(
@@ -75,18 +72,8 @@ def greedy_decode(
     max_len_a: float,
     max_len_b: float,
 ) -> list[list[int]]:
-    """Greedy decoding of a batch, one cached step per token.
-
-    Args:
-        model: a :class:`Transformer`, already in eval mode.
-        src: ``(B, S)`` source ids, right-padded with ``model.pad_id``.
-        bos_id: the token that starts every target.
-        eos_id: the token that ends one.
-        max_len_a, max_len_b: at most ``floor(a * src_len + b)`` tokens per sentence.
-
-    Returns:
-        ``B`` lists of token ids, without bos and eos.
-    """
+    """Greedy decoding of a batch, one cached step per token; the arguments and result are
+    those of :func:`beam_search`."""
     B, S = src.shape
     max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
     caches = model.make_decoder_cache(B, num_steps, S)
