@@ -112,14 +112,6 @@ def decode_summary(module, datamodule, device: torch.device, cfg: DictConfig) ->
     return result
 
 
-def training_summary(trainer: pl.Trainer) -> dict[str, float]:
-    """Whole-run training throughput and peak memory, from the ThroughputMonitor."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, ThroughputMonitor):
-            return callback.summary()
-    return {}
-
-
 def build_loggers(cfg: DictConfig, model, wandb_id: str | None) -> list:
     """The configured loggers; a wandb run is named and tagged after the built model."""
     loggers = []
@@ -233,7 +225,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 }
             )
         if trainer.is_global_zero:
-            summary.update(training_summary(trainer))
+            # Whole-run training throughput and peak memory.
+            monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+            summary.update(monitor.summary() if monitor else {})
             summary["train/skipped_batches"] = module.skipped_batches
             if cfg.summary.decode_speed and isinstance(trainer.strategy, FSDPStrategy):
                 # Each FSDP layer gathers its weights from every rank: rank 0 cannot decode alone.
