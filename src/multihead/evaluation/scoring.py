@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,9 @@ import torch
 
 from multihead.checkpoints import load_translator, write_atomically
 from multihead.data import load_parallel_dataset
+from multihead.data.loading import SPLITS
 from multihead.evaluation.metrics import corpus_scores, tokenized_bleu
 from multihead.evaluation.translate import search_settings, translate
-
-log = logging.getLogger(__name__)
-SPLITS = ("train", "validation", "test")
 
 
 def evaluate_checkpoint(
