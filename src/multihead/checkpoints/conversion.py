@@ -32,17 +32,14 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
         scope: ``"decoder"`` (decoder self- and cross-attention), ``"all"``, one kind, or
             a list of kinds, e.g. ``["decoder_self_attention", "cross_attention"]``.
     """
-    accepted = f"{', '.join(SCOPES)}, or a list of {', '.join(ATTENTION_KINDS)}"
     if isinstance(scope, str):
         if scope in SCOPES:
             return SCOPES[scope]
         names = [scope]
-    elif isinstance(scope, Sequence):
-        names = [str(name) for name in scope]
     else:
-        raise ValueError(f"unknown scope {scope!r}; expected {accepted}")
-    unknown = [name for name in names if name not in ATTENTION_KINDS]
-    if unknown or not names:
+        names = [str(name) for name in scope] if isinstance(scope, Sequence) else []
+    if not names or not set(names) <= set(ATTENTION_KINDS):
+        accepted = f"{', '.join(SCOPES)}, or a list of {', '.join(ATTENTION_KINDS)}"
         raise ValueError(f"unknown scope {scope!r}; expected {accepted}")
     return tuple(kind for kind in ATTENTION_KINDS if kind in names)
 
