@@ -92,7 +92,10 @@ def math_attention_with_weights(
 
 
 # --------------------------------------------------------------------------- SDPA
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float):
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+) -> Tensor:
+    """``F.scaled_dot_product_attention``; PyTorch picks the kernel."""
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -103,13 +106,6 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
-
-
-def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
-) -> Tensor:
-    """``F.scaled_dot_product_attention``; PyTorch picks the kernel."""
-    return _sdpa(q, k, v, mask, dropout_p, scale)
 
 
 def expand_kv(t: Tensor, num_heads: int) -> Tensor:
@@ -138,7 +134,7 @@ def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         try:
             with sdpa_kernel([kernel]):
-                return _sdpa(q, k, v, mask, dropout_p, scale)
+                return sdpa_attention(q, k, v, mask, dropout_p, scale)
         except RuntimeError as err:
             mask_kind = "none" if mask.tensor is None else f"{mask.tensor.dtype} tensor"
             raise BackendUnavailableError(
