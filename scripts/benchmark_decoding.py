@@ -2,6 +2,7 @@
 
     python scripts/benchmark_decoding.py CKPT [CKPT ...] --local-dir ../shared/data/multi30k
     python scripts/benchmark_decoding.py CKPT --ctranslate2 --threads 2   # + CT2 fp32, int8
+    python scripts/benchmark_decoding.py CKPT --engines ct2-fp32 --threads 2   # one engine
 
 Translates the test split with greedy search and beam search (KV cache on) for every
 checkpoint and engine, on the same sentences, threads, beam size, length penalty and batches
@@ -27,6 +28,8 @@ from multihead.checkpoints import load_translator
 from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, search_settings, translate
 
+ENGINES = ("ours", "ct2 fp32", "ct2 int8")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,8 +43,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="default: torch's choice")
     parser.add_argument("--ctranslate2", action="store_true", help="also time CTranslate2")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=[name.replace(" ", "-") for name in ENGINES],
+        default=None,
+        help="time only these (default: ours, plus both CT2 types with --ctranslate2); one "
+        "engine per process avoids the two OpenMP runtimes slowing each other",
+    )
     args = parser.parse_args()
 
+    names = ENGINES if args.ctranslate2 else ENGINES[:1]
+    if args.engines:
+        names = tuple(name.replace("-", " ") for name in args.engines)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -65,15 +79,18 @@ def main() -> None:
             batch_size=args.batch_size,
             **search_settings(t.config, length_penalty=args.length_penalty),
         )
-        engines[i, "ours"] = lambda s, beam, t=t, o=options: translate(
-            t.model, t.tokenizer, s, beam_size=beam, **o
-        )
-        if args.ctranslate2:
+        if "ours" in names:
+            engines[i, "ours"] = lambda s, beam, t=t, o=options: translate(
+                t.model, t.tokenizer, s, beam_size=beam, **o
+            )
+        if any(name.startswith("ct2") for name in names):
             from multihead.checkpoints.engine import CTranslate2Engine
             from multihead.checkpoints.export import export_ctranslate2
 
             out = export_ctranslate2(ckpt=args.checkpoints[i], out=Path(tmp.name) / f"ct2_{i}")
             for name, compute_type in (("ct2 fp32", "float32"), ("ct2 int8", "int8")):
+                if name not in names:
+                    continue
                 engine = CTranslate2Engine(out, compute_type=compute_type, threads=threads)
                 engines[i, name] = lambda s, beam, e=engine, o=options: e.translate(
                     s, beam_size=beam, **o
@@ -108,19 +125,22 @@ def main() -> None:
             # CTranslate2 4.8 repeats GQA/MQA K/V heads to all query heads before caching
             # (layers/attention.cc), so its cache holds H heads whatever G is.
             cache = cache * heads["num_heads"] // heads["num_kv_heads"]
-        base_key = (i, "ours") if args.ctranslate2 else (0, "ours")
+        base_key = (i, "ours") if len(names) > 1 else (0, names[0])
         cells = []
         for name in searches:
             median = statistics.median(seconds[(i, engine), name])
-            base = statistics.median(seconds[base_key, name])
             bleu = corpus_scores(outputs[(i, engine), name], references).bleu
-            ours = outputs[(i, "ours"), name]
-            same = sum(a == b for a, b in zip(outputs[(i, engine), name], ours, strict=True))
             words = sum(len(h.split()) for h in outputs[(i, engine), name])
+            ratio = same = "n/a"  # without our decoder in this process there is nothing to compare
+            if base_key in engines:
+                ratio = f"{statistics.median(seconds[base_key, name]) / median:.2f}"
+            if (i, "ours") in engines:
+                ours = outputs[(i, "ours"), name]
+                hits = sum(a == b for a, b in zip(outputs[(i, engine), name], ours, strict=True))
+                same = f"{hits}/{len(sources)}"
             cells.append(
-                f"{len(sources) / median:,.1f} | {base / median:.2f} | {words / median:,.0f} | "
-                f"{bleu:.2f} | "
-                f"{same}/{len(sources)}"
+                f"{len(sources) / median:,.1f} | {ratio} | {words / median:,.0f} | "
+                f"{bleu:.2f} | {same}"
             )
         print(
             f"| {args.checkpoints[i]} | {engine} | {heads['num_heads']}q/{heads['num_kv_heads']}kv "
