@@ -46,6 +46,28 @@ def _to_lists(tokens: Tensor, eos_id: int) -> list[list[int]]:
     return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens.tolist()]
 
 
+def _topk_by_chunks(scores: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """``scores.topk(k, dim=1)`` for rows much wider than ``k``, reading each row once.
+
+    ``topk`` over a whole ``(n, K*V)`` row copies and partially sorts all of it; here only the
+    ``k`` chunks of ``chunk`` columns with the largest maxima (plus the columns past the last
+    whole chunk) are ranked. Exact: an element of the top ``k`` lies in one of those chunks,
+    since otherwise ``k`` chunks would each hold a larger element.
+    """
+    n, width = scores.shape
+    num_chunks = width // chunk
+    if num_chunks <= k:
+        return scores.topk(k, dim=1)
+    whole = scores[:, : num_chunks * chunk].view(n, num_chunks, chunk)
+    best_chunks = whole.amax(dim=2).topk(k, dim=1).indices  # (n, k)
+    columns = torch.arange(chunk, device=scores.device)
+    index = (best_chunks[:, :, None] * chunk + columns).view(n, k * chunk)  # (n, k*chunk)
+    tail = torch.arange(num_chunks * chunk, width, device=scores.device).expand(n, -1)
+    index = torch.cat([index, tail], dim=1)  # (n, k*chunk + width % chunk)
+    values, position = scores.gather(1, index).topk(k, dim=1)  # (n, k), best first
+    return values, index.gather(1, position)
+
+
 def _start(
     model: Transformer, src: Tensor, max_len_a: float, max_len_b: float
 ) -> tuple[Tensor, int, Tensor, Tensor]:
@@ -179,7 +201,7 @@ def beam_search(
             candidates[:, eos_id] = eos_log_prob
         candidates.add_(scores.view(-1, 1))
         candidates = candidates.view(n, k * V)
-        top_scores, top_index = candidates.topk(2 * K, dim=1)  # (n, 2K), best first
+        top_scores, top_index = _topk_by_chunks(candidates, 2 * K)  # (n, 2K), best first
         top_beam = top_index // V  # (n, 2K) the row each candidate extends
         top_token = top_index % V
         top_eos = top_token.eq(eos_id)
