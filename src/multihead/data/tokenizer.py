@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3
 _CACHE_VERSION = "bytelevel-bpe-v1"
+MIN_FREQUENCY = 2  # the fewest occurrences of a pair that BPE merges
 
 
 class Tokenizer:
@@ -58,7 +59,9 @@ class Tokenizer:
         self._hf = hf_tokenizer
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    def train(
+        cls, texts: Iterable[str], vocab_size: int, min_frequency: int = MIN_FREQUENCY
+    ) -> Tokenizer:
         """Train a byte-level BPE on ``texts``.
 
         Args:
@@ -171,13 +174,9 @@ class Tokenizer:
 
 
 def load_or_train_tokenizer(
-    dataset: datasets.DatasetDict,
-    cache_dir: str | Path,
-    vocab_size: int,
-    min_frequency: int = 2,
-    split: str = "train",
+    dataset: datasets.DatasetDict, cache_dir: str | Path, vocab_size: int
 ) -> Tokenizer:
-    """Load a cached joint BPE for ``dataset[split]``, training and caching it on a miss.
+    """Load a cached joint BPE for the ``train`` split, training and caching it on a miss.
 
     The cache key hashes the split's ``src``/``tgt`` text and the settings, so a change in the
     data, the filter, the limit or the vocabulary size trains a new tokenizer.
@@ -186,16 +185,15 @@ def load_or_train_tokenizer(
         dataset: Splits with ``src`` and ``tgt`` columns.
         cache_dir: Directory for cached tokenizers (``<cache_dir>/tokenizers/``).
         vocab_size: Target vocabulary size.
-        min_frequency: Minimum pair count for a merge.
-        split: The split whose source and target text trains the vocabulary.
     """
+    split = "train"
     if split not in dataset:
         raise ValueError(f"split {split!r} not in dataset; available: {list(dataset)}")
     settings = {
         "version": _CACHE_VERSION,
         "data": content_hash(dataset[split]),
         "vocab_size": vocab_size,
-        "min_frequency": min_frequency,
+        "min_frequency": MIN_FREQUENCY,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
@@ -207,7 +205,7 @@ def load_or_train_tokenizer(
     tokenizer = Tokenizer.train(
         itertools.chain.from_iterable(zip(ds["src"], ds["tgt"], strict=True)),  # src, tgt, ...
         vocab_size=vocab_size,
-        min_frequency=min_frequency,
+        min_frequency=MIN_FREQUENCY,
     )
     tokenizer.save(path)
     logger.info("saved tokenizer (%d ids) to %s", tokenizer.vocab_size, path)
