@@ -464,10 +464,8 @@ class MultiHeadAttention(nn.Module):
         weight = self.in_proj.weight
         device = weight.device if device is None else torch.device(device)
         if dtype is None:
-            if torch.is_autocast_enabled(device.type):
-                dtype = torch.get_autocast_dtype(device.type)
-            else:
-                dtype = weight.dtype
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return KVCache(
             batch_size, max_len, self.num_kv_heads, self.head_dim, device=device, dtype=dtype
         )

@@ -561,12 +561,7 @@ class Transformer(nn.Module):
 
     def attention_parameters(self) -> int:
         """Parameters of the attention sublayers (projections and biases)."""
-        return sum(
-            p.numel()
-            for m in self.modules()
-            if isinstance(m, MultiHeadAttention)
-            for p in m.parameters()
-        )
+        return sum(p.numel() for *_, attn in self.attention_sublayers() for p in attn.parameters())
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """K/V cache bytes per decoded target token and sentence, all decoder layers.
