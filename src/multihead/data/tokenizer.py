@@ -12,7 +12,7 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import datasets
@@ -147,12 +147,7 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
-        try:
-            hf = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{path} is not a tokenizers JSON file: {first}") from None
-        return cls(hf)
+        return cls._parse(HFTokenizer.from_file, str(path), f"{path} is not a tokenizers JSON file")
 
     def to_str(self) -> str:
         """The tokenizer as a JSON string (stored inside checkpoints)."""
@@ -161,11 +156,15 @@ class Tokenizer:
     @classmethod
     def from_str(cls, text: str) -> Tokenizer:
         """Rebuild a tokenizer from :meth:`to_str`'s JSON string."""
+        return cls._parse(HFTokenizer.from_str, text, "not a tokenizers JSON string")
+
+    @classmethod
+    def _parse(cls, parse: Callable[[str], HFTokenizer], source: str, what: str) -> Tokenizer:
         try:
-            hf = HFTokenizer.from_str(text)
+            hf = parse(source)
         except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"not a tokenizers JSON string: {first}") from None
+            raise ValueError(f"{what}: {first}") from None
         return cls(hf)
 
     def fingerprint(self) -> str:
