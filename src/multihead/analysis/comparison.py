@@ -76,23 +76,21 @@ def find_run_dirs(root: str | os.PathLike) -> list[Path]:
     return dirs
 
 
-def read_metrics_csv(path: str | os.PathLike, keys: tuple[str, ...] = CURVE_KEYS) -> dict:
+def read_metrics_csv(path: str | os.PathLike) -> dict:
     """``{key: [(step, value), ...]}`` from a Lightning CSVLogger ``metrics.csv``."""
     with open(path, newline="") as f:
-        return curves_from_rows(csv.DictReader(f), keys, step_key="step")
+        return curves_from_rows(csv.DictReader(f), step_key="step")
 
 
-def curves_from_rows(
-    rows: Iterable[dict[str, Any]], keys: tuple[str, ...] = CURVE_KEYS, step_key: str = STEP_KEY
-) -> dict[str, Curve]:
-    """``{key: [(step, value), ...]}`` sorted by step, from metrics.csv or wandb history rows.
+def curves_from_rows(rows: Iterable[dict[str, Any]], step_key: str = STEP_KEY) -> dict[str, Curve]:
+    """``{key: [(step, value), ...]}`` of CURVE_KEYS by step, from metrics.csv or wandb rows.
 
     Rows are sparse (each logging call writes its own row), so empty cells are skipped.
     """
     curves: dict[str, Curve] = {}
     for row in rows:
         step = _number(row.get(step_key, row.get("_step")))
-        for key in keys:
+        for key in CURVE_KEYS:
             value = _number(row.get(key))
             if step is not None and value is not None:
                 curves.setdefault(key, []).append((int(step), value))
@@ -119,9 +117,7 @@ def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
     return label_and_sort(runs, root=Path(root))
 
 
-def load_wandb_group(
-    group: str, project: str, entity: str | None = None, keys: tuple[str, ...] = CURVE_KEYS
-) -> list[RunResult]:
+def load_wandb_group(group: str, project: str, entity: str | None = None) -> list[RunResult]:
     """The runs of a wandb group, through the public API (needs network and an API key)."""
     from multihead.training.wandb_setup import has_wandb_api_key
 
@@ -140,10 +136,10 @@ def load_wandb_group(
             summary = {k: v for k, v in api_run.summary_metrics.items() if not k.startswith("_")}
             summary.setdefault("run_name", api_run.name)
             rows = []
-            for key in keys:  # one call per key: history(keys=...) keeps rows with all keys
+            for key in CURVE_KEYS:  # one call per key: history(keys=...) keeps rows with all keys
                 rows += api_run.history(keys=[STEP_KEY, key], pandas=False)
             run = RunResult(source=f"{path}/{api_run.id}", summary=summary)
-            run.curves, run.curve_source = curves_from_rows(rows, keys), "wandb-api"
+            run.curves, run.curve_source = curves_from_rows(rows), "wandb-api"
             runs.append(run)
     except wandb.errors.CommError as err:
         raise ValueError(f"wandb API, project {path}: {err}") from None

@@ -216,7 +216,7 @@ def similarity_matrices(
         ``{kind: [(H, H) per layer]}`` with the kinds of :data:`MAP_KINDS`.
     """
     sums: dict[str, list[Tensor]] = {}
-    counts: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}  # real query positions, the same for every layer of a kind
     for start in range(0, len(pairs), batch_size):
         examples = [
             {"src_ids": tokenizer.encode(s), "tgt_ids": tokenizer.encode(t), "src": s, "tgt": t}
@@ -226,15 +226,11 @@ def similarity_matrices(
         for kind, layers in run["outputs"].items():
             mask = run["real"][QUERIES[kind]]
             n = int(mask.sum())
-            for i, out in enumerate(layers):
-                weighted = head_similarity_matrix(out, mask) * n
-                if i == len(sums.setdefault(kind, [])):
-                    sums[kind].append(weighted)
-                    counts.setdefault(kind, []).append(n)
-                else:
-                    sums[kind][i] += weighted
-                    counts[kind][i] += n
-    return {kind: [m / c for m, c in zip(sums[kind], counts[kind], strict=True)] for kind in sums}
+            weighted = [head_similarity_matrix(out, mask) * n for out in layers]
+            if kind in sums:
+                weighted = [total + w for total, w in zip(sums[kind], weighted, strict=True)]
+            sums[kind], counts[kind] = weighted, counts.get(kind, 0) + n
+    return {kind: [m / counts[kind] for m in sums[kind]] for kind in sums}
 
 
 def mean_off_diagonal(matrix: Tensor) -> float:

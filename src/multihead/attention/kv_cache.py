@@ -79,7 +79,7 @@ class KVCache:
         self.k[:, :, self.size : self.size + L] = k
         self.v[:, :, self.size : self.size + L] = v
         self.size += L
-        return self.k[:, :, : self.size], self.v[:, :, : self.size]
+        return self.get()
 
     def get(self) -> tuple[Tensor, Tensor]:
         """The filled keys and values, ``(B, G, size, D)`` each."""

@@ -464,10 +464,8 @@ class MultiHeadAttention(nn.Module):
         weight = self.in_proj.weight
         device = weight.device if device is None else torch.device(device)
         if dtype is None:
-            if torch.is_autocast_enabled(device.type):
-                dtype = torch.get_autocast_dtype(device.type)
-            else:
-                dtype = weight.dtype
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return KVCache(
             batch_size, max_len, self.num_kv_heads, self.head_dim, device=device, dtype=dtype
         )
@@ -557,14 +555,25 @@ class MultiHeadAttention(nn.Module):
             dtype=q.dtype,
             device=q.device,
         )
-        dropout_p = self.dropout if self.training else 0.0
         if not need_weights and self.head_mixing not in _LOGIT_MIXINGS:
             if (q.device, q.dtype) not in self._checked:
                 check_backend(self.backend, q.device, q.dtype)
                 self._checked.add((q.device, q.dtype))
         if self.top_k_heads is not None:
-            return self._sparse_attention(query, q, k, v, mask, dropout_p, need_weights)
+            return self._sparse_attention(query, q, k, v, mask, need_weights)
 
+        out, weights = self._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
+        out = self.mix_head_outputs(out.transpose(1, 2))  # (B, L, H, D)
+        out = out.reshape(B, L, E)  # (B, L, H*D): heads concatenated
+        out = self.out_proj(out)
+        return (out, weights) if need_weights else out
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """softmax(QK^T)V ``(B, H, L, D)`` by the backend, or by the math path with the
+        weights ``(B, H, L, S)`` when they are asked for or talking heads mix the logits."""
+        dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights or self.head_mixing in _LOGIT_MIXINGS:
             mixes = {}
@@ -577,17 +586,13 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, mask, dropout_p, self.scale, **mixes
             )
         else:
-            out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)  # (B, H, L, D)
+            out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)
         if mask.empty_rows is not None:
             # Rows with no key to attend to: zeros, not the mean of unmasked values.
             out = out.masked_fill(mask.empty_rows, 0.0)
             if weights is not None:
                 weights = weights.masked_fill(mask.empty_rows, 0.0)
-
-        out = self.mix_head_outputs(out.transpose(1, 2))  # (B, L, H, D)
-        out = out.reshape(B, L, E)  # (B, L, H*D): heads concatenated
-        out = self.out_proj(out)
-        return (out, weights) if need_weights else out
+        return out, weights
 
     def mix_head_outputs(self, heads: Tensor) -> Tensor:
         """``heads`` ``(B, L, H, D)`` as they enter ``W^O``: mixed by ``group_mlp`` or
@@ -603,7 +608,6 @@ class MultiHeadAttention(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: AttentionMask,
-        dropout_p: float,
         need_weights: bool,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shared heads densely, then only the routed (token, head) pairs the gate selects.
@@ -639,19 +643,7 @@ class MultiHeadAttention(nn.Module):
                     head_mask, causal_requested=False, has_attn_mask=True
                 )
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
-            if need_weights:
-                out, weights = math_attention_with_weights(
-                    q, k_h, v_h, head_mask, dropout_p, self.scale
-                )
-            else:
-                out = BACKENDS[self.backend](q, k_h, v_h, head_mask, dropout_p, self.scale)
-                weights = None
-            if head_mask.empty_rows is not None:
-                out = out.masked_fill(head_mask.empty_rows, 0.0)
-                weights = (
-                    None if weights is None else weights.masked_fill(head_mask.empty_rows, 0.0)
-                )
-            return out, weights
+            return self._attend(q, k_h, v_h, head_mask, need_weights)
 
         # Route: each token picks its top-k routed heads, weighted by a softmax over them.
         logits = self.head_gate(query)  # (B, L, R)

@@ -124,7 +124,7 @@ def build_attention_mask(
             causal_keep = torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
             keep = causal_keep if keep is None else keep & causal_keep
 
-    tensor: Tensor | None
+    tensor: Tensor | None = None
     empty_rows: Tensor | None = None
     if bias is not None:
         if keep is not None:
@@ -140,8 +140,6 @@ def build_attention_mask(
             empty_rows = empty
             keep = keep | empty
         tensor = keep
-    else:
-        tensor = None
 
     return AttentionMask(
         tensor=tensor,

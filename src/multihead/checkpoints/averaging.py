@@ -16,8 +16,7 @@ def recent_checkpoints(ckpt_dir: str | Path, last: int) -> list[Path]:
     """The ``last`` newest files ending in ``step<N>.ckpt`` in ``ckpt_dir``, oldest first.
 
     That is every checkpoint a run names by its step: the periodic ``step<N>.ckpt`` saves, the
-    final step, and the ``minute<M>-step<N>.ckpt`` marks (a mark a few steps after a periodic
-    save counts as one more checkpoint; every documented average was taken this way).
+    final step, and the ``minute<M>-step<N>.ckpt`` marks (each counts as one checkpoint).
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():

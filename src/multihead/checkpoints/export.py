@@ -45,7 +45,7 @@ from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
 from multihead.evaluation.translate import search_settings
 from multihead.model import Transformer
-from multihead.model.transformer import DecoderLayer
+from multihead.model.transformer import DecoderLayer, FeedForward
 
 FORMATS = ("ctranslate2",)
 _ACTIVATIONS = ("relu", "gelu")
@@ -134,9 +134,7 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
             f"cross-attention {heads['cross-attention'][0]}; CTranslate2 expects one query "
             "head count per decoder"
         )
-    activations = {layer.ffn.activation.__name__ for layer in model.encoder_layers} | {
-        layer.ffn.activation.__name__ for layer in model.decoder_layers
-    }
+    activations = {m.activation.__name__ for m in model.modules() if isinstance(m, FeedForward)}
     if len(activations) != 1 or not activations <= set(_ACTIVATIONS):
         raise ExportError(
             f"activation {sorted(activations)} cannot be exported; expected one of "

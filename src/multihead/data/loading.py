@@ -15,7 +15,7 @@ import gzip
 import hashlib
 import logging
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.V
 # Raw Multi30k file stems, by split.
 MULTI30K_STEMS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
 
-# Splits that filter_parallel_dataset cleans by default. The test split is never filtered so
+# Splits that filter_parallel_dataset cleans. The test split is never filtered so
 # that BLEU is always computed against the complete, official reference set.
 FILTERED_SPLITS = ("train", "validation")
 
@@ -293,21 +293,18 @@ def _load_multi30k_dir(directory: Path, src_lang: str, tgt_lang: str) -> dataset
 
 
 def filter_parallel_dataset(
-    dataset: datasets.DatasetDict,
-    max_length: int | None = 100,
-    splits: Iterable[str] = FILTERED_SPLITS,
+    dataset: datasets.DatasetDict, max_length: int | None = 100
 ) -> tuple[datasets.DatasetDict, dict[str, FilterStats]]:
-    """Drop empty and over-long pairs from ``splits``; other splits pass through unchanged.
+    """Drop empty and over-long pairs from :data:`FILTERED_SPLITS`; others pass unchanged.
 
     A pair is empty when either side is empty or whitespace only, and over-long when either
     side has more than ``max_length`` whitespace-separated words (words, not characters or
-    subwords, so the rule does not depend on the tokenizer). The test split is left alone by
-    default so BLEU always uses the complete reference set.
+    subwords, so the rule does not depend on the tokenizer). The test split is left alone so
+    BLEU always uses the complete reference set.
 
     Args:
         dataset: Splits with ``src`` and ``tgt`` string columns.
         max_length: Maximum words per side; ``None`` disables the length filter.
-        splits: Names of the splits to filter.
 
     Returns:
         The filtered ``DatasetDict`` and a ``FilterStats`` for every filtered split. Empty
@@ -320,7 +317,7 @@ def filter_parallel_dataset(
         raise ValueError(f"max_length must be a positive number of words or None, got {max_length}")
     out = dict(dataset)
     stats = {}
-    for split in splits:
+    for split in FILTERED_SPLITS:
         if split not in dataset:
             continue
         ds = dataset[split]
@@ -355,7 +352,7 @@ def filter_parallel_dataset(
                 f"empty side, {too_long} longer than max_length={max_length} words); expected "
                 "at least one usable pair"
             )
-    for split in sorted(set(dataset) - set(splits)):
+    for split in sorted(set(dataset) - set(FILTERED_SPLITS)):
         ds = dataset[split]
         empty = sum(
             not s.strip() or not t.strip() for s, t in zip(ds["src"], ds["tgt"], strict=True)

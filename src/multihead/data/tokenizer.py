@@ -12,7 +12,7 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import datasets
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3
 _CACHE_VERSION = "bytelevel-bpe-v1"
+MIN_FREQUENCY = 2  # the fewest occurrences of a pair that BPE merges
 
 
 class Tokenizer:
@@ -58,7 +59,9 @@ class Tokenizer:
         self._hf = hf_tokenizer
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    def train(
+        cls, texts: Iterable[str], vocab_size: int, min_frequency: int = MIN_FREQUENCY
+    ) -> Tokenizer:
         """Train a byte-level BPE on ``texts``.
 
         Args:
@@ -144,12 +147,7 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
-        try:
-            hf = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{path} is not a tokenizers JSON file: {first}") from None
-        return cls(hf)
+        return cls._parse(HFTokenizer.from_file, str(path), f"{path} is not a tokenizers JSON file")
 
     def to_str(self) -> str:
         """The tokenizer as a JSON string (stored inside checkpoints)."""
@@ -158,11 +156,15 @@ class Tokenizer:
     @classmethod
     def from_str(cls, text: str) -> Tokenizer:
         """Rebuild a tokenizer from :meth:`to_str`'s JSON string."""
+        return cls._parse(HFTokenizer.from_str, text, "not a tokenizers JSON string")
+
+    @classmethod
+    def _parse(cls, parse: Callable[[str], HFTokenizer], source: str, what: str) -> Tokenizer:
         try:
-            hf = HFTokenizer.from_str(text)
+            hf = parse(source)
         except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"not a tokenizers JSON string: {first}") from None
+            raise ValueError(f"{what}: {first}") from None
         return cls(hf)
 
     def fingerprint(self) -> str:
@@ -171,13 +173,9 @@ class Tokenizer:
 
 
 def load_or_train_tokenizer(
-    dataset: datasets.DatasetDict,
-    cache_dir: str | Path,
-    vocab_size: int,
-    min_frequency: int = 2,
-    split: str = "train",
+    dataset: datasets.DatasetDict, cache_dir: str | Path, vocab_size: int
 ) -> Tokenizer:
-    """Load a cached joint BPE for ``dataset[split]``, training and caching it on a miss.
+    """Load a cached joint BPE for the ``train`` split, training and caching it on a miss.
 
     The cache key hashes the split's ``src``/``tgt`` text and the settings, so a change in the
     data, the filter, the limit or the vocabulary size trains a new tokenizer.
@@ -186,16 +184,15 @@ def load_or_train_tokenizer(
         dataset: Splits with ``src`` and ``tgt`` columns.
         cache_dir: Directory for cached tokenizers (``<cache_dir>/tokenizers/``).
         vocab_size: Target vocabulary size.
-        min_frequency: Minimum pair count for a merge.
-        split: The split whose source and target text trains the vocabulary.
     """
+    split = "train"
     if split not in dataset:
         raise ValueError(f"split {split!r} not in dataset; available: {list(dataset)}")
     settings = {
         "version": _CACHE_VERSION,
         "data": content_hash(dataset[split]),
         "vocab_size": vocab_size,
-        "min_frequency": min_frequency,
+        "min_frequency": MIN_FREQUENCY,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
@@ -207,7 +204,7 @@ def load_or_train_tokenizer(
     tokenizer = Tokenizer.train(
         itertools.chain.from_iterable(zip(ds["src"], ds["tgt"], strict=True)),  # src, tgt, ...
         vocab_size=vocab_size,
-        min_frequency=min_frequency,
+        min_frequency=MIN_FREQUENCY,
     )
     tokenizer.save(path)
     logger.info("saved tokenizer (%d ids) to %s", tokenizer.vocab_size, path)

@@ -84,8 +84,7 @@ def evaluate_checkpoint(
         "bleu_lc_tok": tokenized_bleu(hypotheses, references, data_cfg["tgt_lang"]),
         "sentences_per_s": len(sources) / seconds,
     }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out_dir)  # write_atomically creates it
     for name, text in (
         (f"hypotheses.{split}.txt", "\n".join(hypotheses) + "\n"),
         ("scores.json", json.dumps(result, indent=2) + "\n"),

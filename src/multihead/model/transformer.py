@@ -67,12 +67,34 @@ def _attend(
 
 
 class _ResidualLayer(nn.Module):
-    """Wraps sublayers as ``LN(x + dropout(f(x)))`` (post-LN) or ``x + dropout(f(LN(x)))``."""
+    """Self-attention, cross-attention if ``cross_attention`` is given, then FFN, each
+    wrapped as ``LN(x + dropout(f(x)))`` (post-LN) or ``x + dropout(f(LN(x)))`` (pre-LN)."""
 
-    def __init__(self, norm_first: bool, dropout: float) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        self_attention: Mapping[str, Any],
+        cross_attention: Mapping[str, Any] | None = None,
+        *,
+        activation: str,
+        norm_first: bool,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+    ) -> None:
         super().__init__()
         self.norm_first = norm_first
         self.dropout = nn.Dropout(dropout)
+        self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        if cross_attention is not None:
+            self.cross_attn = MultiHeadAttention(
+                d_model, **cross_attention, dropout=attention_dropout
+            )
+            self.cross_attn_norm = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model, ffn_dim, activation, activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d_model)
 
     def _sublayer_input(self, x: Tensor, norm: nn.LayerNorm) -> Tensor:
         return norm(x) if self.norm_first else x
@@ -84,24 +106,6 @@ class _ResidualLayer(nn.Module):
 
 class EncoderLayer(_ResidualLayer):
     """Self-attention then FFN, each with residual and LayerNorm."""
-
-    def __init__(
-        self,
-        d_model: int,
-        ffn_dim: int,
-        self_attention: Mapping[str, Any],
-        *,
-        activation: str,
-        norm_first: bool,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-    ) -> None:
-        super().__init__(norm_first, dropout)
-        self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
-        self.self_attn_norm = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, ffn_dim, activation, activation_dropout)
-        self.ffn_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: Tensor, pad_mask: Tensor, maps: dict[str, Tensor] | None = None) -> Tensor:
         """``x`` ``(B, S, E)``, ``pad_mask`` ``(B, S)`` True = padding; returns ``(B, S, E)``.
@@ -117,27 +121,6 @@ class EncoderLayer(_ResidualLayer):
 
 class DecoderLayer(_ResidualLayer):
     """Causal self-attention, cross-attention to the memory, FFN."""
-
-    def __init__(
-        self,
-        d_model: int,
-        ffn_dim: int,
-        self_attention: Mapping[str, Any],
-        cross_attention: Mapping[str, Any],
-        *,
-        activation: str,
-        norm_first: bool,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-    ) -> None:
-        super().__init__(norm_first, dropout)
-        self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
-        self.self_attn_norm = nn.LayerNorm(d_model)
-        self.cross_attn = MultiHeadAttention(d_model, **cross_attention, dropout=attention_dropout)
-        self.cross_attn_norm = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, ffn_dim, activation, activation_dropout)
-        self.ffn_norm = nn.LayerNorm(d_model)
 
     def forward(
         self,
@@ -578,12 +561,7 @@ class Transformer(nn.Module):
 
     def attention_parameters(self) -> int:
         """Parameters of the attention sublayers (projections and biases)."""
-        return sum(
-            p.numel()
-            for m in self.modules()
-            if isinstance(m, MultiHeadAttention)
-            for p in m.parameters()
-        )
+        return sum(p.numel() for *_, attn in self.attention_sublayers() for p in attn.parameters())
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """K/V cache bytes per decoded target token and sentence, all decoder layers.

@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Positions projected at a time: (512, 8000) fp32 logits are 16 MB. On one thread of the
-# 2-core CPU (scripts/benchmark_training.py, docs/benchmarks.md) 256 and 512 were equal,
-# 128 4% slower and 1024 to 2048 about 10% slower.
+# Positions projected at a time: (512, 8000) fp32 logits are 16 MB. Chosen with
+# scripts/benchmark_training.py (docs/benchmarks.md).
 DEFAULT_CHUNK_SIZE = 512
 
 
