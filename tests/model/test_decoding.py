@@ -169,3 +169,21 @@ def test_beam_wider_than_half_the_vocabulary_matches_reference():
     )
     expected = [naive_beam(model, row, 3, 25, 1.0) for row in src]
     assert outputs == expected
+
+
+@pytest.mark.parametrize("width", [40_000, 64 * 11 + 5, 130])
+def test_chunked_topk_equals_torch_topk(width):
+    # Beam search ranks its (n, K*V) candidates through the best chunks; the full sort is the
+    # reference. Rows with -inf (sentences forced to eos) and a partial last chunk included.
+    from multihead.model.decoding import _topk_by_chunks
+
+    torch.manual_seed(width)
+    scores = torch.randn(4, width)
+    scores[0, : width // 2] = float("-inf")
+    scores[1] = float("-inf")
+    scores[1, [3, width - 1]] = torch.tensor([-2.0, -1.0])
+    values, index = _topk_by_chunks(scores, 10)
+    expected, _ = scores.topk(10, dim=1)
+    assert torch.equal(values, expected)
+    assert torch.equal(scores.gather(1, index), values)
+    assert index[1, :2].tolist() == [width - 1, 3]
