@@ -251,3 +251,34 @@ def test_translate_cli_with_ctranslate2(ckpt, tmp_path):
     wrong = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == "error: engine=torch needs ckpt=PATH"
+
+
+def _benchmark_rows(ckpt: Path, multi30k_dir: Path, *engines: str) -> dict[str, list[str]]:
+    """Run benchmark_decoding.py on 6 test sentences; its table rows by engine name."""
+    script = str(ROOT / "scripts" / "benchmark_decoding.py")
+    args = [str(ckpt), "--local-dir", str(multi30k_dir), "--limit", "6", "--repeats", "1"]
+    result = subprocess.run(
+        [sys.executable, script, *args, "--threads", "1", "--engines", *engines],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith(f"| {ckpt} |")]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
+    return {row[1]: row for row in rows}
+
+
+def test_benchmark_decoding_one_engine_per_process(trained, multi30k_dir, tmp_path):
+    # The recipe's checkpoints name their dataset; the toy one does not.
+    state = torch.load(trained[0], weights_only=False)
+    state["multihead"]["config"]["data"]["name"] = "multi30k"
+    torch.save(state, tmp_path / "model.ckpt")
+
+    both = _benchmark_rows(tmp_path / "model.ckpt", multi30k_dir, "ours", "ct2-fp32")
+    assert sorted(both) == ["ct2 fp32", "ours"]
+    # Columns: ..., greedy sent/s, ratio, words/s, BLEU, same as ours, beam the same.
+    assert both["ct2 fp32"][8] == "6/6"  # greedy is cut to our per-sentence limits: identical
+    assert float(both["ct2 fp32"][4].replace(",", "")) > 0
+    alone = _benchmark_rows(tmp_path / "model.ckpt", multi30k_dir, "ct2-fp32")
+    assert sorted(alone) == ["ct2 fp32"]
+    assert alone["ct2 fp32"][8] == "n/a" and alone["ct2 fp32"][13] == "n/a"

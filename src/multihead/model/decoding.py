@@ -52,7 +52,9 @@ def _topk_by_chunks(scores: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Te
     ``topk`` over a whole ``(n, K*V)`` row copies and partially sorts all of it; here only the
     ``k`` chunks of ``chunk`` columns with the largest maxima (plus the columns past the last
     whole chunk) are ranked. Exact: an element of the top ``k`` lies in one of those chunks,
-    since otherwise ``k`` chunks would each hold a larger element.
+    since otherwise ``k`` chunks would each hold a larger element. (Among equal values, e.g.
+    the ``-inf`` of a sentence forced to eos, which index is returned may differ, as ``topk``
+    leaves it unspecified too.)
     """
     n, width = scores.shape
     num_chunks = width // chunk
