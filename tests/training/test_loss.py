@@ -142,3 +142,94 @@ def test_bf16_projection_option_composes_and_reaches_the_training_loss(tmp_path)
     fp32_loss, _ = module.loss(batch)
     assert bf16_loss != fp32_loss
     torch.testing.assert_close(bf16_loss, fp32_loss, rtol=1e-2, atol=1e-2)
+
+
+def rdrop_reference(hidden, weight, targets, label_smoothing, alpha):
+    """R-Drop's fairseq criterion on unfused logits, divided by its two passes.
+
+    Its loss is (sum of both passes' cross-entropy + alpha * (KL(p1||p2) + KL(p2||p1)) / 2,
+    summed over the real positions) / (real positions of one pass).
+    """
+    logp = F.log_softmax(hidden @ weight.T, dim=-1)  # (2B, T, V)
+    flat = logp.reshape(-1, weight.shape[0]), targets.reshape(-1)
+    ce = F.nll_loss(*flat, ignore_index=PAD, reduction="sum")
+    smooth = -(logp.mean(-1) * targets.ne(PAD)).sum()
+    ce = (1 - label_smoothing) * ce + label_smoothing * smooth
+    lp1, lp2 = logp.chunk(2)
+    kl = F.kl_div(lp1, lp2, log_target=True, reduction="none")
+    kl = kl + F.kl_div(lp2, lp1, log_target=True, reduction="none")
+    real = targets.chunk(2)[0].ne(PAD)  # (B, T)
+    kl = (kl.sum(-1) * real).sum()
+    return (ce + alpha * kl / 2) / real.sum() / 2
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_rdrop_loss_and_gradients_equal_the_papers_criterion(chunk_size) -> None:
+    hidden, weight, targets = inputs()
+    # Two "passes": the same targets, different states (as two dropout masks give).
+    hidden = torch.cat([hidden, hidden + 0.3 * torch.randn_like(hidden)]).detach().requires_grad_()
+    targets = torch.cat([targets, targets])
+    ref = rdrop_reference(hidden, weight, targets, 0.1, alpha=5.0)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    loss, _ = linear_cross_entropy(
+        hidden,
+        weight,
+        targets,
+        ignore_index=PAD,
+        label_smoothing=0.1,
+        chunk_size=chunk_size,
+        rdrop_alpha=5.0,
+    )
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, ref)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad)
+    with torch.no_grad():
+        plain, _ = linear_cross_entropy(
+            hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1
+        )
+    assert loss > plain  # the KL term is positive for different passes
+
+
+def test_rdrop_needs_two_copies_of_the_targets() -> None:
+    hidden, weight, targets = inputs()
+    with pytest.raises(ValueError, match="rdrop_alpha must be >= 0, got -1.0"):
+        linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, rdrop_alpha=-1.0)
+    with pytest.raises(ValueError, match=r"rdrop_alpha=5.0 needs .* shape \(3, 7\)"):
+        linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, rdrop_alpha=5.0)
+
+
+def test_module_rdrop_runs_the_batch_twice_with_two_dropout_masks() -> None:
+    model = tiny_model(dropout=0.3).double().train()
+    module = TranslationModule(
+        model,
+        SimpleNamespace(pad_id=PAD),
+        optimizer=torch.optim.Adam,
+        label_smoothing=0.1,
+        rdrop_alpha=5.0,
+        beam_size=1,
+        length_penalty=1.0,
+        max_len_a=1.2,
+        max_len_b=10,
+    )
+    batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
+    torch.manual_seed(0)
+    loss, ntokens = module.loss(batch)
+    # The same dropout draws, made by the unfused network on the doubled batch.
+    torch.manual_seed(0)
+    src, tgt = torch.cat([batch["src"]] * 2), torch.cat([batch["tgt"]] * 2)
+    states = model.decoder_states(src, tgt[:, :-1])
+    ref = rdrop_reference(states, model.output_projection.weight, tgt[:, 1:], 0.1, alpha=5.0)
+    torch.testing.assert_close(loss, ref)
+    assert ntokens == int(batch["tgt"][:, 1:].ne(PAD).sum())  # one pass's tokens
+    with pytest.raises(ValueError, match="module.rdrop_alpha must be >= 0, got -1"):
+        TranslationModule(
+            model,
+            SimpleNamespace(pad_id=PAD),
+            optimizer=torch.optim.Adam,
+            rdrop_alpha=-1,
+            beam_size=1,
+            length_penalty=1.0,
+            max_len_a=1.2,
+            max_len_b=10,
+        )

@@ -53,6 +53,11 @@ class TranslationModule(pl.LightningModule):
             only; more than 10 in a row stop the run).
         aux_loss_weight: weight of the model's auxiliary loss (the load-balancing loss of
             sparse heads, :meth:`~multihead.model.Transformer.aux_loss`) in the training loss.
+        rdrop_alpha: R-Drop: each training batch goes through the network twice (as one
+            batch of two copies, so with two dropout masks), and the loss adds the two
+            predictions' symmetric KL divergence with this weight, as the paper's
+            ``--reg-alpha`` (see :func:`~multihead.training.loss.linear_cross_entropy`).
+            A step then costs about twice as much. 0 = off.
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
@@ -76,6 +81,7 @@ class TranslationModule(pl.LightningModule):
         seed: int = 0,
         aux_loss_weight: float = 0.0,
         on_non_finite_loss: str = "stop",
+        rdrop_alpha: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -95,6 +101,9 @@ class TranslationModule(pl.LightningModule):
         self.beam_sizes = {"val": beam_size, "test": test_beam_size or beam_size}
         if aux_loss_weight < 0:
             raise ValueError(f"module.aux_loss_weight must be >= 0, got {aux_loss_weight}")
+        if rdrop_alpha < 0:
+            raise ValueError(f"module.rdrop_alpha must be >= 0, got {rdrop_alpha}")
+        self.rdrop_alpha = rdrop_alpha
         if on_non_finite_loss not in ("stop", "skip"):
             raise ValueError(
                 f"module.on_non_finite_loss={on_non_finite_loss!r}; expected 'stop' or 'skip'"
@@ -112,7 +121,9 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def _losses(self, batch: dict, bf16: bool = False) -> tuple[Tensor, Tensor, int]:
+    def _losses(
+        self, batch: dict, bf16: bool = False, rdrop_alpha: float = 0.0
+    ) -> tuple[Tensor, Tensor, int]:
         """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
 
         The output projection runs inside the loss, chunk by chunk (see
@@ -120,6 +131,9 @@ class TranslationModule(pl.LightningModule):
         ``F.cross_entropy`` on the model's logits, without the ``(B, T, V)`` logits.
         """
         src, tgt = batch["src"], batch["tgt"]
+        ntokens = int(tgt[:, 1:].ne(self.pad_id).sum())
+        if rdrop_alpha:  # two passes, two dropout masks: (2B, S) and (2B, T + 1)
+            src, tgt = torch.cat([src, src]), torch.cat([tgt, tgt])
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
         states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
         loss, nll = linear_cross_entropy(
@@ -129,8 +143,9 @@ class TranslationModule(pl.LightningModule):
             ignore_index=self.pad_id,
             label_smoothing=self.label_smoothing,
             bf16=bf16,
+            rdrop_alpha=rdrop_alpha,
         )
-        return loss, nll, int(tgt_out.ne(self.pad_id).sum())
+        return loss, nll, ntokens
 
     @property
     def pad_id(self) -> int:
@@ -138,7 +153,9 @@ class TranslationModule(pl.LightningModule):
 
     def loss(self, batch: dict) -> tuple[Tensor, int]:
         """Label-smoothed cross-entropy per real target token, and that token count."""
-        loss, _, ntokens = self._losses(batch, bf16=self.bf16_projection)
+        loss, _, ntokens = self._losses(
+            batch, bf16=self.bf16_projection, rdrop_alpha=self.rdrop_alpha
+        )
         return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
