@@ -19,7 +19,7 @@ from tests.training.test_train import assert_same_training_state
 
 # Loaded by every Python started with this directory on PYTHONPATH: torch.save writes in
 # slow chunks, so a checkpoint write lasts long enough to be killed in the middle.
-SLOW_SAVE = '''
+SLOW_SAVE = """
 import io, time, torch
 _save = torch.save
 def slow_save(obj, f, *args, **kwargs):
@@ -34,7 +34,7 @@ def slow_save(obj, f, *args, **kwargs):
         f.flush()
         time.sleep(0.1)
 torch.save = slow_save
-'''
+"""
 
 
 def start(run_dir: Path, cache: Path, data: Path, site: Path) -> subprocess.Popen:
