@@ -50,16 +50,6 @@ class AttentionMask:
     has_attn_mask: bool = False
 
 
-def _check_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    ok = len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
-    )
-    if not ok:
-        raise ValueError(
-            f"{name} of shape {tuple(shape)} does not broadcast to (B, H, L, S) = {target}"
-        )
-
-
 def build_attention_mask(
     *,
     key_padding_mask: Tensor | None,
@@ -106,7 +96,12 @@ def build_attention_mask(
 
     bias: Tensor | None = None  # float, added to the scores
     if attn_mask is not None:
-        _check_broadcast("attn_mask", tuple(attn_mask.shape), target)
+        shape = tuple(attn_mask.shape)
+        pairs = zip(shape[::-1], target[::-1], strict=False)  # aligned from the right
+        if len(shape) > 4 or any(s not in (1, t) for s, t in pairs):
+            raise ValueError(
+                f"attn_mask of shape {shape} does not broadcast to (B, H, L, S) = {target}"
+            )
         if attn_mask.dtype == torch.bool:
             keep = ~attn_mask if keep is None else keep & ~attn_mask
         elif attn_mask.is_floating_point():
