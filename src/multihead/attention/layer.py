@@ -576,12 +576,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights or self.head_mixing in _LOGIT_MIXINGS:
-            mixes = {}
-            if self.head_mixing == "talking_heads":
-                mixes = {
-                    "logit_mix": self.head_mix.logit_mix,
-                    "weight_mix": self.head_mix.weight_mix,
-                }
+            mixes = {}  # talking heads: logit_mix and weight_mix, named as the math path's
+            if self.head_mixing in _LOGIT_MIXINGS:
+                mixes = dict(self.head_mix.named_parameters())
             out, weights = math_attention_with_weights(
                 q, k, v, mask, dropout_p, self.scale, **mixes
             )
