@@ -59,10 +59,7 @@ def _iwslt_config(src: str, tgt: str) -> str | None:
 
 
 def _wmt14_config(src: str, tgt: str) -> str | None:
-    for config in _WMT14_CONFIGS:
-        if set(config.split("-")) == {src, tgt}:
-            return config
-    return None
+    return next((c for c in _WMT14_CONFIGS if set(c.split("-")) == {src, tgt}), None)
 
 
 HUB_DATASETS: dict[str, _HubSpec] = {
@@ -183,10 +180,8 @@ def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
 
 
 def _find_file(directory: Path, stem: str, lang: str) -> Path | None:
-    for candidate in (directory / f"{stem}.{lang}.gz", directory / f"{stem}.{lang}"):
-        if candidate.is_file():
-            return candidate
-    return None
+    candidates = (directory / f"{stem}.{lang}.gz", directory / f"{stem}.{lang}")
+    return next((path for path in candidates if path.is_file()), None)
 
 
 def available_local_languages(directory: str | Path) -> list[str]:
