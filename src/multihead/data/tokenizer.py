@@ -107,14 +107,8 @@ class Tokenizer:
         return [encoding.ids for encoding in encodings]
 
     def _strip(self, ids: Iterable[int]) -> list[int]:
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.eos_id:
-                break
-            if i not in (self.pad_id, self.bos_id):
-                out.append(i)
-        return out
+        ids = itertools.takewhile(lambda i: i != self.eos_id, map(int, ids))
+        return [i for i in ids if i not in (self.pad_id, self.bos_id)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``: stops at the first ``<eos>``, skips ``<pad>`` and ``<bos>``.
