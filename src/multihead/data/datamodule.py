@@ -132,15 +132,12 @@ class TranslationDataModule(L.LightningDataModule):
 
     # ----------------------------------------------------------------------- preparation
 
-    def prepare_data(self) -> None:
-        """Load the corpus and fill the tokenizer and tokenized-data caches."""
-        self._prepare()
-
     def setup(self, stage: str | None = None) -> None:
         """Make the tokenized splits available (from the cache when ``prepare_data`` ran)."""
-        self._prepare()
+        self.prepare_data()
 
-    def _prepare(self) -> None:
+    def prepare_data(self) -> None:
+        """Load the corpus and fill the tokenizer and tokenized-data caches."""
         if self._datasets is not None:
             return
         raw = load_parallel_dataset(
