@@ -182,29 +182,24 @@ def label_and_sort(runs: list[RunResult], root: Path | None = None) -> list[RunR
 # The table
 
 
-@dataclass(frozen=True)
-class Column:
-    header: str
-    key: str  # summary key (``beam`` means the decode/beam<k>_sentences_per_s key)
-    fmt: str
-
-
+# The table's columns: (header, summary key, format). The key ``beam`` means the
+# decode/beam<k>_sentences_per_s key, whatever k is.
 COLUMNS = (
-    Column("variant", "variant", "s"),
-    Column("design", "design", "s"),
-    Column("heads", "num_heads", "d"),
-    Column("heads active", "heads/active_fraction", ".2f"),
-    Column("kv heads", "num_kv_heads", "d"),
-    Column("backend", "backend", "s"),
-    Column("params", "params/total", ",d"),
-    Column("attention params", "params/attention", ",d"),
-    Column("KV-cache bytes/token", "kv_cache/bytes_per_token", ",d"),
-    Column("train tgt tok/s", "perf/train_tgt_tokens_per_s", ",.0f"),
-    Column("greedy sent/s", "decode/greedy_sentences_per_s", ",.1f"),
-    Column("beam sent/s", "beam", ",.1f"),
-    Column("peak MB", "perf/peak_memory_mb", ",.0f"),
-    Column("val BLEU", "val/bleu", ".2f"),
-    Column("test BLEU", "test/bleu", ".2f"),
+    ("variant", "variant", "s"),
+    ("design", "design", "s"),
+    ("heads", "num_heads", "d"),
+    ("heads active", "heads/active_fraction", ".2f"),
+    ("kv heads", "num_kv_heads", "d"),
+    ("backend", "backend", "s"),
+    ("params", "params/total", ",d"),
+    ("attention params", "params/attention", ",d"),
+    ("KV-cache bytes/token", "kv_cache/bytes_per_token", ",d"),
+    ("train tgt tok/s", "perf/train_tgt_tokens_per_s", ",.0f"),
+    ("greedy sent/s", "decode/greedy_sentences_per_s", ",.1f"),
+    ("beam sent/s", "beam", ",.1f"),
+    ("peak MB", "perf/peak_memory_mb", ",.0f"),
+    ("val BLEU", "val/bleu", ".2f"),
+    ("test BLEU", "test/bleu", ".2f"),
 )
 
 # Ratios against the MHA run with the same number of heads: (header, key, kind).
@@ -280,8 +275,8 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def comparison_markdown(runs: list[RunResult], source: str) -> str:
     """The text of ``comparison.md``: the runs table, ratios vs MHA, plots, notes."""
-    headers = ["run"] + [c.header for c in COLUMNS]
-    rows = [[run.label] + [format_cell(value(run, c.key), c.fmt) for c in COLUMNS] for run in runs]
+    headers = ["run"] + [h for h, _, _ in COLUMNS]
+    rows = [[run.label] + [format_cell(value(run, k), f) for _, k, f in COLUMNS] for run in runs]
     parts = [
         f"# Run comparison\n\n{len(runs)} runs from `{source}`.\n",
         markdown_table(headers, rows),
@@ -322,12 +317,12 @@ def comparison_markdown(runs: list[RunResult], source: str) -> str:
 def write_csv(runs: list[RunResult], path: Path) -> None:
     """Every column, unformatted, plus the ratios vs MHA and each run's source."""
     ratio_headers = [h for h, _, _ in RATIOS]
-    fields = ["run", *[c.header for c in COLUMNS], *ratio_headers, "source"]
+    fields = ["run", *[h for h, _, _ in COLUMNS], *ratio_headers, "source"]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for run in runs:
-            row = {"run": run.label, **{c.header: value(run, c.key) for c in COLUMNS}}
+            row = {"run": run.label, **{h: value(run, k) for h, k, _ in COLUMNS}}
             base = mha_baseline(run, runs)
             ratios = ratio_row(run, base) if base is not None else {}
             row.update({h: ratios.get(h) for h in ratio_headers}, source=run.source)
