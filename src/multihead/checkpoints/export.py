@@ -187,17 +187,12 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> Any:
     common = dict(pre_norm=model.norm_first, activation=act)
     # An explicit num_heads_kv (even = num_heads) declares the attribute on every attention
     # spec, so _set_attention can write each sublayer's own count.
-    encoder = specs.TransformerEncoderSpec(
-        len(model.encoder_layers),
-        heads["encoder self-attention"][0],
-        num_heads_kv=heads["encoder self-attention"][1],
-        **common,
-    )
-    decoder = specs.TransformerDecoderSpec(
-        len(model.decoder_layers),
-        heads["decoder self-attention"][0],
-        num_heads_kv=heads["decoder self-attention"][1],
-        **common,
+    encoder, decoder = (
+        make(len(layers), heads[kind][0], num_heads_kv=heads[kind][1], **common)
+        for make, layers, kind in (
+            (specs.TransformerEncoderSpec, model.encoder_layers, "encoder self-attention"),
+            (specs.TransformerDecoderSpec, model.decoder_layers, "decoder self-attention"),
+        )
     )
 
     encoder.embeddings[0].weight = _numpy(model.encoder_embedding.token.weight)
