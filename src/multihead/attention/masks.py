@@ -65,9 +65,8 @@ def build_attention_mask(
     """Validate the user's masks and merge them into one kernel-ready mask.
 
     Args:
-        key_padding_mask: ``(B, S)`` bool, True = padding.
-        attn_mask: bool (True = masked out) or float (added to the scores),
-            broadcastable to ``(B, H, L, S)``.
+        key_padding_mask, attn_mask: as for
+            :meth:`~multihead.attention.MultiHeadAttention.forward`.
         is_causal: causal attention. When ``L < S`` (decoding with a KV cache) the
             queries are the *last* ``L`` positions, so query ``i`` sees keys ``<= S - L + i``.
         batch_size, num_heads, q_len, kv_len: the sizes ``B, H, L, S``.

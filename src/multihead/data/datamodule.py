@@ -61,10 +61,8 @@ class TranslationDataModule(L.LightningDataModule):
     checkpoints, so a run resumed mid-epoch sees exactly the batches it had not yet seen.
 
     Args:
-        name: Hub dataset (``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``).
-        src_lang: Source language code.
-        tgt_lang: Target language code.
-        local_dir: Directory of raw Multi30k files; when set the Hub is not used.
+        name, src_lang, tgt_lang, local_dir: the corpus, as for
+            :func:`~multihead.data.loading.load_parallel_dataset`.
         vocab_size: Joint BPE vocabulary size.
         max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens, of one
             rank; under DDP a step's global batch has ``max_tokens * world_size``.

@@ -131,12 +131,9 @@ class DecoderLayer(_ResidualLayer):
         cross_cache: KVCache | None = None,
         maps: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        """``x`` ``(B, T, E)``, ``memory`` ``(N, S, E)``, ``memory_pad_mask`` ``(N, S)``.
-
-        ``N`` divides ``B``: rows ``i*k .. i*k + k-1`` of ``x`` (``k = B / N``, the beams of
-        one sentence) share memory row ``i``. With caches ``x`` holds only the new positions.
-        ``maps``, if given, receives the weights under ``"self"`` and ``"cross"``.
-        """
+        """``x`` ``(B, T, E)`` (the new positions only, with caches), ``memory`` ``(N, S, E)``
+        and ``memory_pad_mask`` ``(N, S)`` as for :meth:`Transformer.decode`; ``maps``, if
+        given, receives the weights under ``"self"`` and ``"cross"``."""
         # No key padding mask here: targets are right-padded, so under the causal mask a real
         # token never sees a padded one; only padded queries see padding, and their outputs
         # are ignored by the loss.

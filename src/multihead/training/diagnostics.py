@@ -1,11 +1,5 @@
-"""A training callback that draws attention maps and head similarity after validation.
-
-:class:`AttentionMapLogger` takes a few fixed validation sentences and, after every n-th
-validation run, draws each head's attention weights (one figure per sublayer kind, layer
-and sentence) and a chart of how similar the heads of each layer are
-(:mod:`multihead.analysis.heads`). The figures go to PNG files, and to wandb when a
-:class:`~lightning.pytorch.loggers.WandbLogger` is in use.
-"""
+"""A training callback, :class:`AttentionMapLogger`, that draws attention maps and head
+similarity (:mod:`multihead.analysis.heads`) after validation."""
 
 from __future__ import annotations
 
