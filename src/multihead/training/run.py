@@ -218,12 +218,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             tested = None if trainer.fast_dev_run else test_checkpoint(trainer, str(cfg.test_ckpt))
             trainer.test(module, datamodule=datamodule, ckpt_path=tested)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-            summary.update(
-                {
-                    "test/ckpt": tested or "final weights",
-                    "test/beam_size": module.beam_sizes["test"],
-                }
-            )
+            summary["test/ckpt"] = tested or "final weights"
+            summary["test/beam_size"] = module.beam_sizes["test"]
         if trainer.is_global_zero:
             # Whole-run training throughput and peak memory.
             monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
