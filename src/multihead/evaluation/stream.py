@@ -71,11 +71,8 @@ def _translate_chunk(
     chunk: list[str], first: int, translate_chunk: Callable[[list[str], list[int]], list[str]]
 ) -> list[str]:
     filled = [i for i, line in enumerate(chunk) if line.strip()]
-    outputs = [""] * len(chunk)
-    if filled:
-        texts = [chunk[i] for i in filled]
-        for i, text in zip(
-            filled, translate_chunk(texts, [first + i for i in filled]), strict=True
-        ):
-            outputs[i] = text
-    return outputs
+    texts = (
+        translate_chunk([chunk[i] for i in filled], [first + i for i in filled]) if filled else []
+    )
+    translated = dict(zip(filled, texts, strict=True))
+    return [translated.get(i, "") for i in range(len(chunk))]
