@@ -97,7 +97,6 @@ class CTranslate2Engine:
         ]
         order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))  # as ours
         out = [""] * len(tokens)
-        eos = self.tokenizer.eos_id
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             limits = [
@@ -113,12 +112,11 @@ class CTranslate2Engine:
                 max_input_length=0,
                 return_end_token=True,
             )
-            # Ids, cut at eos and at each sentence's limit, decoded as our decoder's are.
-            hyp_ids = []
-            for result, limit in zip(results, limits, strict=True):
-                ids = [self._ids[t] for t in result.hypotheses[0]]
-                ids = ids[: ids.index(eos)] if eos in ids else ids
-                hyp_ids.append(ids[:limit])
+            # Ids cut at each sentence's limit; decode_batch cuts them at eos, as ours.
+            hyp_ids = [
+                [self._ids[t] for t in result.hypotheses[0]][:limit]
+                for result, limit in zip(results, limits, strict=True)
+            ]
             for i, text in zip(chunk, self.tokenizer.decode_batch(hyp_ids), strict=True):
                 out[i] = text
         return out
