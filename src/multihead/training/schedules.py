@@ -45,7 +45,6 @@ class InverseSqrtWarmup(LambdaLR):
         total_steps: int | None = None,
         cooldown_minutes: float = 0,
         time_left: Callable[[], float | None] | None = None,
-        last_epoch: int = -1,
     ):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
@@ -81,4 +80,4 @@ class InverseSqrtWarmup(LambdaLR):
                 scale *= min(1.0, max(0.0, time_left() / (60 * cooldown_minutes)))
             return scale
 
-        super().__init__(optimizer, factor, last_epoch)
+        super().__init__(optimizer, factor)
