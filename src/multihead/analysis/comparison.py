@@ -97,23 +97,19 @@ def curves_from_rows(rows: Iterable[dict[str, Any]], step_key: str = STEP_KEY) -
     return {key: sorted(points) for key, points in curves.items()}
 
 
-def read_run_dir(run_dir: str | os.PathLike) -> RunResult:
-    """A run directory's ``summary.json`` and its validation curves (csv, else wandb)."""
-    run_dir = Path(run_dir)
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{run_dir / SUMMARY_FILE}: not valid JSON ({err})") from None
-    run = RunResult(source=str(run_dir), summary=summary)
-    metrics_csv = run_dir / "csv" / "metrics.csv"
-    if metrics_csv.is_file():
-        run.curves, run.curve_source = read_metrics_csv(metrics_csv), "csv"
-    return run
-
-
 def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
-    """Every run below ``root`` (see ``find_run_dirs``), labelled and sorted."""
-    runs = [read_run_dir(d) for d in find_run_dirs(root)]
+    """Every run below ``root`` (see ``find_run_dirs``): its ``summary.json`` and, from
+    ``csv/metrics.csv`` when there is one, its validation curves; labelled and sorted."""
+    runs = []
+    for run_dir in find_run_dirs(root):
+        try:
+            summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{run_dir / SUMMARY_FILE}: not valid JSON ({err})") from None
+        runs.append(RunResult(source=str(run_dir), summary=summary))
+        metrics_csv = run_dir / "csv" / "metrics.csv"
+        if metrics_csv.is_file():
+            runs[-1].curves, runs[-1].curve_source = read_metrics_csv(metrics_csv), "csv"
     return label_and_sort(runs, root=Path(root))
 
 
