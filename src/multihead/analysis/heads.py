@@ -114,15 +114,9 @@ def head_similarity(outputs: Tensor, query_mask: Tensor | None = None) -> float:
 def token_labels(tokenizer: Any, ids: Tensor) -> list[str]:
     """One tick label per id: the decoded subword, or ``<pad>``/``<bos>``/``<eos>``."""
     special = {tokenizer.pad_id: "<pad>", tokenizer.bos_id: "<bos>", tokenizer.eos_id: "<eos>"}
-    labels = []
-    for i in ids.tolist():
-        text = special.get(i)
-        if text is None:
-            # Byte-level pieces of a multi-byte character decode to U+FFFD: fine for a label.
-            piece = tokenizer.decode([i])
-            text = piece.strip() or repr(piece)
-        labels.append(text)
-    return labels
+    # Byte-level pieces of a multi-byte character decode to U+FFFD: fine for a label.
+    pieces = {i: tokenizer.decode([i]) for i in ids.tolist() if i not in special}
+    return [special.get(i) or pieces[i].strip() or repr(pieces[i]) for i in ids.tolist()]
 
 
 def plot_heads(
