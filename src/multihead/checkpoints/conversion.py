@@ -62,17 +62,6 @@ def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -
     return model
 
 
-def _converted_config(config: dict, num_kv_heads: int, kinds: Sequence[str]) -> dict:
-    """The run config with ``num_kv_heads`` set for ``kinds``, so it rebuilds the result."""
-    config = copy.deepcopy(config)
-    attention = config["attention"]  # the one place heads are set
-    for kind in kinds:
-        attention[kind] = {**(attention.get(kind) or {}), "num_kv_heads": num_kv_heads}
-    if set(kinds) == set(ATTENTION_KINDS):
-        attention["num_kv_heads"] = num_kv_heads
-    return config
-
-
 def convert_checkpoint(
     path: str | Path, num_kv_heads: int, scope: str | Sequence[str] = "decoder"
 ) -> dict[str, Any]:
@@ -103,7 +92,13 @@ def convert_checkpoint(
         **state,
     }
     extra = dict(ckpt["multihead"])
-    extra["config"] = _converted_config(extra["config"], num_kv_heads, kinds)
+    # The run config with num_kv_heads set for kinds, so that it rebuilds the result.
+    extra["config"] = config = copy.deepcopy(extra["config"])
+    attention = config["attention"]  # the one place heads are set
+    for kind in kinds:
+        attention[kind] = {**(attention.get(kind) or {}), "num_kv_heads": num_kv_heads}
+    if set(kinds) == set(ATTENTION_KINDS):
+        attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
         "path": str(path),
         "num_kv_heads": num_kv_heads,
