@@ -130,14 +130,14 @@ def test_readme_code_translates(ckpt, tmp_path):
 def test_heads_differing_between_layers_are_refused(tok, tmp_path):
     model = save_checkpoint(tmp_path / "m.ckpt", tok)
     model.decoder_layers[1].self_attn = model.decoder_layers[1].self_attn.with_kv_heads(1)
-    with pytest.raises(ExportError, match="decoder self-attention .* differing between layers"):
+    with pytest.raises(ExportError, match="decoder_self_attention .* differing between layers"):
         build_spec(model, tok)
 
 
 def test_unknown_head_design_is_refused(tok, tmp_path):
     model = save_checkpoint(tmp_path / "m.ckpt", tok)
     model.encoder_layers[0].self_attn = nn.MultiheadAttention(32, 4, batch_first=True)
-    with pytest.raises(ExportError, match="encoder self-attention is a MultiheadAttention"):
+    with pytest.raises(ExportError, match="encoder_self_attention is a MultiheadAttention"):
         build_spec(model, tok)
 
 
@@ -145,7 +145,9 @@ def test_decoder_query_heads_must_agree(tok, tmp_path):
     model = save_checkpoint(
         tmp_path / "m.ckpt", tok, cross_attention={"num_heads": 2, "num_kv_heads": None}
     )
-    with pytest.raises(ExportError, match="4 query heads but cross-attention 2"):
+    with pytest.raises(
+        ExportError, match="decoder_self_attention has 4 query heads but cross_attention 2"
+    ):
         build_spec(model, tok)
 
 

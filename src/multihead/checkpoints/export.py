@@ -122,17 +122,15 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
-    sublayers = {
-        "encoder self-attention": [layer.self_attn for layer in model.encoder_layers],
-        "decoder self-attention": [layer.self_attn for layer in model.decoder_layers],
-        "cross-attention": [layer.cross_attn for layer in model.decoder_layers],
-    }
+    sublayers: dict[str, list] = {}  # kind -> its layers, from the model's one enumeration
+    for kind, _, _, attn in model.attention_sublayers():
+        sublayers.setdefault(kind, []).append(attn)
     heads = {kind: _same_across_layers(kind, layers) for kind, layers in sublayers.items()}
-    if heads["decoder self-attention"][0] != heads["cross-attention"][0]:
+    decoder_heads, cross_heads = heads["decoder_self_attention"][0], heads["cross_attention"][0]
+    if decoder_heads != cross_heads:
         raise ExportError(
-            f"decoder self-attention has {heads['decoder self-attention'][0]} query heads but "
-            f"cross-attention {heads['cross-attention'][0]}; CTranslate2 expects one query "
-            "head count per decoder"
+            f"decoder_self_attention has {decoder_heads} query heads but cross_attention "
+            f"{cross_heads}; CTranslate2 expects one query head count per decoder"
         )
     activations = {m.activation.__name__ for m in model.modules() if isinstance(m, FeedForward)}
     if len(activations) != 1 or not activations <= set(_ACTIVATIONS):
@@ -190,8 +188,8 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> Any:
     encoder, decoder = (
         make(len(layers), heads[kind][0], num_heads_kv=heads[kind][1], **common)
         for make, layers, kind in (
-            (specs.TransformerEncoderSpec, model.encoder_layers, "encoder self-attention"),
-            (specs.TransformerDecoderSpec, model.decoder_layers, "decoder self-attention"),
+            (specs.TransformerEncoderSpec, model.encoder_layers, "encoder_self_attention"),
+            (specs.TransformerDecoderSpec, model.decoder_layers, "decoder_self_attention"),
         )
     )
 
