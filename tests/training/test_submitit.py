@@ -46,7 +46,8 @@ def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
     assert [p.name for p in jobs] == ["0", "1"]
     summaries = [json.loads((job / "summary.json").read_text()) for job in jobs]
     assert [s["variant"] for s in summaries] == ["mha", "mqa"]
-    assert all(s["test/bleu"] >= 0 for s in summaries)
+    # Each job ran its test stage (after 4 steps the score itself means nothing).
+    assert all(isinstance(s["test/bleu"], float) for s in summaries)
 
     run_dirs = [list((job / "wandb").glob("offline-run-*")) for job in jobs]
     assert [len(runs) for runs in run_dirs] == [1, 1]
