@@ -15,6 +15,21 @@ from tests.conftest import compose_config
 from tests.model.tiny_models import PAD, VOCAB, random_src, tiny_model
 
 
+def make_module(model, **options) -> TranslationModule:
+    """The module around ``model`` with the recipe's loss and search settings."""
+    return TranslationModule(
+        model,
+        SimpleNamespace(pad_id=PAD),
+        optimizer=torch.optim.Adam,
+        label_smoothing=0.1,
+        beam_size=1,
+        length_penalty=1.0,
+        max_len_a=1.2,
+        max_len_b=10,
+        **options,
+    )
+
+
 def reference(hidden, weight, targets, label_smoothing):
     logits = hidden @ weight.T  # (B, T, V)
     flat = logits.reshape(-1, weight.shape[0]), targets.reshape(-1)
@@ -94,16 +109,7 @@ def test_bad_arguments_name_the_value() -> None:
 def test_module_loss_equals_cross_entropy_of_the_logits() -> None:
     """The training loss and its gradients (tied embedding included) as before the fusion."""
     model = tiny_model().double().train()  # dropout 0: both passes see the same network
-    module = TranslationModule(
-        model,
-        SimpleNamespace(pad_id=PAD),
-        optimizer=torch.optim.Adam,
-        label_smoothing=0.1,
-        beam_size=1,
-        length_penalty=1.0,
-        max_len_a=1.2,
-        max_len_b=10,
-    )
+    module = make_module(model)
     batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
     loss, ntokens = module.loss(batch)
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -201,17 +207,7 @@ def test_rdrop_needs_two_copies_of_the_targets() -> None:
 
 def test_module_rdrop_runs_the_batch_twice_with_two_dropout_masks() -> None:
     model = tiny_model(dropout=0.3).double().train()
-    module = TranslationModule(
-        model,
-        SimpleNamespace(pad_id=PAD),
-        optimizer=torch.optim.Adam,
-        label_smoothing=0.1,
-        rdrop_alpha=5.0,
-        beam_size=1,
-        length_penalty=1.0,
-        max_len_a=1.2,
-        max_len_b=10,
-    )
+    module = make_module(model, rdrop_alpha=5.0)
     batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
     torch.manual_seed(0)
     loss, ntokens = module.loss(batch)
@@ -223,13 +219,4 @@ def test_module_rdrop_runs_the_batch_twice_with_two_dropout_masks() -> None:
     torch.testing.assert_close(loss, ref)
     assert ntokens == int(batch["tgt"][:, 1:].ne(PAD).sum())  # one pass's tokens
     with pytest.raises(ValueError, match="module.rdrop_alpha must be >= 0, got -1"):
-        TranslationModule(
-            model,
-            SimpleNamespace(pad_id=PAD),
-            optimizer=torch.optim.Adam,
-            rdrop_alpha=-1,
-            beam_size=1,
-            length_penalty=1.0,
-            max_len_a=1.2,
-            max_len_b=10,
-        )
+        make_module(model, rdrop_alpha=-1)
