@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -73,6 +74,35 @@ def test_load_errors(tmp_path: Path) -> None:
 def test_train_argument_errors() -> None:
     with pytest.raises(ValueError, match="vocab_size must be at least 260.*got 100"):
         Tokenizer.train(["a"], vocab_size=100)
+    with pytest.raises(ValueError, match="lowercase must be a bool, got 'yes'"):
+        Tokenizer.train(["a"], vocab_size=300, lowercase="yes")
+
+
+def merged_with_upper(tok: Tokenizer) -> list[str]:
+    """The merged tokens (ids after the 4 specials and the 256 bytes) that have uppercase."""
+    merged = (tok.decode([i]) for i in range(4 + 256, tok.vocab_size))
+    return [piece for piece in merged if piece != piece.lower()]
+
+
+SENTENCES = ["A Man rides a Horse.", "a man rides a horse.", "Ein Mann reitet ein Pferd."] * 20
+
+
+def test_lowercase_encodes_case_variants_alike() -> None:
+    lower = Tokenizer.train(SENTENCES, vocab_size=300, lowercase=True)
+    cased = Tokenizer.train(SENTENCES, vocab_size=300)
+    assert lower.encode("A Man") == lower.encode("a man")
+    assert cased.encode("A Man") != cased.encode("a man")
+    assert lower.decode(lower.encode("A Man")) == "a man"
+    assert lower.decode(lower.encode("Ünïcødé ÄÖÜ")) == "ünïcødé äöü"
+    assert cased.decode(cased.encode("A Man")) == "A Man"
+    # The merges were learned from lowercased text.
+    assert merged_with_upper(lower) == [] != merged_with_upper(cased)
+    # The normalizer travels in the JSON that runs and checkpoints store; cased has none.
+    assert json.loads(lower.to_str())["normalizer"] == {"type": "Lowercase"}
+    assert json.loads(cased.to_str())["normalizer"] is None
+    reloaded = Tokenizer.from_str(lower.to_str())
+    assert reloaded.encode("A Man") == lower.encode("a man")
+    assert reloaded.fingerprint() == lower.fingerprint() != cased.fingerprint()
 
 
 def test_cache_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,3 +123,11 @@ def test_cache_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     load_or_train_tokenizer(dd, tmp_path, vocab_size=301)  # other settings: a new entry
     assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 2
+    lower = load_or_train_tokenizer(dd, tmp_path, vocab_size=300, lowercase=True)
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 3
+    assert lower.fingerprint() != first.fingerprint()
+    assert lower.encode("A Small House") == lower.encode("a small house")
+    again = load_or_train_tokenizer(dd, tmp_path, vocab_size=300)
+    assert again.fingerprint() == first.fingerprint()
+    with pytest.raises(ValueError, match="lowercase must be a bool, got 'no'"):
+        load_or_train_tokenizer(dd, tmp_path, vocab_size=300, lowercase="no")

@@ -3,6 +3,12 @@
 Byte-level BPE (ByteLevel pre-tokenizer without a prefix space, ByteLevel decoder, no
 normalizer) maps any string to tokens and back to exactly the same string, so decoded model
 output is real detokenized text that sacreBLEU can score against raw references.
+
+With ``lowercase=True`` the tokenizer's normalizer is ``normalizers.Lowercase()``: encoding
+lowercases every text (training data, sources, references), so the round trip is exact up to
+case and decoded output is lowercase. The normalizer is part of the tokenizer's JSON, which
+the run directory and every checkpoint hold, so whatever loads the tokenizer (translation,
+evaluation, export) lowercases its input the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import datasets
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from multihead.data.loading import content_hash
 
@@ -54,13 +60,18 @@ class Tokenizer:
                     f"(special tokens must be {SPECIAL_TOKENS} at ids 0-3)"
                 )
         # Text such as "<eos>" in a sentence is encoded as ordinary bytes, never as the special
-        # token, so that every string round-trips exactly.
+        # token, so that every string round-trips exactly (up to case with a Lowercase
+        # normalizer).
         hf_tokenizer.encode_special_tokens = True
         self._hf = hf_tokenizer
 
     @classmethod
     def train(
-        cls, texts: Iterable[str], vocab_size: int, min_frequency: int = MIN_FREQUENCY
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        min_frequency: int = MIN_FREQUENCY,
+        lowercase: bool = False,
     ) -> Tokenizer:
         """Train a byte-level BPE on ``texts``.
 
@@ -68,6 +79,8 @@ class Tokenizer:
             texts: Training sentences; pass source and target together for a joint vocabulary.
             vocab_size: Target vocabulary size, special tokens and the 256 byte symbols included.
             min_frequency: Minimum count for a pair to be merged.
+            lowercase: Give the tokenizer a ``Lowercase`` normalizer, so that it is trained on
+                and encodes lowercased text.
         """
         minimum = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
         if vocab_size < minimum:
@@ -77,7 +90,12 @@ class Tokenizer:
             )
         if min_frequency < 1:
             raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+        if not isinstance(lowercase, bool):
+            raise ValueError(f"lowercase must be a bool, got {lowercase!r}")
         hf = HFTokenizer(models.BPE(unk_token=UNK))
+        if lowercase:
+            # Set before training: the trainer counts pairs in normalized text.
+            hf.normalizer = normalizers.Lowercase()
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
@@ -167,27 +185,35 @@ class Tokenizer:
 
 
 def load_or_train_tokenizer(
-    dataset: datasets.DatasetDict, cache_dir: str | Path, vocab_size: int
+    dataset: datasets.DatasetDict,
+    cache_dir: str | Path,
+    vocab_size: int,
+    lowercase: bool = False,
 ) -> Tokenizer:
     """Load a cached joint BPE for the ``train`` split, training and caching it on a miss.
 
     The cache key hashes the split's ``src``/``tgt`` text and the settings, so a change in the
-    data, the filter, the limit or the vocabulary size trains a new tokenizer.
+    data, the filter, the limit, the vocabulary size or ``lowercase`` trains a new tokenizer.
 
     Args:
         dataset: Splits with ``src`` and ``tgt`` columns.
         cache_dir: Directory for cached tokenizers (``<cache_dir>/tokenizers/``).
         vocab_size: Target vocabulary size.
+        lowercase: Train and encode lowercased text (see :meth:`Tokenizer.train`).
     """
     split = "train"
     if split not in dataset:
         raise ValueError(f"split {split!r} not in dataset; available: {list(dataset)}")
+    if not isinstance(lowercase, bool):
+        raise ValueError(f"lowercase must be a bool, got {lowercase!r}")
     settings = {
         "version": _CACHE_VERSION,
         "data": content_hash(dataset[split]),
         "vocab_size": vocab_size,
         "min_frequency": MIN_FREQUENCY,
     }
+    if lowercase:  # only then, so that cased tokenizers cached before this option still hit
+        settings["lowercase"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
     if path.is_file():
@@ -199,6 +225,7 @@ def load_or_train_tokenizer(
         itertools.chain.from_iterable(zip(ds["src"], ds["tgt"], strict=True)),  # src, tgt, ...
         vocab_size=vocab_size,
         min_frequency=MIN_FREQUENCY,
+        lowercase=lowercase,
     )
     tokenizer.save(path)
     logger.info("saved tokenizer (%d ids) to %s", tokenizer.vocab_size, path)
