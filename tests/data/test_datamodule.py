@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,30 @@ def test_train_sampler_takes_rank_and_world_size_from_the_trainer(
         ranked.tokenized["train"]["length"], max_tokens=300, seed=4, world_size=2, rank=1
     )
     assert sampler.epoch_batches(0) == reference.epoch_batches(0)
+
+
+def test_lowercase_tokenizes_lowercased_text(
+    dm: TranslationDataModule, multi30k_dir: Path, cache_dir: Path
+) -> None:
+    cached = set((cache_dir / "tokenized").iterdir())
+    lower = make_dm(multi30k_dir, cache_dir, lowercase=True)  # the same data and cache as dm
+    lower.setup("fit")
+    assert lower.tokenizer.fingerprint() != dm.tokenizer.fingerprint()
+    assert len(set((cache_dir / "tokenized").iterdir()) - cached) == 1  # not dm's cased ids
+    train = lower.tokenized["train"]
+    for side, lang in (("src", "en"), ("tgt", "de")):
+        with gzip.open(multi30k_dir / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+            raw = [line.strip() for line in itertools.islice(f, len(train))]
+        lowered = [text.lower() for text in raw]
+        assert lower.tokenizer.decode_batch(train[f"{side}_ids"]) == lowered
+        assert train[f"{side}_ids"] != dm.tokenized["train"][f"{side}_ids"]
+        # The text columns, which become the references BLEU is scored against, stay cased.
+        assert train[side] == raw != lowered
+
+
+def test_lowercase_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="^data.lowercase must be a bool, got 'yes'$"):
+        TranslationDataModule(cache_dir=str(tmp_path), lowercase="yes")
 
 
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:

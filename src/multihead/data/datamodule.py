@@ -64,6 +64,9 @@ class TranslationDataModule(L.LightningDataModule):
         name, src_lang, tgt_lang, local_dir: the corpus, as for
             :func:`~multihead.data.loading.load_parallel_dataset`.
         vocab_size: Joint BPE vocabulary size.
+        lowercase: Lowercase all text through the tokenizer's normalizer (as the published
+            Multi30k baselines train); references stay cased for scoring, so outputs are
+            lowercase and cased BLEU is low while lowercased BLEU is comparable.
         max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens, of one
             rank; under DDP a step's global batch has ``max_tokens * world_size``.
         max_length: Train/validation pairs with a side longer than this many words are dropped.
@@ -83,6 +86,7 @@ class TranslationDataModule(L.LightningDataModule):
         tgt_lang: str = "de",
         local_dir: str | None = None,
         vocab_size: int = 8000,
+        lowercase: bool = False,
         max_tokens: int = 4096,
         max_length: int | None = 256,
         eval_max_tokens: int | None = None,
@@ -97,6 +101,8 @@ class TranslationDataModule(L.LightningDataModule):
         for arg, value in (("vocab_size", vocab_size), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{arg} must be a positive integer, got {value!r}")
+        if not isinstance(lowercase, bool):
+            raise ValueError(f"data.lowercase must be a bool, got {lowercase!r}")
         if eval_max_tokens is not None and eval_max_tokens < 1:
             raise ValueError(
                 f"eval_max_tokens must be a positive integer or None, got {eval_max_tokens}"
@@ -111,6 +117,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.tgt_lang = tgt_lang
         self.local_dir = local_dir
         self.vocab_size_setting = vocab_size
+        self.lowercase = lowercase
         self.max_tokens = max_tokens
         self.max_length = max_length
         self.eval_max_tokens = eval_max_tokens or max_tokens
@@ -152,7 +159,9 @@ class TranslationDataModule(L.LightningDataModule):
         raw = datasets.DatasetDict(limited)
         logger.info("pairs per split: %s", {split: len(ds) for split, ds in raw.items()})
 
-        self._tokenizer = load_or_train_tokenizer(raw, self.cache_dir, self.vocab_size_setting)
+        self._tokenizer = load_or_train_tokenizer(
+            raw, self.cache_dir, self.vocab_size_setting, lowercase=self.lowercase
+        )
         self._datasets = self._load_or_tokenize(raw, self._tokenizer)
 
     def _load_or_tokenize(
