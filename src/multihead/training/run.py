@@ -45,7 +45,7 @@ def initialise_from(model, path: str, tokenizer) -> None:
     if ckpt["multihead"]["tokenizer"] != tokenizer.to_str():
         raise ValueError(
             f"init_from={path} was trained with another tokenizer than this run's data "
-            "settings produce; use the same data (name, languages, vocab_size, limits)"
+            "settings produce; use the same data (name, languages, vocab_size, lowercase, limits)"
         )
     state = model_state_dict(ckpt)
     mine = model.state_dict()
