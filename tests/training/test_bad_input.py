@@ -41,6 +41,7 @@ def fails_in_one_line(fn, capsys, *args) -> str:
     [
         ("data.max_tokens=abc", "data.max_tokens must be a positive integer, got 'abc'"),
         ("data.max_tokens=0", "data.max_tokens must be a positive integer, got 0"),
+        ("data.lowercase=yes", "data.lowercase must be a bool, got 'yes'"),
         ("model.d_model=0", "d_model must be a positive integer, got 0"),
         ("model.num_encoder_layers=-2", "num_encoder_layers must be a positive integer, got -2"),
         ("model.dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
