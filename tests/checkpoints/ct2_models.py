@@ -38,8 +38,10 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [en for en, _ in pairs(n, seed)]
 
 
-def tokenizer() -> Tokenizer:
-    return Tokenizer.train([s for p in pairs(400, seed=1) for s in p], vocab_size=320)
+def tokenizer(lowercase: bool = False) -> Tokenizer:
+    return Tokenizer.train(
+        [s for p in pairs(400, seed=1) for s in p], vocab_size=320, lowercase=lowercase
+    )
 
 
 def train(model: Transformer, tok: Tokenizer, steps: int, seed: int = 0) -> None:

@@ -124,6 +124,31 @@ def test_readme_code_translates(ckpt, tmp_path):
     assert result.stdout.rstrip("\n") == expected[0]
 
 
+def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
+    """The Lowercase normalizer travels in the exported tokenizer.json: the engine and the
+    README's plain-tokenizers code lowercase their input as our translate does."""
+    path = tmp_path / "model.ckpt"
+    save_checkpoint(path, tokenizer(lowercase=True), seed=3)
+    out = export_ctranslate2(ckpt=path, out=tmp_path / "ct2")
+    translator = load_translator(path)
+    source = sentences(16, seed=5)
+    lowered = [s.lower() for s in source]
+    assert lowered != source
+    ours = translate(translator.model, translator.tokenizer, source, beam_size=1, **SEARCH)
+    engine = CTranslate2Engine(out)
+    assert engine.translate(source, beam_size=1, **SEARCH) == ours
+    assert engine.translate(lowered, beam_size=1, **SEARCH) == ours
+    readme = (out / "README.md").read_text()
+    code = readme.split("```python\n")[1].split("```")[0]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    expected = engine.translate(
+        ["a dog runs on the beach."], beam_size=5, length_penalty=1.0, max_len_a=0, max_len_b=127
+    )
+    assert result.stdout.rstrip("\n") == expected[0]
+
+
 # ---------------------------------------------------------------- what cannot be exported
 
 

@@ -18,7 +18,9 @@ maps onto what:
   aliases equal variables); the output projection has no bias.
 - vocabulary: our byte-level BPE token strings in id order, one joint list
   (``shared_vocabulary.json``); ``<bos>`` starts the decoder, ``<eos>`` is added to the
-  source (our ``collate`` does the same) and ends the target.
+  source (our ``collate`` does the same) and ends the target. A ``data.lowercase``
+  tokenizer keeps its normalizer in the exported ``tokenizer.json``, so whatever encodes
+  with that file lowercases its input as ours does.
 
 What CTranslate2 cannot express raises :class:`ExportError` naming the setting: a head count
 (query or K/V) that differs between the layers of one kind, decoder self- and
