@@ -109,19 +109,28 @@ def test_trained_model_translations_match(trained, beam_size, rate):
     assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= 0.5 * len(source)
 
 
-def test_readme_code_translates(ckpt, tmp_path):
-    """The Python lines the export's README gives run and print the engine's translation."""
-    out = export_ctranslate2(ckpt=ckpt, out=tmp_path / "ct2")
+def run_readme_code(out: Path) -> str:
+    """What the Python lines of the export's README print, run in a fresh interpreter."""
     readme = (out / "README.md").read_text()
     code = readme.split("```python\n")[1].split("```")[0]
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    # The README passes one fixed limit: max_positions - 1 = 127 tokens here.
-    expected = CTranslate2Engine(out).translate(
-        ["A dog runs on the beach."], beam_size=5, length_penalty=1.0, max_len_a=0, max_len_b=127
-    )
-    assert result.stdout.rstrip("\n") == expected[0]
+    return result.stdout.rstrip("\n")
+
+
+def readme_search(engine: CTranslate2Engine, sentence: str) -> str:
+    """The engine's translation with the README's settings: beam 5 and one fixed limit,
+    max_positions - 1 = 127 tokens here."""
+    return engine.translate(
+        [sentence], beam_size=5, length_penalty=1.0, max_len_a=0, max_len_b=127
+    )[0]
+
+
+def test_readme_code_translates(ckpt, tmp_path):
+    """The Python lines the export's README gives run and print the engine's translation."""
+    out = export_ctranslate2(ckpt=ckpt, out=tmp_path / "ct2")
+    assert run_readme_code(out) == readme_search(CTranslate2Engine(out), "A dog runs on the beach.")
 
 
 def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
@@ -138,15 +147,8 @@ def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
     engine = CTranslate2Engine(out)
     assert engine.translate(source, beam_size=1, **SEARCH) == ours
     assert engine.translate(lowered, beam_size=1, **SEARCH) == ours
-    readme = (out / "README.md").read_text()
-    code = readme.split("```python\n")[1].split("```")[0]
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
-    expected = engine.translate(
-        ["a dog runs on the beach."], beam_size=5, length_penalty=1.0, max_len_a=0, max_len_b=127
-    )
-    assert result.stdout.rstrip("\n") == expected[0]
+    # The README translates "A dog runs on the beach.": its tokenizer lowercases it.
+    assert run_readme_code(out) == readme_search(engine, "a dog runs on the beach.")
 
 
 # ---------------------------------------------------------------- what cannot be exported
