@@ -104,7 +104,8 @@ def test_trained_model_translations_match(trained, beam_size, rate):
     assert same >= rate * len(source)
     # int8 is another model, and its kernels depend on the CPU: on AVX-512 hosts 50+ of
     # the 100 outputs of this barely trained model agree, on an AVX2-only AMD EPYC 27-29.
-    # A broken quantization agrees on almost none.
+    # The same model trained from seeds 2 and 3 agrees with it on 13-18 (that host), so
+    # the floor of 20 still tells the quantized model from another model, if narrowly.
     int8 = CTranslate2Engine(out, compute_type="int8").translate(
         source, beam_size=beam_size, **SEARCH
     )
