@@ -102,14 +102,14 @@ def test_trained_model_translations_match(trained, beam_size, rate):
     # Differences are the documented ones: beam searches that run into a length limit.
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     assert same >= rate * len(source)
-    # int8 is another model, and its kernels depend on the CPU: on AVX-512 hosts 50+ of
-    # the 100 outputs of this barely trained model agree, on an AVX2-only AMD EPYC 27-29.
-    # The same model trained from seeds 2 and 3 agrees with it on 13-18 (that host), so
-    # the floor of 20 still tells the quantized model from another model, if narrowly.
+    # int8 is another model: with MKL (tests/conftest.py pins it) 84/100 greedy and 91/100
+    # beam-5 outputs of this barely trained model agree on an AMD EPYC, 50+ on earlier
+    # AVX-512 hosts. The same model trained from seeds 2 and 3 agrees with it on 13-18, so
+    # the floor tells the quantized model from another model.
     int8 = CTranslate2Engine(out, compute_type="int8").translate(
         source, beam_size=beam_size, **SEARCH
     )
-    assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= 0.2 * len(source)
+    assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= 0.5 * len(source)
 
 
 def run_readme_code(out: Path) -> str:
