@@ -154,6 +154,22 @@ def test_collate() -> None:
         collate([], pad_id=0, bos_id=1, eos_id=2)
 
 
+def test_collate_encodes_the_text_anew_with_encode() -> None:
+    examples = [
+        {"src_ids": [5, 6, 7], "tgt_ids": [8], "src": "a b c", "tgt": "x"},
+        {"src_ids": [9], "tgt_ids": [10, 11], "src": "d", "tgt": "y z"},
+    ]
+
+    def encode(texts: list[str]) -> list[list[int]]:  # one id per character: 100 + its code
+        return [[100 + ord(c) for c in text] for text in texts]
+
+    batch = collate(examples, pad_id=0, bos_id=1, eos_id=2, encode=encode)
+    a, b, c, d, x, y, z, space = (100 + ord(ch) for ch in "abcdxyz ")
+    assert batch["src"].tolist() == [[a, space, b, space, c, 2], [d, 2, 0, 0, 0, 0]]
+    assert batch["tgt"].tolist() == [[1, x, 2, 0, 0], [1, y, space, z, 2]]
+    assert batch["src_text"] == ["a b c", "d"] and batch["tgt_text"] == ["x", "y z"]
+
+
 def test_shard_batch_written_out() -> None:
     assert [shard_batch([7, 8, 9, 10, 11], rank=r, world_size=2) for r in range(2)] == [
         [7, 8, 9],

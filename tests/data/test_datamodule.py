@@ -144,6 +144,38 @@ def test_lowercase_must_be_a_bool(tmp_path: Path) -> None:
         TranslationDataModule(cache_dir=str(tmp_path), lowercase="yes")
 
 
+def test_bpe_dropout_resegments_training_batches_only(
+    dm: TranslationDataModule, multi30k_dir: Path, cache_dir: Path
+) -> None:
+    drop = make_dm(multi30k_dir, cache_dir, bpe_dropout=0.3)  # the same data and cache as dm
+    drop.setup("fit")
+    assert drop.tokenizer.fingerprint() == dm.tokenizer.fingerprint()  # saved without dropout
+    train = dm.tokenized["train"]
+    usual_ids = dict(zip(train["tgt"], train["tgt_ids"], strict=True))
+    texts, longer, total = [], 0, 0
+    for batch in drop.train_dataloader():
+        for text, row in zip(batch["tgt_text"], batch["tgt"].tolist(), strict=True):
+            # The raw text, not the ids, is the reference: every segmentation decodes to it.
+            assert dm.tokenizer.decode(row) == text
+            n = sum(1 for i in row if i != dm.pad_id) - 2  # without <bos> and <eos>
+            assert n >= len(usual_ids[text])  # dropping merges never shortens a segmentation
+            longer += n > len(usual_ids[text])
+            total += n
+        texts += batch["tgt_text"]
+    assert sorted(texts) == sorted(dm.tokenized["train"]["tgt"])  # each pair once per epoch
+    usual_total = sum(len(ids) for ids in dm.tokenized["train"]["tgt_ids"])
+    assert longer > len(texts) / 2 and total > 1.2 * usual_total
+    # Evaluation keeps the usual segmentation: the same batches as without BPE-dropout.
+    for ours, usual in zip(drop.val_dataloader(), dm.val_dataloader(), strict=True):
+        assert torch.equal(ours["src"], usual["src"]) and torch.equal(ours["tgt"], usual["tgt"])
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, "0.1", True])
+def test_bpe_dropout_must_be_a_probability(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ValueError, match=r"^data.bpe_dropout must be in \[0, 1\), got "):
+        TranslationDataModule(cache_dir=str(tmp_path), bpe_dropout=value)
+
+
 def test_hub_error_without_local_dir(tmp_path: Path) -> None:
     dm = TranslationDataModule(cache_dir=str(tmp_path))
     with pytest.raises(DataError, match="data.local_dir="):

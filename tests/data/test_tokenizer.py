@@ -54,6 +54,30 @@ def test_decode_stops_at_eos(multi30k_tokenizer: Tokenizer) -> None:
     assert tok.decode_batch(torch.stack([row, row])) == ["A dog runs."] * 2
 
 
+def test_bpe_dropout_varies_the_segmentation_not_the_text(
+    multi30k: datasets.DatasetDict, multi30k_tokenizer: Tokenizer
+) -> None:
+    tok = multi30k_tokenizer
+    before = tok.fingerprint()
+    texts = multi30k["train"]["tgt"][:500]
+    usual = tok.encode_batch(texts)
+    assert tok.with_bpe_dropout(0.0).encode_batch(texts) == usual
+    drop = tok.with_bpe_dropout(0.5)
+    first, second = drop.encode_batch(texts), drop.encode_batch(texts)
+    assert tok.decode_batch(first) == tok.decode_batch(second) == texts  # the raw text
+    assert all(not {0, 1, 2, 3} & set(row) for row in first)
+    assert all(len(d) >= len(u) for d, u in zip(first, usual, strict=True))
+    assert sum(map(len, first)) > 1.5 * sum(map(len, usual))
+    assert first != second  # drawn anew on every call
+    assert tok.fingerprint() == before and tok.encode_batch(texts) == usual  # tok unchanged
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 2, "0.1", None, True])
+def test_bpe_dropout_must_be_a_probability(multi30k_tokenizer: Tokenizer, p: object) -> None:
+    with pytest.raises(ValueError, match=r"^BPE dropout must be a probability in \[0, 1\), got "):
+        multi30k_tokenizer.with_bpe_dropout(p)
+
+
 def test_save_load(tmp_path: Path, multi30k_tokenizer: Tokenizer) -> None:
     path = multi30k_tokenizer.save(tmp_path / "sub" / "tok.json")
     loaded = Tokenizer.load(path)

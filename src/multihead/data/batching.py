@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -261,12 +261,19 @@ def real_token_fraction(
 
 
 def collate(
-    examples: Sequence[Mapping[str, Any]], *, pad_id: int, bos_id: int, eos_id: int
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    pad_id: int,
+    bos_id: int,
+    eos_id: int,
+    encode: Callable[[list[str]], list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """Pad a list of tokenized examples into a batch.
 
     Each example has ``src_ids``/``tgt_ids`` (subword ids without specials) and ``src``/``tgt``
-    (raw text); other keys are ignored.
+    (raw text); other keys are ignored. With ``encode`` (texts to subword ids, e.g. a
+    BPE-dropout tokenizer's ``encode_batch``) the ids come from encoding ``src``/``tgt`` anew
+    instead of from ``src_ids``/``tgt_ids``.
 
     Returns:
         ``src``: (B, S) long, ``src_ids + [eos]`` right-padded with ``pad_id``.
@@ -276,8 +283,14 @@ def collate(
     """
     if not examples:
         raise ValueError("collate got an empty list of examples; expected at least one")
-    src_rows = [list(ex["src_ids"]) + [eos_id] for ex in examples]
-    tgt_rows = [[bos_id, *ex["tgt_ids"], eos_id] for ex in examples]
+    if encode is None:
+        src_ids = [ex["src_ids"] for ex in examples]
+        tgt_ids = [ex["tgt_ids"] for ex in examples]
+    else:
+        src_ids = encode([ex["src"] for ex in examples])
+        tgt_ids = encode([ex["tgt"] for ex in examples])
+    src_rows = [list(ids) + [eos_id] for ids in src_ids]
+    tgt_rows = [[bos_id, *ids, eos_id] for ids in tgt_ids]
     src, tgt = (
         pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id)
         for rows in (src_rows, tgt_rows)

@@ -67,6 +67,13 @@ class TranslationDataModule(L.LightningDataModule):
         lowercase: Lowercase all text through the tokenizer's normalizer (as the published
             Multi30k baselines train); references stay cased for scoring, so outputs are
             lowercase and cased BLEU is low while lowercased BLEU is comparable.
+        bpe_dropout: BPE-dropout for training batches (see
+            :meth:`~multihead.data.tokenizer.Tokenizer.with_bpe_dropout`): each training batch
+            is encoded anew, skipping each merge with this probability, so every epoch sees
+            other segmentations. 0 (the default) uses the cached ids. Validation and test
+            always use the usual segmentation. The sampler packs batches by the usual lengths,
+            so a batch's real token count grows with ``bpe_dropout`` (about 15% at 0.1 on
+            Multi30k), and the segmentations are not seeded (see ``with_bpe_dropout``).
         max_tokens: Training batch budget, ``num_sentences * longest_length`` in tokens, of one
             rank; under DDP a step's global batch has ``max_tokens * world_size``.
         max_length: Train/validation pairs with a side longer than this many words are dropped.
@@ -87,6 +94,7 @@ class TranslationDataModule(L.LightningDataModule):
         local_dir: str | None = None,
         vocab_size: int = 8000,
         lowercase: bool = False,
+        bpe_dropout: float = 0.0,
         max_tokens: int = 4096,
         max_length: int | None = 256,
         eval_max_tokens: int | None = None,
@@ -103,6 +111,12 @@ class TranslationDataModule(L.LightningDataModule):
                 raise ValueError(f"data.{arg} must be a positive integer, got {value!r}")
         if not isinstance(lowercase, bool):
             raise ValueError(f"data.lowercase must be a bool, got {lowercase!r}")
+        if (
+            isinstance(bpe_dropout, bool)
+            or not isinstance(bpe_dropout, (int, float))
+            or not 0.0 <= bpe_dropout < 1.0
+        ):
+            raise ValueError(f"data.bpe_dropout must be in [0, 1), got {bpe_dropout!r}")
         if eval_max_tokens is not None and eval_max_tokens < 1:
             raise ValueError(
                 f"eval_max_tokens must be a positive integer or None, got {eval_max_tokens}"
@@ -118,6 +132,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.local_dir = local_dir
         self.vocab_size_setting = vocab_size
         self.lowercase = lowercase
+        self.bpe_dropout = float(bpe_dropout)
         self.max_tokens = max_tokens
         self.max_length = max_length
         self.eval_max_tokens = eval_max_tokens or max_tokens
@@ -234,12 +249,17 @@ class TranslationDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------------- dataloaders
 
-    def _loader(self, dataset: datasets.Dataset, sampler: TokenBucketSampler) -> DataLoader:
+    def _loader(
+        self, dataset: datasets.Dataset, sampler: TokenBucketSampler, bpe_dropout: float = 0.0
+    ) -> DataLoader:
         tok = self.tokenizer
+        encode = tok.with_bpe_dropout(bpe_dropout).encode_batch if bpe_dropout > 0 else None
         return DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=partial(collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id),
+            collate_fn=partial(
+                collate, pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id, encode=encode
+            ),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -283,8 +303,8 @@ class TranslationDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, length-bucketed, resumable token-budget batches."""
-        return self._loader(self.tokenized["train"], self.train_sampler)
+        """Shuffled, length-bucketed, resumable token-budget batches (BPE-dropout if set)."""
+        return self._loader(self.tokenized["train"], self.train_sampler, self.bpe_dropout)
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.tokenized[split]

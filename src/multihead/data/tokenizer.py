@@ -124,6 +124,24 @@ class Tokenizer:
         encodings = self._hf.encode_batch_fast(list(texts), add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
+    def with_bpe_dropout(self, p: float) -> Tokenizer:
+        """A copy that skips each BPE merge with probability ``p`` (BPE-dropout).
+
+        BPE-dropout (Provilkov et al., 2020) is a regulariser for training data: each encoding
+        of a word may stop merging early, so the model sees many segmentations of it. It is
+        the ``dropout`` of ``tokenizers``' BPE model; its random draws are not seeded, so two
+        encodings of the same text differ from run to run. ``p=0`` gives the usual (longest)
+        segmentation. This tokenizer is unchanged, and is the one to save and decode with.
+
+        Raises:
+            ValueError: ``p`` is not in ``[0, 1)``.
+        """
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"BPE dropout must be a probability in [0, 1), got {p!r}")
+        copy = HFTokenizer.from_str(self._hf.to_str())
+        copy.model.dropout = float(p) if p > 0 else None
+        return Tokenizer(copy)
+
     def _strip(self, ids: Iterable[int]) -> list[int]:
         ids = itertools.takewhile(lambda i: i != self.eos_id, map(int, ids))
         return [i for i in ids if i not in (self.pad_id, self.bos_id)]
