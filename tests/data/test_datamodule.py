@@ -152,19 +152,22 @@ def test_bpe_dropout_resegments_training_batches_only(
     assert drop.tokenizer.fingerprint() == dm.tokenizer.fingerprint()  # saved without dropout
     train = dm.tokenized["train"]
     usual_ids = dict(zip(train["tgt"], train["tgt_ids"], strict=True))
-    texts, longer, total = [], 0, 0
+    texts, longer, shorter, total = [], 0, 0, 0
     for batch in drop.train_dataloader():
         for text, row in zip(batch["tgt_text"], batch["tgt"].tolist(), strict=True):
             # The raw text, not the ids, is the reference: every segmentation decodes to it.
             assert dm.tokenizer.decode(row) == text
             n = sum(1 for i in row if i != dm.pad_id) - 2  # without <bos> and <eos>
-            assert n >= len(usual_ids[text])  # dropping merges never shortens a segmentation
             longer += n > len(usual_ids[text])
+            shorter += n < len(usual_ids[text])
             total += n
         texts += batch["tgt_text"]
     assert sorted(texts) == sorted(dm.tokenized["train"]["tgt"])  # each pair once per epoch
     usual_total = sum(len(ids) for ids in dm.tokenized["train"]["tgt_ids"])
-    assert longer > len(texts) / 2 and total > 1.2 * usual_total
+    # Greedy BPE is not length-optimal, so a skipped merge can, rarely, open a path with
+    # fewer pieces (about 1 sentence in 10^4 at p=0.3 on Multi30k): no per-row bound.
+    assert longer > len(texts) / 2 and shorter < len(texts) / 100
+    assert total > 1.2 * usual_total
     # Evaluation keeps the usual segmentation: the same batches as without BPE-dropout.
     for ours, usual in zip(drop.val_dataloader(), dm.val_dataloader(), strict=True):
         assert torch.equal(ours["src"], usual["src"]) and torch.equal(ours["tgt"], usual["tgt"])

@@ -66,7 +66,9 @@ def test_bpe_dropout_varies_the_segmentation_not_the_text(
     first, second = drop.encode_batch(texts), drop.encode_batch(texts)
     assert tok.decode_batch(first) == tok.decode_batch(second) == texts  # the raw text
     assert all(not {0, 1, 2, 3} & set(row) for row in first)
-    assert all(len(d) >= len(u) for d, u in zip(first, usual, strict=True))
+    # Mostly longer, not always: greedy BPE is not length-optimal, so a skipped merge can
+    # rarely open a shorter path. The total is the robust measure.
+    assert sum(len(d) > len(u) for d, u in zip(first, usual, strict=True)) > 0.9 * len(texts)
     assert sum(map(len, first)) > 1.5 * sum(map(len, usual))
     assert first != second  # drawn anew on every call
     assert tok.fingerprint() == before and tok.encode_batch(texts) == usual  # tok unchanged
