@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,12 +105,14 @@ def test_trained_model_translations_match(trained, beam_size, rate):
     assert same >= rate * len(source)
     # int8 is another model: with MKL (tests/conftest.py pins it) 84/100 greedy and 91/100
     # beam-5 outputs of this barely trained model agree on an AMD EPYC, 50+ on earlier
-    # AVX-512 hosts. The same model trained from seeds 2 and 3 agrees with it on 13-18, so
-    # the floor tells the quantized model from another model.
+    # AVX-512 hosts; with oneDNN (a shell's CT2_USE_MKL=0, or another platform) 27-29/100.
+    # The same model trained from seeds 2 and 3 agrees with it on 13-18, so either floor
+    # tells the quantized model from another model.
+    floor = 0.5 if os.environ.get("CT2_USE_MKL") == "1" else 0.2
     int8 = CTranslate2Engine(out, compute_type="int8").translate(
         source, beam_size=beam_size, **SEARCH
     )
-    assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= 0.5 * len(source)
+    assert sum(a == b for a, b in zip(ours, int8, strict=True)) >= floor * len(source)
 
 
 def run_readme_code(out: Path) -> str:
