@@ -30,7 +30,7 @@ from multihead.data.loading import (
     filter_parallel_dataset,
     load_parallel_dataset,
 )
-from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from multihead.data.tokenizer import Tokenizer, is_dropout_probability, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,7 @@ class TranslationDataModule(L.LightningDataModule):
                 raise ValueError(f"data.{arg} must be a positive integer, got {value!r}")
         if not isinstance(lowercase, bool):
             raise ValueError(f"data.lowercase must be a bool, got {lowercase!r}")
-        if (
-            isinstance(bpe_dropout, bool)
-            or not isinstance(bpe_dropout, (int, float))
-            or not 0.0 <= bpe_dropout < 1.0
-        ):
+        if not is_dropout_probability(bpe_dropout):
             raise ValueError(f"data.bpe_dropout must be in [0, 1), got {bpe_dropout!r}")
         if eval_max_tokens is not None and eval_max_tokens < 1:
             raise ValueError(

@@ -35,6 +35,11 @@ _CACHE_VERSION = "bytelevel-bpe-v1"
 MIN_FREQUENCY = 2  # the fewest occurrences of a pair that BPE merges
 
 
+def is_dropout_probability(p: object) -> bool:
+    """Whether ``p`` is a number in ``[0, 1)``, a valid BPE-dropout (bools are not numbers here)."""
+    return not isinstance(p, bool) and isinstance(p, (int, float)) and 0.0 <= p < 1.0
+
+
 class Tokenizer:
     """Wraps a ``tokenizers.Tokenizer`` holding a byte-level BPE with fixed special ids.
 
@@ -138,7 +143,7 @@ class Tokenizer:
         Raises:
             ValueError: ``p`` is not in ``[0, 1)``.
         """
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        if not is_dropout_probability(p):
             raise ValueError(f"BPE dropout must be a probability in [0, 1), got {p!r}")
         copy = HFTokenizer.from_str(self._hf.to_str())
         copy.model.dropout = float(p) if p > 0 else None
