@@ -72,17 +72,18 @@ def build(args: argparse.Namespace, backend: str) -> dict[str, MultiHeadAttentio
         torch.manual_seed(args.seed)
         options = {} if k is None else {"top_k_heads": k, "num_shared_heads": args.shared}
         layer = MultiHeadAttention(args.embed_dim, args.heads, backend=backend, **options)
-        layers[layer.head_design] = layer
+        layers[layer.head_tag] = layer
     return layers
 
 
 def packed_share(layer: MultiHeadAttention, x: torch.Tensor) -> float:
     """``C / L`` of a sparse layer on ``x`` (1.0 for the dense layer)."""
-    if layer.top_k_heads is None:
+    if layer.design is None:
         return 1.0
+    gate = layer.design  # the sparse heads' router, an nn.Linear E -> R
     with torch.no_grad():
-        chosen = layer.head_gate(x).topk(layer.top_k_heads, dim=-1).indices  # (B, L, k)
-    routed = layer.num_heads - layer.num_shared_heads
+        chosen = gate(x).topk(gate.top_k, dim=-1).indices  # (B, L, k)
+    routed = gate.out_features
     counts = torch.stack([(chosen == h).sum(dim=(1, 2)) for h in range(routed)])  # (R, B)
     return counts.max().item() / x.shape[1]
 

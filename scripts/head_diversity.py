@@ -1,8 +1,8 @@
 """Head diversity of trained checkpoints: python scripts/head_diversity.py 'ckpts=[A,B]' out=DIR
 
 For every checkpoint, the full matrix of pairwise cosine similarities of head outputs
-(eq. 5.3.11) per sublayer and layer, over the first N sentences of a split (teacher-forced
-on the references): one figure per checkpoint, ``<label>_head_similarity.png``, and
+per sublayer and layer, over the first N sentences of a split (teacher-forced on the
+references): one figure per checkpoint, ``<label>_head_similarity.png``, and
 ``head_diversity.md`` with the mean off-diagonal similarity of every layer.
 """
 

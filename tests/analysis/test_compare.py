@@ -28,16 +28,16 @@ epoch,lr-Adam,step,train/loss,val/bleu,val/loss
 """
 
 
-def summary(variant: str, heads: int, kv: int, **figures) -> dict:
-    name = f"{variant}-h{heads}-kv{kv}-sdpa"
+def summary(kind: str, heads: int, kv: int, **figures) -> dict:
+    name = f"{kind}-h{heads}-kv{kv}-sdpa"
     return {
         "run_name": name,
-        "variant": variant,
+        "kind": kind,
         "num_heads": heads,
         "num_kv_heads": kv,
         "backend": "sdpa",
         "head_tag": name,
-        "design": variant,
+        "tag": kind,
         "heads/active_fraction": 1.0,
         "params/total": 70000 + 1000 * kv,
         "params/attention": 20000 + 1000 * kv,
@@ -95,7 +95,7 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
     md = (out / "comparison.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0].startswith(
-        "| run | variant | design | heads | heads active | kv heads | backend | params |"
+        "| run | kind | heads tag | heads | heads active | kv heads | backend | params |"
     )
     assert table[1] == (
         "| mha-h4-kv4-sdpa | mha | mha | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "

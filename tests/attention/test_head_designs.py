@@ -87,16 +87,18 @@ def visible(b, t, kv_len, kwargs, h=0):
 
 
 def sparse_reference(layer, x, memory, kwargs):
-    """Eq. 5.3.12 literally: sum over shared heads, plus sum over TopK(G(x)) of
+    """MoH (Jin et al., 2024) literally: sum over shared heads, plus sum over TopK(G(x)) of
     softmax(G(x))_i * head_i, each head through its slice of W^O; and the weights."""
     src = x if memory is None else memory
-    s = layer.num_shared_heads
+    s = layer.head_config.get("num_shared_heads", 0)
     out = torch.zeros(B, L, E)
     weights = torch.zeros(B, H, L, src.shape[1])
     for b in range(B):
         for t in range(L):
             gate = layer.head_gate.weight @ x[b, t]  # (H - s,)
-            chosen = sorted(range(H - s), key=lambda i: -gate[i].item())[: layer.top_k_heads]
+            chosen = sorted(range(H - s), key=lambda i: -gate[i].item())[
+                : layer.head_config["top_k_heads"]
+            ]
             norm = sum(math.exp(gate[i].item()) for i in chosen)
             scaled = [(h, 1.0) for h in range(s)]
             scaled += [(s + i, math.exp(gate[i].item()) / norm) for i in chosen]
@@ -182,7 +184,7 @@ def test_talking_heads_match_the_formula(design):
 def test_group_mlp_matches_the_formula(design):
     layer = build(design)
     x = torch.randn(B, L, E)
-    mix, groups = layer.head_mix, layer.mixing_groups
+    mix, groups = layer.head_mix, layer.head_config["mixing_groups"]
     width = E // groups
     with torch.no_grad():
         heads = dense_heads(layer, x, {"is_causal": True})[0].reshape(B, L, E)
@@ -395,18 +397,26 @@ def test_defaults_are_the_plain_layer_bit_for_bit():
     heads = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     expected = out_proj(heads.transpose(1, 2).reshape(B, L, E))
     assert torch.equal(layer(x, is_causal=True), expected)
-    assert layer.head_design == "gqa" and layer.active_head_fraction == 1.0
-    assert not hasattr(layer, "head_gate") and not hasattr(layer, "head_mix")
+    assert layer.head_tag == "gqa4kv2" and layer.active_head_fraction == 1.0
+    assert layer.design is None and dict(layer.named_children()).keys() == {"in_proj", "out_proj"}
 
 
 def test_head_design_names_and_active_fraction():
-    names = {d: MultiHeadAttention(E, H, **o).head_design for d, o in DESIGNS.items()}
-    assert names["moh-k2"] == "mha-moh-k2"
-    assert names["moh-k2s1-gqa"] == "gqa-moh-k2s1"
-    assert names["talking_heads"] == "mha-talking_heads"
-    assert names["group_mlp"] == "mha-group_mlp2"
-    assert names["group_mlp4-mqa"] == "mqa-group_mlp4"
-    assert names["head_attention-gqa"] == "gqa-head_attention"
+    names = {d: MultiHeadAttention(E, H, **o).head_tag for d, o in DESIGNS.items()}
+    assert names["moh-k2"] == "mha4-moh-k2"
+    assert names["moh-k2s1-gqa"] == "gqa4kv2-moh-k2s1"
+    assert names["talking_heads"] == "mha4-talking_heads"
+    assert names["group_mlp"] == "mha4-group_mlp2"
+    assert names["group_mlp4-mqa"] == "mqa4-group_mlp4"
+    assert names["head_attention-gqa"] == "gqa4kv2-head_attention"
+    config = MultiHeadAttention(E, H, 2, top_k_heads=2, num_shared_heads=1).head_config
+    assert config == {
+        "kind": "gqa",
+        "num_heads": H,
+        "num_kv_heads": 2,
+        "top_k_heads": 2,
+        "num_shared_heads": 1,
+    }
     assert MultiHeadAttention(E, 8, top_k_heads=2, num_shared_heads=1).active_head_fraction == 3 / 8
     assert MultiHeadAttention(E, H, head_mixing="group_mlp").active_head_fraction == 1.0
 
@@ -415,7 +425,7 @@ def test_head_design_names_and_active_fraction():
 def test_with_kv_heads_keeps_the_design(design):
     layer = build(design)
     pooled = layer.with_kv_heads(1)
-    assert pooled.head_design.split("-", 1)[1] == layer.head_design.split("-", 1)[1]
+    assert pooled.head_tag.split("-", 1)[1] == layer.head_tag.split("-", 1)[1]
     for name in ("head_gate", "head_mix"):
         if hasattr(layer, name):
             for a, b in zip(

@@ -8,6 +8,7 @@ from torch import nn
 
 import multihead.attention.kv_cache
 import multihead.attention.layer
+import multihead.attention.sparse
 from multihead import MultiHeadAttention
 
 E, H = 32, 4
@@ -53,10 +54,11 @@ def test_mha_init_matches_xavier_on_the_stacked_projection():
     assert torch.equal(layer.out_proj.weight, out_proj.weight)
 
 
-def test_variant_names():
-    assert MultiHeadAttention(E, H).variant == "mha"
-    assert MultiHeadAttention(E, H, 2).variant == "gqa"
-    assert MultiHeadAttention(E, H, 1).variant == "mqa"
+def test_kind_names():
+    assert MultiHeadAttention(E, H).head_config["kind"] == "mha"
+    assert MultiHeadAttention(E, H, 2).head_config["kind"] == "gqa"
+    assert MultiHeadAttention(E, H, 1).head_config["kind"] == "mqa"
+    assert MultiHeadAttention(E, 1, 1).head_config["kind"] == "mha"  # one head: nothing shared
 
 
 # --------------------------------------------------------------------------- from_torch
@@ -249,7 +251,9 @@ def test_bad_dropout():
 
 
 # --------------------------------------------------------------------------- docs
-@pytest.mark.parametrize("module", [multihead.attention.layer, multihead.attention.kv_cache])
+@pytest.mark.parametrize(
+    "module", [multihead.attention.layer, multihead.attention.kv_cache, multihead.attention.sparse]
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0

@@ -76,27 +76,27 @@ def test_per_sublayer_attention_overrides_reach_their_layers():
     dense = {"active_head_fraction": 1.0}
     assert model.head_config == {
         "encoder_self_attention": {
-            "variant": "mha",
+            "kind": "mha",
             "num_heads": 4,
             "num_kv_heads": 4,
             "backend": "math",
-            "design": "mha",
+            "tag": "mha4",
             **dense,
         },
         "decoder_self_attention": {
-            "variant": "mqa",
+            "kind": "mqa",
             "num_heads": 4,
             "num_kv_heads": 1,
             "backend": "math",
-            "design": "mqa",
+            "tag": "mqa4",
             **dense,
         },
         "cross_attention": {
-            "variant": "gqa",
+            "kind": "gqa",
             "num_heads": 4,
             "num_kv_heads": 2,
             "backend": "sdpa",
-            "design": "gqa",
+            "tag": "gqa4kv2",
             **dense,
         },
     }
@@ -122,7 +122,7 @@ def test_head_designs_reach_their_layers_and_aux_losses_sum():
     mixed = tiny_model(
         attention={"num_heads": 4, "head_mixing": "talking_heads", "backend": "math"}
     )
-    assert mixed.head_config["encoder_self_attention"]["design"] == "mha-talking_heads"
+    assert mixed.head_config["encoder_self_attention"]["tag"] == "mha4-talking_heads"
 
 
 def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
@@ -130,8 +130,8 @@ def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
     cfg = omegaconf.OmegaConf.create({"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"})
     override = omegaconf.OmegaConf.create({"num_kv_heads": 2})
     model = tiny_model(attention=cfg, decoder_self_attention=override)
-    assert model.head_config["decoder_self_attention"]["variant"] == "gqa"
-    assert model.head_config["encoder_self_attention"]["variant"] == "mha"
+    assert model.head_config["decoder_self_attention"]["kind"] == "gqa"
+    assert model.head_config["encoder_self_attention"]["kind"] == "mha"
     with pytest.raises(ValueError, match=r"\['heads'\] in cross_attention"):
         tiny_model(cross_attention={"heads": 2})
     with pytest.raises(TypeError, match="attention must be a mapping"):

@@ -33,16 +33,17 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     net = build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
     kinds = net.head_config
     H, G = cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads
-    variant = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
-    design = {
-        "moh": "mha-moh-k2s1",
-        "talking_heads": "mha-talking_heads",
-        "group_mlp": "mha-group_mlp2",
-        "head_attention": "mha-head_attention",
-    }.get(attention, variant)
+    kind = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
+    tag = f"{kind}{H}" + (f"kv{G}" if kind == "gqa" else "")
+    tag += {
+        "moh": "-moh-k2s1",
+        "talking_heads": "-talking_heads",
+        "group_mlp": "-group_mlp2",
+        "head_attention": "-head_attention",
+    }.get(attention, "")
     assert {
-        (k["variant"], k["num_heads"], k["num_kv_heads"], k["design"]) for k in kinds.values()
-    } == {(variant, H, G, design)}
+        (k["kind"], k["num_heads"], k["num_kv_heads"], k["tag"]) for k in kinds.values()
+    } == {(kind, H, G, tag)}
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 

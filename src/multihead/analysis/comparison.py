@@ -22,7 +22,7 @@ from typing import Any
 SUMMARY_FILE = "summary.json"
 CURVE_KEYS = ("val/bleu", "val/loss")
 STEP_KEY = "trainer/global_step"  # Lightning's step, the ``step`` column of metrics.csv
-VARIANT_ORDER = {"mha": 0, "gqa": 1, "mqa": 2}
+KIND_ORDER = {"mha": 0, "gqa": 1, "mqa": 2}
 OUTPUT_FILES = (
     "comparison.md",
     "comparison.csv",
@@ -155,7 +155,7 @@ def label_and_sort(runs: list[RunResult], root: Path | None = None) -> list[RunR
         kv = _number(run.get("num_kv_heads"))
         return (
             heads if heads is not None else math.inf,
-            VARIANT_ORDER.get(run.get("variant"), len(VARIANT_ORDER)),
+            KIND_ORDER.get(run.get("kind"), len(KIND_ORDER)),
             -kv if kv is not None else math.inf,
             str(run.get("backend") or ""),
             str(run.get("run_name") or ""),
@@ -181,8 +181,8 @@ def label_and_sort(runs: list[RunResult], root: Path | None = None) -> list[RunR
 # The table's columns: (header, summary key, format). The key ``beam`` means the
 # decode/beam<k>_sentences_per_s key, whatever k is.
 COLUMNS = (
-    ("variant", "variant", "s"),
-    ("design", "design", "s"),
+    ("kind", "kind", "s"),
+    ("heads tag", "tag", "s"),
     ("heads", "num_heads", "d"),
     ("heads active", "heads/active_fraction", ".2f"),
     ("kv heads", "num_kv_heads", "d"),
@@ -228,12 +228,12 @@ def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
 
     MHA runs themselves have no baseline: only GQA and MQA runs are compared with MHA.
     """
-    if run.get("variant") == "mha":
+    if run.get("kind") == "mha":
         return None
     candidates = [
         other
         for other in runs
-        if other.get("variant") == "mha" and other.get("num_heads") == run.get("num_heads")
+        if other.get("kind") == "mha" and other.get("num_heads") == run.get("num_heads")
     ]
     same_backend = [c for c in candidates if c.get("backend") == run.get("backend")]
     return (same_backend or candidates or [None])[0]

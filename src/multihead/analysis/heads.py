@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.mixing import HeadMixing
 
 matplotlib.use("Agg")  # files only; never open a window
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -73,7 +74,9 @@ def head_outputs(
         v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
         v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
         v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): query head h uses group h//(H/G)
-        heads = attn.mix_head_outputs((maps[kind][i] @ v).transpose(1, 2))  # (B, L, H, D)
+        heads = (maps[kind][i] @ v).transpose(1, 2)  # (B, L, H, D)
+        if isinstance(attn.design, HeadMixing):
+            heads = attn.design.mix(heads)  # as the heads enter W^O
         outputs[kind].append(heads.transpose(1, 2))  # (B, H, L, D)
     return maps, outputs
 
@@ -82,7 +85,7 @@ def head_similarity_matrix(outputs: Tensor, query_mask: Tensor | None = None) ->
     """``(H, H)`` pairwise cosine similarities of heads' outputs, averaged over positions.
 
     Entry ``(h, h')`` is the mean over real query positions ``(b, l)`` of
-    ``cos(outputs[b, h, l], outputs[b, h', l])`` (eq. 5.3.11 of the notes). A head whose
+    ``cos(outputs[b, h, l], outputs[b, h', l])`` (mean pairwise cosine of head outputs). A head whose
     output is zero at a position (a sparse head that was not selected there) counts as
     orthogonal to the others at that position.
 

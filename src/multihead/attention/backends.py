@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from multihead.attention.masks import AttentionMask
+from multihead.attention.masks import AttentionMask, apply_mask
 
 Kernel = Callable[[Tensor, Tensor, Tensor, AttentionMask, float, float], Tensor]
 
@@ -43,49 +43,17 @@ def math_attention(
 
 
 def math_attention_with_weights(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: AttentionMask,
-    dropout_p: float,
-    scale: float,
-    *,
-    logit_mix: Tensor | None = None,
-    weight_mix: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """The math path, also returning the attention weights ``(B, H, L, S)``.
-
-    ``logit_mix`` and ``weight_mix`` (``(H, H)``, talking-heads attention) replace head
-    ``j``'s logits by ``sum_i logits_i * logit_mix[i, j]`` before the mask and softmax, and
-    its weights by ``sum_i weights_i * weight_mix[i, j]`` after the softmax. The returned
-    weights are the mixed ones, those that multiply V.
-    """
+    """The math path, also returning the attention weights ``(B, H, L, S)``."""
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
     # Group the query heads that share a K/V head, so K/V broadcast instead of being copied.
     qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D)
     scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * scale  # (B, G, H/G, L, S)
-    scores = scores.view(B, H, L, S)
-    if logit_mix is not None:
-        # Mixed before masking: a masked (-inf) logit mixed into other heads would give NaN.
-        scores = torch.einsum("bhls,hj->bjls", scores, logit_mix)  # (B, H, L, S)
-    if mask.kernel_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if mask.tensor is not None:
-        if mask.tensor.dtype == torch.bool:
-            scores = scores.masked_fill(~mask.tensor, float("-inf"))
-        else:
-            scores = scores + mask.tensor
+    scores = apply_mask(scores.view(B, H, L, S), mask)
     # Softmax in fp32: under autocast the scores may be bf16/fp16.
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, L, S)
-    if weight_mix is not None:
-        if mask.empty_rows is not None:
-            # An empty row is un-masked only to keep softmax finite; it lends no weight.
-            weights = weights.masked_fill(mask.empty_rows, 0.0)
-        weights = torch.einsum("bhls,hj->bjls", weights, weight_mix)  # (B, H, L, S)
-        # A per-head mask stays a mask after mixing: no head attends where it may not.
-        weights = weights.masked_fill(torch.isneginf(scores), 0.0)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
@@ -102,7 +70,7 @@ def sdpa_attention(
         v,
         attn_mask=mask.tensor,
         dropout_p=dropout_p,
-        is_causal=mask.kernel_causal,
+        is_causal=mask.kernel_causal(q.shape[2], k.shape[2]),
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
@@ -178,7 +146,7 @@ def flex_attention(
     B, H, L, _ = q.shape
     S = k.shape[2]
     score_mod = block_mask = None
-    if mask.kernel_causal:
+    if mask.kernel_causal(L, S):
         block_mask = _causal_block_mask(L, S, q.device)
     elif mask.tensor is not None:
         # Index the (broadcast, not copied) mask at each score's coordinates.
@@ -229,7 +197,7 @@ def flash_attn_attention(
         raise BackendUnavailableError(
             "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "
             f"arbitrary attn_mask; backends that take one on {q.device.type}/{q.dtype}: "
-            f"{', '.join(n for n in _others('flash_attn', q.device, q.dtype) if n in _MASKED)}"
+            + ", ".join(n for n in _others("flash_attn", q.device, q.dtype) if n in _TAKE_ATTN_MASK)
         )
     import flash_attn
 
@@ -239,7 +207,7 @@ def flash_attn_attention(
     # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
     if mask.key_padding_mask is None:
         out = flash_attn.flash_attn_func(
-            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.causal_requested
+            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.is_causal
         )
         return out.transpose(1, 2)
     keep = ~mask.key_padding_mask  # (B, S)
@@ -256,7 +224,7 @@ def flash_attn_attention(
         int(seqlens_k.max()),
         dropout_p=dropout_p,
         softmax_scale=scale,
-        causal=mask.causal_requested,
+        causal=mask.is_causal,
     )
     return out.view(B, L, H, D).transpose(1, 2)
 
@@ -274,7 +242,7 @@ BACKENDS: dict[str, Kernel] = {
 
 
 # Backends that accept an arbitrary (bool or float) attn_mask on every device they run on.
-_MASKED = ("math", "sdpa", "efficient", "flex")
+_TAKE_ATTN_MASK = ("math", "sdpa", "efficient", "flex")
 
 
 def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:

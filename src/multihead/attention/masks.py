@@ -28,26 +28,92 @@ class AttentionMask:
 
     Attributes:
         tensor: ``None``, a bool "keep" mask (True = attend) or a float additive bias,
-            broadcastable to ``(B, H, L, S)``. Causal masking is folded in unless
-            ``kernel_causal`` is set.
-        kernel_causal: the kernel must apply its own built-in (top-left aligned,
-            ``L == S``) causal mask, because ``tensor`` does not hold it; only set when no
-            other mask is present.
+            broadcastable to ``(B, H, L, S)``. It holds the causal mask too, except when
+            nothing else is masked and ``L == S``: then the kernel applies its own, which
+            costs nothing (see :meth:`kernel_causal`).
+        is_causal: the caller asked for causal attention (bottom-right aligned when
+            ``L < S``: the queries are the last ``L`` positions). Kernels that take only a
+            causal flag and sequence lengths (flash-attn) read this and not ``tensor``.
         empty_rows: ``None`` or a bool tensor broadcastable to ``(B, H, L, 1)``, True for
             query rows that had no key left to attend to; their output must be zeroed.
-        causal_requested: the caller asked for causal attention (bottom-right aligned when
-            ``L < S``), whether or not ``tensor`` holds it. Kernels that take only a causal
-            flag and a padding mask (flash-attn) read this instead of ``tensor``.
         key_padding_mask: the caller's ``(B, S)`` padding mask, True = padding.
-        has_attn_mask: the caller passed an ``attn_mask`` (an arbitrary mask).
+        has_attn_mask: ``tensor`` holds more than padding and causality (the caller's
+            ``attn_mask``, or query rows packed out of position order), so only the kernels
+            that take an arbitrary mask can run it.
     """
 
     tensor: Tensor | None = None
-    kernel_causal: bool = False
+    is_causal: bool = False
     empty_rows: Tensor | None = None
-    causal_requested: bool = False
     key_padding_mask: Tensor | None = None
     has_attn_mask: bool = False
+
+    def kernel_causal(self, q_len: int, kv_len: int) -> bool:
+        """Whether the kernel must apply its own causal mask (top-left aligned, ``L == S``).
+
+        True when causal attention was asked for and ``tensor`` does not hold it; a single
+        newest query (``L = 1 < S``) sees every key, so it needs no mask at all.
+        """
+        return self.is_causal and self.tensor is None and q_len == kv_len
+
+    def for_heads(
+        self, first: int, count: int, slots: Tensor | None, q_len: int, kv_len: int
+    ) -> AttentionMask:
+        """The mask of query heads ``first .. first + count - 1`` and query rows ``slots``.
+
+        ``slots`` ``(B, count, C)`` holds the query position of each row when a head's
+        rows are packed (sparse heads compute only the positions they selected); ``None``
+        keeps all ``L`` rows in position order. Packed rows are no longer positions
+        ``0 .. L - 1``, so a kernel's own causal mask would be wrong for them: it is written
+        out, and from then on only the tensor says who sees what.
+        """
+        tensor = self.tensor
+        if slots is not None and self.kernel_causal(q_len, kv_len):
+            tensor = torch.ones(q_len, kv_len, dtype=torch.bool, device=slots.device).tril()
+        tensor = _rows(tensor, first, count, slots)
+        packed = slots is not None and tensor is not None and tensor.shape[2] > 1
+        return AttentionMask(
+            tensor=tensor,
+            is_causal=self.is_causal and not packed,
+            empty_rows=_rows(self.empty_rows, first, count, slots),
+            key_padding_mask=self.key_padding_mask,
+            has_attn_mask=self.has_attn_mask or packed,
+        )
+
+
+def _rows(t: Tensor | None, first: int, count: int, slots: Tensor | None) -> Tensor | None:
+    """Rows of a mask broadcastable to ``(B, H, L, X)`` for some heads and query slots.
+
+    Keeps heads ``first .. first + count - 1``; with ``slots`` ``(B, count, C)`` (query
+    positions), gathers those rows, giving a tensor broadcastable to ``(B, count, C, X)``.
+    """
+    if t is None:
+        return None
+    t = t[(None,) * (4 - t.dim())]  # (b, h, l, X) with b, h, l either full or 1
+    if t.shape[1] > 1:
+        t = t[:, first : first + count]
+    if slots is None or t.shape[2] == 1:
+        return t
+    B, _, C = slots.shape
+    t = t.expand(B, count, t.shape[2], t.shape[3])  # (B, count, L, X), a view
+    return t.gather(2, slots.unsqueeze(-1).expand(B, count, C, t.shape[3]))  # (B, count, C, X)
+
+
+def apply_mask(scores: Tensor, mask: AttentionMask) -> Tensor:
+    """``scores`` ``(B, H, L, S)`` with ``mask`` applied: ``-inf`` where masked, bias added.
+
+    The written-out kernels (math, talking heads) mask their scores here, in one way.
+    """
+    L, S = scores.shape[-2:]
+    if mask.kernel_causal(L, S):
+        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask.tensor is not None:
+        if mask.tensor.dtype == torch.bool:
+            scores = scores.masked_fill(~mask.tensor, float("-inf"))
+        else:
+            scores = scores + mask.tensor
+    return scores
 
 
 def build_attention_mask(
@@ -108,15 +174,14 @@ def build_attention_mask(
         else:
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
 
-    kernel_causal = False
-    if is_causal:
-        if keep is None and bias is None and q_len == kv_len:
-            # The kernels' own causal mask is free: nothing is materialised.
-            kernel_causal = True
-        elif q_len > 1:  # a single newest query sees every key: no mask needed
-            rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-            causal_keep = torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
-            keep = causal_keep if keep is None else keep & causal_keep
+    # Causal attention is written into the mask only when the kernels' own (free, top-left
+    # aligned) causal mask cannot serve: another mask is present, or L < S. A single newest
+    # query (L = 1) sees every key and needs none.
+    own_causal = keep is None and bias is None and q_len == kv_len
+    if is_causal and not own_causal and q_len > 1:
+        rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        causal_keep = torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
+        keep = causal_keep if keep is None else keep & causal_keep
 
     tensor: Tensor | None = None
     empty_rows: Tensor | None = None
@@ -137,9 +202,8 @@ def build_attention_mask(
 
     return AttentionMask(
         tensor=tensor,
-        kernel_causal=kernel_causal,
+        is_causal=is_causal,
         empty_rows=empty_rows,
-        causal_requested=is_causal,
         key_padding_mask=key_padding_mask,
         has_attn_mask=attn_mask is not None,
     )

@@ -282,7 +282,7 @@ class Transformer(nn.Module):
         ...     attention={"num_heads": 4}, decoder_self_attention={"num_kv_heads": 1})
         >>> model(torch.randint(1, 100, (2, 7)), torch.randint(1, 100, (2, 5))).shape
         torch.Size([2, 5, 100])
-        >>> model.head_config["decoder_self_attention"]["variant"]
+        >>> model.head_config["decoder_self_attention"]["kind"]
         'mqa'
     """
 
@@ -593,25 +593,23 @@ class Transformer(nn.Module):
 
     @property
     def head_config(self) -> dict[str, dict[str, Any]]:
-        """The heads of each sublayer kind, read from the layers themselves.
+        """Which heads each sublayer kind has, read from the layers themselves.
 
         Returns:
-            ``{kind: {"variant": "mha" | "gqa" | "mqa", "num_heads": H, "num_kv_heads": G,
-            "backend": name, "design": head_design, "active_head_fraction": f}}`` for the
-            three kinds of :data:`ATTENTION_KINDS`; ``design`` is the layer's
-            :attr:`~multihead.attention.MultiHeadAttention.head_design` (e.g. ``"gqa"``,
-            ``"mha-moh-k2s1"``).
+            ``{kind: {**layer.head_config, "backend": name, "tag": layer.head_tag,
+            "active_head_fraction": f}}`` for the three kinds of :data:`ATTENTION_KINDS`,
+            with the layer's :attr:`~multihead.attention.MultiHeadAttention.head_config`
+            (``kind``, ``num_heads``, ``num_kv_heads`` and the head design's arguments)
+            and :attr:`~multihead.attention.MultiHeadAttention.head_tag` (e.g. ``"gqa8kv2"``).
         """
         config: dict[str, dict[str, Any]] = {}
         for kind, _, _, attn in self.attention_sublayers():
             config.setdefault(
                 kind,
                 {
-                    "variant": attn.variant,
-                    "num_heads": attn.num_heads,
-                    "num_kv_heads": attn.num_kv_heads,
+                    **attn.head_config,
                     "backend": attn.backend,
-                    "design": attn.head_design,
+                    "tag": attn.head_tag,
                     "active_head_fraction": attn.active_head_fraction,
                 },
             )
@@ -619,14 +617,12 @@ class Transformer(nn.Module):
 
     @property
     def head_tag(self) -> str:
-        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``.
-
-        A head design follows its sublayer's heads, e.g. ``enc-mha8-moh-k2s1``.
-        """
-        parts = []
-        for short, cfg in zip(("enc", "dec", "cross"), self.head_config.values(), strict=True):
-            kv = f"kv{cfg['num_kv_heads']}" if cfg["variant"] == "gqa" else ""
-            design = cfg["design"].removeprefix(cfg["variant"])  # "" or e.g. "-moh-k2s1"
-            parts.append(f"{short}-{cfg['variant']}{cfg['num_heads']}{kv}{design}")
-        backends = sorted({cfg["backend"] for cfg in self.head_config.values()})
+        """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``: each
+        kind's layer tag (a head design follows its heads, e.g. ``enc-mha8-moh-k2s1``),
+        then the backends."""
+        config = self.head_config
+        parts = [
+            f"{short}-{c['tag']}" for short, c in zip(("enc", "dec", "cross"), config.values())
+        ]
+        backends = sorted({c["backend"] for c in config.values()})
         return "_".join(parts + ["-".join(backends)])

@@ -75,8 +75,8 @@ def model_summary(model) -> dict[str, Any]:
     fractions = [attn.active_head_fraction for *_, attn in model.attention_sublayers()]
     return {
         "run_name": model.head_tag,
-        "variant": heads["variant"],
-        "design": heads["design"],
+        "kind": heads["kind"],
+        "tag": heads["tag"],
         "heads/active_fraction": sum(fractions) / len(fractions),
         "num_heads": heads["num_heads"],
         "num_kv_heads": heads["num_kv_heads"],

@@ -1,0 +1,59 @@
+"""Which head design a layer is built with: the one place that knows them all.
+
+A layer has at most one head design, a part that owns its parameters, its checks, its tag
+and its computation, registered on the layer under the name its parameters have always had
+in checkpoints: ``head_gate`` (:class:`~multihead.attention.sparse.SparseHeads`) or
+``head_mix`` (:mod:`~multihead.attention.mixing`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from multihead.attention.mixing import build_mixing
+from multihead.attention.sparse import SparseHeads
+
+
+def build_head_design(
+    embed_dim: int,
+    num_heads: int,
+    *,
+    backend: str,
+    top_k_heads: int | None = None,
+    num_shared_heads: int = 0,
+    head_mixing: str | None = None,
+    mixing_groups: int | None = None,
+    device=None,
+    dtype=None,
+) -> tuple[str, nn.Module] | None:
+    """``(name, part)`` for the design the layer's arguments ask for, or ``None``.
+
+    Raises:
+        ValueError: options of a design that was not asked for, two designs at once, or a
+            design's own check (see each part).
+    """
+    if top_k_heads is None and num_shared_heads:
+        raise ValueError(
+            f"num_shared_heads={num_shared_heads} needs sparse heads; set top_k_heads too"
+        )
+    if mixing_groups is not None and head_mixing is None:
+        raise ValueError(
+            f"mixing_groups={mixing_groups} is for head_mixing='group_mlp', got head_mixing=None"
+        )
+    if top_k_heads is not None and head_mixing is not None:
+        raise ValueError(
+            f"top_k_heads={top_k_heads} cannot be combined with head_mixing={head_mixing!r}: "
+            "a layer has one head design (a mixing reads every head, a sparse layer skips some)"
+        )
+    factory = {"device": device, "dtype": dtype}
+    if top_k_heads is not None:
+        return "head_gate", SparseHeads(
+            embed_dim, num_heads, top_k_heads, num_shared_heads, **factory
+        )
+    if head_mixing is not None:
+        head_dim = embed_dim // num_heads
+        mixing = build_mixing(
+            head_mixing, num_heads, head_dim, backend=backend, groups=mixing_groups, **factory
+        )
+        return "head_mix", mixing
+    return None

@@ -1,0 +1,253 @@
+"""Head mixings: parts of the layer that let its heads interact (a registry by name).
+
+Plain multi-head attention keeps the ``H`` heads apart until ``W^O`` sums them. A mixing
+adds one interaction, and each starts as the identity, so a layer with one starts as plain
+multi-head attention:
+
+* ``talking_heads`` (Shazeer et al., 2020): learned ``(H, H)`` mixes of the heads' logits
+  and of their weights, inside the attention. It needs every head's full logits, so it owns
+  its kernel (the math formula with the two mixes) and runs only with ``backend="math"``.
+* ``group_mlp``: an MLP over each group's concatenated head outputs, before ``W^O``.
+* ``head_attention``: attention among the ``H`` head outputs at each position, before ``W^O``.
+
+Each part replaces one step of the layer's forward: the kernel (talking heads) or the
+merge of the heads before ``W^O`` (the other two); :meth:`HeadMixing.attention` runs the
+layer's own steps for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention.kv_cache import KVCache
+from multihead.attention.masks import AttentionMask, apply_mask
+
+if TYPE_CHECKING:
+    from multihead.attention.layer import MultiHeadAttention
+
+
+class HeadMixing(nn.Module):
+    """A mixing part; subclasses replace :meth:`attend` or :meth:`mix` (or both)."""
+
+    name: str
+
+    def attention(
+        self,
+        layer: MultiHeadAttention,
+        query: Tensor,
+        key_value: Tensor | None,
+        *,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``."""
+        B, L, E = query.shape
+        q, k, v = layer._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
+        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal)
+        heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
+        heads = self.mix(heads.transpose(1, 2))  # (B, L, H, D)
+        out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
+        return (out, weights) if need_weights else out
+
+    def attend(
+        self,
+        layer: MultiHeadAttention,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The heads ``(B, H, L, D)``: the layer's own kernel unless a mixing replaces it."""
+        return layer._attend(q, k, v, mask, need_weights)
+
+    def mix(self, heads: Tensor) -> Tensor:
+        """``heads`` ``(B, L, H, D)`` as they enter ``W^O``; unchanged unless replaced."""
+        return heads
+
+    @property
+    def options(self) -> dict[str, str | int]:
+        """The layer's constructor arguments that build this part."""
+        return {"head_mixing": self.name}
+
+    @property
+    def tag(self) -> str:
+        return f"-{self.name}"
+
+
+class TalkingHeads(HeadMixing):
+    """The two ``(H, H)`` mixes of talking-heads attention (Shazeer et al., 2020).
+
+    Head ``j``'s logits become ``sum_i logits_i * logit_mix[i, j]`` (before the mask and
+    softmax) and its weights ``sum_i weights_i * weight_mix[i, j]`` (after the softmax,
+    before the weights multiply V). The attention weights it returns are the mixed ones,
+    those that multiply V.
+    """
+
+    name = "talking_heads"
+
+    def __init__(self, num_heads: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.logit_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
+        self.weight_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
+
+    def attend(
+        self,
+        layer: MultiHeadAttention,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: AttentionMask,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor]:
+        B, H, L, D = q.shape
+        G, S = k.shape[1], k.shape[2]
+        qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D): K/V broadcast over their group
+        scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * layer.scale  # (B, G, H/G, L, S)
+        # Mixed before masking: a masked (-inf) logit mixed into other heads would give NaN.
+        scores = torch.einsum("bhls,hj->bjls", scores.view(B, H, L, S), self.logit_mix)
+        scores = apply_mask(scores, mask)  # (B, H, L, S)
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # fp32 softmax
+        if mask.empty_rows is not None:
+            # An empty row is un-masked only to keep softmax finite; it lends no weight.
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+        weights = torch.einsum("bhls,hj->bjls", weights, self.weight_mix)  # (B, H, L, S)
+        # A per-head mask stays a mask after mixing: no head attends where it may not.
+        weights = weights.masked_fill(torch.isneginf(scores), 0.0)
+        dropout_p = layer.dropout if layer.training else 0.0
+        dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+        out = (dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)).view(B, H, L, D)
+        if mask.empty_rows is not None:
+            # Rows with no key to attend to: zeros, as the layer's own kernels give.
+            out = out.masked_fill(mask.empty_rows, 0.0)
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+        return out, weights
+
+
+class GroupMLPMixing(HeadMixing):
+    """An MLP over each group's concatenated head outputs, before ``W^O``.
+
+    The ``H`` heads are split into ``groups`` consecutive groups of ``H / groups`` heads;
+    group ``g``'s concatenated outputs ``x_g`` (width ``w = E / groups``) become
+    ``x_g + W2_g gelu(W1_g x_g + b1_g) + b2_g`` with one ``(w, w)`` MLP per group. ``W2`` and
+    the biases start at zero, so the mixing starts as the identity.
+    """
+
+    name = "group_mlp"
+
+    def __init__(self, num_heads: int, head_dim: int, groups: int, *, device=None, dtype=None):
+        super().__init__()
+        self.groups = groups
+        width = num_heads // groups * head_dim
+        factory = {"device": device, "dtype": dtype}
+        bound = 1.0 / math.sqrt(width)  # nn.Linear's default bound for a (w, w) layer
+        self.w1 = nn.Parameter(torch.empty(groups, width, width, **factory).uniform_(-bound, bound))
+        self.b1 = nn.Parameter(torch.zeros(groups, width, **factory))
+        self.w2 = nn.Parameter(torch.zeros(groups, width, width, **factory))
+        self.b2 = nn.Parameter(torch.zeros(groups, width, **factory))
+
+    def forward(self, heads: Tensor) -> Tensor:
+        """``heads`` ``(B, L, H, D)`` -> ``(B, L, H, D)``."""
+        B, L, H, D = heads.shape
+        x = heads.reshape(B, L, self.groups, -1)  # (B, L, g, w): a group's heads concatenated
+        hidden = F.gelu(torch.einsum("blgi,gio->blgo", x, self.w1) + self.b1)  # (B, L, g, w)
+        x = x + torch.einsum("blgi,gio->blgo", hidden, self.w2) + self.b2
+        return x.view(B, L, H, D)
+
+    def mix(self, heads: Tensor) -> Tensor:
+        return self(heads)
+
+    @property
+    def options(self) -> dict[str, str | int]:
+        return {"head_mixing": self.name, "mixing_groups": self.groups}
+
+    @property
+    def tag(self) -> str:
+        return f"-{self.name}{self.groups}"
+
+
+class HeadAttentionMixing(HeadMixing):
+    """Attention among the ``H`` head outputs at each position, before ``W^O``.
+
+    A projection shared by all heads (``head_mix``, ``D -> 3D``) turns each head output
+    ``o_i`` into ``(q_i, k_i, v_i)``; head ``i`` then becomes
+    ``o_i + sum_j softmax_j(q_i . k_j / sqrt(D)) v_j``. The value rows of ``head_mix`` start
+    at zero, so the mixing starts as the identity.
+    """
+
+    name = "head_attention"
+
+    def __init__(self, head_dim: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.head_mix = nn.Linear(head_dim, 3 * head_dim, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.head_mix.weight[2 * head_dim :].zero_()
+            self.head_mix.bias[2 * head_dim :].zero_()
+
+    def forward(self, heads: Tensor) -> Tensor:
+        """``heads`` ``(B, L, H, D)`` -> ``(B, L, H, D)``."""
+        q, k, v = self.head_mix(heads).chunk(3, dim=-1)  # (B, L, H, D) each
+        scores = q @ k.transpose(-2, -1) / math.sqrt(heads.shape[-1])  # (B, L, H, H)
+        weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # head i over heads j
+        return heads + weights @ v
+
+    def mix(self, heads: Tensor) -> Tensor:
+        return self(heads)
+
+
+HEAD_MIXINGS = ("talking_heads", "group_mlp", "head_attention")
+
+
+def build_mixing(
+    name: str,
+    num_heads: int,
+    head_dim: int,
+    *,
+    backend: str,
+    groups: int | None = None,
+    device=None,
+    dtype=None,
+) -> HeadMixing:
+    """The mixing part ``name``, checked against the layer it joins.
+
+    Raises:
+        ValueError: an unknown name, ``groups`` for a mixing other than ``group_mlp`` or not
+            dividing ``num_heads``, or talking heads on a backend other than ``math``.
+        TypeError: ``groups`` is not an integer.
+    """
+    factory = {"device": device, "dtype": dtype}
+    if name not in HEAD_MIXINGS:
+        raise ValueError(
+            f"unknown head_mixing {name!r}; expected None or one of {', '.join(HEAD_MIXINGS)}"
+        )
+    if groups is not None:
+        if name != "group_mlp":
+            raise ValueError(
+                f"mixing_groups={groups} is for head_mixing='group_mlp', got head_mixing={name!r}"
+            )
+        if isinstance(groups, bool) or not isinstance(groups, int):
+            raise TypeError(f"mixing_groups must be an integer, got {groups!r}")
+    if name == "talking_heads":
+        if backend != "math":
+            raise ValueError(
+                f"head_mixing='talking_heads' mixes the full attention logits, which only the "
+                f"'math' backend computes; got backend={backend!r}. Use backend='math', or a "
+                "mixing that runs on any backend: group_mlp, head_attention"
+            )
+        return TalkingHeads(num_heads, **factory)
+    if name == "group_mlp":
+        groups = groups or 2
+        if groups <= 0 or num_heads % groups != 0:
+            raise ValueError(
+                f"mixing_groups ({groups}) must be a positive divisor of num_heads ({num_heads})"
+            )
+        return GroupMLPMixing(num_heads, head_dim, groups, **factory)
+    return HeadAttentionMixing(head_dim, **factory)

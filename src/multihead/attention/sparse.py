@@ -1,0 +1,250 @@
+"""Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
+
+Each token's gate ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - s`` routed heads)
+picks its ``k`` best routed heads; only those are computed (their query projection, their
+scores and weighted values, their slice of ``W^O``) and their outputs are summed with
+weights ``softmax(G(x))`` taken over the selected heads. Heads ``0 .. s - 1`` are shared:
+always on, with weight 1. K and V are still projected for all ``G`` K/V heads.
+
+:class:`SparseHeads` is the gate itself (an ``nn.Linear``, so ``layer.head_gate(x)`` gives
+the routing logits and the state_dict key is ``head_gate.weight``) plus the routed
+computation, which replaces the layer's ``attend -> out_proj`` steps.
+
+Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active:
+
+    >>> import torch
+    >>> from multihead import MultiHeadAttention
+    >>> moh = MultiHeadAttention(embed_dim=64, num_heads=8, top_k_heads=2, num_shared_heads=2)
+    >>> moh(torch.randn(2, 5, 64), is_causal=True).shape, moh.active_head_fraction
+    (torch.Size([2, 5, 64]), 0.5)
+    >>> moh.aux_loss is not None, moh.head_tag
+    (True, 'mha8-moh-k2s2')
+    >>> moh.head_gate  # the gate: 6 routed heads' logits per token
+    SparseHeads(in_features=64, out_features=6, bias=False, top_k_heads=2, num_shared_heads=2)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from multihead.attention.layer import MultiHeadAttention
+
+
+def _kv_for_heads(t: Tensor, first: int, count: int, num_heads: int) -> Tensor:
+    """The K (or V) heads ``(B, G, S, D)`` serving query heads ``first .. first + count - 1``.
+
+    Returned in the grouped form the kernels take: a slice when those query heads make
+    whole groups, the single head for MQA, else one K/V head per query head (a copy).
+    """
+    G = t.shape[1]
+    per_group = num_heads // G
+    if G == 1:
+        return t
+    if first % per_group == 0 and count % per_group == 0:
+        return t[:, first // per_group : (first + count) // per_group]  # (B, count/r, S, D)
+    index = torch.arange(first, first + count, device=t.device) // per_group
+    return t.index_select(1, index)  # (B, count, S, D)
+
+
+def _pack_front(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices of the True entries of ``flags`` ``(..., N)``, in order, packed to the front.
+
+    Returns ``(index, valid)``, both ``(..., M)`` with ``M`` the most True entries of any
+    row; ``index`` is ``N`` where ``valid`` is False (past a row's last True entry).
+    """
+    N = flags.shape[-1]
+    M = int(flags.sum(dim=-1).max())
+    positions = torch.arange(N, device=flags.device)
+    index = torch.where(flags, positions, N).sort(dim=-1).values[..., :M]  # (..., M)
+    return index, index < N
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+
+
+class SparseHeads(nn.Linear):
+    """The MoH gate of a layer with ``num_heads`` heads, and the routed attention.
+
+    Args:
+        embed_dim: ``E``.
+        num_heads: ``H``, the layer's query heads.
+        top_k_heads: ``k``, the routed heads each token computes, in ``[1, H - s]``.
+        num_shared_heads: ``s``, heads always on, in ``[0, H)``.
+        device, dtype: for the gate's weight.
+
+    In training mode each call sets :attr:`aux_loss`, the Switch Transformer's
+    load-balancing loss over the routed heads, ``R * sum_i f_i P_i``: ``f_i`` is the fraction
+    of the ``k`` selections per token that went to head ``i`` (every query token, padding
+    included), ``P_i`` the mean gate probability (softmax over all routed heads) of head
+    ``i``. It is 1 for a perfectly balanced router; a model adds ``weight * aux_loss`` to
+    its loss. It is ``None`` in eval mode. The packed buffers are sized from the routing,
+    which reads two counts back to the host on every call (a sync on CUDA; shapes vary for
+    ``torch.compile``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        top_k_heads: int,
+        num_shared_heads: int = 0,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        _check_int("top_k_heads", top_k_heads)
+        _check_int("num_shared_heads", num_shared_heads)
+        if not 0 <= num_shared_heads < num_heads:
+            raise ValueError(
+                f"num_shared_heads must be in [0, num_heads={num_heads}), got {num_shared_heads}"
+            )
+        routed = num_heads - num_shared_heads
+        if not 1 <= top_k_heads <= routed:
+            raise ValueError(
+                f"top_k_heads must be in [1, {routed}] (num_heads={num_heads} minus "
+                f"num_shared_heads={num_shared_heads}), got top_k_heads={top_k_heads}"
+            )
+        super().__init__(embed_dim, routed, bias=False, device=device, dtype=dtype)
+        self.num_heads = num_heads
+        self.top_k = top_k_heads
+        self.num_shared = num_shared_heads
+        self.aux_loss: Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        # The last aux_loss holds an autograd graph, which can be neither copied nor pickled.
+        return {**self.__dict__, "aux_loss": None}
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The layer's constructor arguments that build this part."""
+        shared = {"num_shared_heads": self.num_shared} if self.num_shared else {}
+        return {"top_k_heads": self.top_k, **shared}
+
+    @property
+    def tag(self) -> str:
+        """``-moh-k<k>`` plus ``s<s>`` with shared heads, e.g. ``-moh-k2s1``."""
+        return f"-moh-k{self.top_k}" + (f"s{self.num_shared}" if self.num_shared else "")
+
+    @property
+    def active_head_fraction(self) -> float:
+        """The fraction of the ``H`` heads computed for each token."""
+        return (self.top_k + self.num_shared) / self.num_heads
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, top_k_heads={self.top_k}, num_shared_heads={self.num_shared}"
+        )
+
+    def attention(
+        self,
+        layer: MultiHeadAttention,
+        query: Tensor,
+        key_value: Tensor | None,
+        *,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The layer's forward with sparse heads: shared heads densely, then only the
+        routed (token, head) pairs the gate selects.
+
+        The routed heads' queries are projected for the selected pairs only (``M`` rows per
+        head, ``M`` the most pairs any head got in the batch, ``B * L * k / R`` for a
+        balanced router); their scores and values run in the layer's backend on
+        ``(B, R, C, D)`` queries, ``C`` the most positions any (sentence, head) got; their
+        ``W^O`` slices again on the ``M`` rows per head.
+        """
+        B, L, E = query.shape
+        H, D = layer.num_heads, layer.head_dim
+        s, top_k, R = self.num_shared, self.top_k, self.out_features
+        w, b = layer.in_proj.weight, layer.in_proj.bias
+        w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
+
+        # Project: the shared heads' queries densely, K/V for every K/V head.
+        q_shared = F.linear(query, w[: s * D], None if b is None else b[: s * D])  # (B, L, s*D)
+        q_shared = q_shared.view(B, L, s, D).transpose(1, 2)  # (B, s, L, D)
+        source = query if key_value is None else key_value
+        k, v = layer._project_kv(source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
+        S = k.shape[2]
+        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal)
+
+        def attend(q: Tensor, first: int, count: int, slots: Tensor | None):
+            head_mask = mask.for_heads(first, count, slots, L, S)
+            k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
+            return layer._attend(q, k_h, v_h, head_mask, need_weights)
+
+        # Route: each token picks its top-k routed heads, weighted by a softmax over them.
+        logits = self(query)  # (B, L, R)
+        top_logits, top_heads = logits.topk(top_k, dim=-1)  # (B, L, k)
+        top_gate = torch.softmax(top_logits.float(), dim=-1).to(logits.dtype)  # (B, L, k)
+        gate = torch.zeros_like(logits).scatter(-1, top_heads, top_gate)  # (B, L, R)
+        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_heads, True)
+        chosen = chosen.transpose(1, 2)  # (B, R, L)
+        if self.training:
+            f = chosen.sum(dim=(0, 2)).to(torch.float32) / (B * L * top_k)  # (R,), sums to 1
+            p = torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))  # (R,)
+            self.aux_loss = R * (f * p).sum()
+        else:
+            self.aux_loss = None
+
+        # Two packings of the selected pairs. Attention runs per sentence: for each
+        # (sentence, head), its positions to the front of C slots, C the most any got.
+        # Projections run per head over the whole batch: its pairs to the front of M rows,
+        # M the most pairs any head got, close to B*L*k/R even when sentences route unevenly.
+        order, filled = _pack_front(chosen)  # (B, R, C)
+        C = order.shape[-1]
+        slots = order.clamp(max=L - 1)  # padding slots read the last position, weighted 0
+        first_token = torch.arange(B, device=query.device) * L  # (B,)
+        tokens = (slots + first_token[:, None, None]).transpose(0, 1).reshape(R, B * C)
+        pair_slot, pair_valid = _pack_front(filled.transpose(0, 1).reshape(R, B * C))  # (R, M)
+        M = pair_slot.shape[-1]
+        pair_slot_or_spare = pair_slot  # B*C for padding rows: a spare slot, dropped
+        pair_slot = pair_slot.clamp(max=B * C - 1)
+        pair_token = tokens.gather(1, pair_slot)  # (R, M): indices into the B*L tokens
+
+        # Queries of the selected pairs only: per routed head, its (D, E) rows of W^Q.
+        x = query.reshape(B * L, E).index_select(0, pair_token.reshape(-1)).view(R, M, E)
+        q = torch.bmm(x, w[s * D : E].view(R, D, E).transpose(1, 2))  # (R, M, D)
+        if b is not None:
+            q = q + b[s * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
+        spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
+        q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
+        q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
+        routed, routed_weights = attend(q, s, R, slots)  # (B, R, C, D)
+
+        # Weight each pair by its gate value (0 for padding), then W^O per head slice.
+        routed = routed.transpose(0, 1).reshape(R, B * C, D)
+        routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
+        slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
+        pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
+        y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, s:].permute(1, 2, 0))  # (R, M, E)
+        out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
+        out = out.view(B, L, E)
+        if s:
+            shared, shared_weights = attend(q_shared, 0, s, None)  # (B, s, L, D)
+            shared = shared.transpose(1, 2).reshape(B, L, s * D)  # (B, L, s*D)
+            out = out + shared @ w_o[:, :s].reshape(E, s * D).T
+        if layer.out_proj.bias is not None:
+            out = out + layer.out_proj.bias.to(out.dtype)
+        if not need_weights:
+            return out
+
+        # Weights (B, H, L, S): the routed pairs scattered back, zeros for unselected heads.
+        # order is L in padding slots: a spare row, dropped.
+        weights = q.new_zeros(B, R, L + 1, S).scatter(
+            2, order.unsqueeze(-1).expand(B, R, C, S), routed_weights
+        )[:, :, :L]
+        if s:
+            weights = torch.cat([shared_weights, weights], dim=1)
+        return out, weights
