@@ -13,8 +13,11 @@ CPU_AUTO_PRECISION = "32-true"
 def resolve_precision(precision: str, accelerator: str) -> str:
     """Turn ``auto`` into a concrete Lightning precision for ``accelerator``.
 
-    ``auto`` picks bf16-mixed on GPUs that support bf16, 16-mixed (fp16 with loss scaling)
-    on older GPUs, and :data:`CPU_AUTO_PRECISION` on CPU.
+    ``auto`` picks bf16-mixed on GPUs with native bf16 (compute capability 8.0 on: A100,
+    H100, RTX 30xx on), 16-mixed (fp16 with loss scaling) on older GPUs (V100, T4), and
+    :data:`CPU_AUTO_PRECISION` on CPU. A V100 or T4 can emulate bf16, so
+    ``torch.cuda.is_bf16_supported()`` says True there unless emulation is excluded; the
+    emulated kernels are much slower than fp16 ones.
     """
     precision = str(precision)
     if precision not in PRECISIONS:
@@ -25,5 +28,6 @@ def resolve_precision(precision: str, accelerator: str) -> str:
         return precision
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if on_gpu:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16-mixed" if native_bf16 else "16-mixed"
     return CPU_AUTO_PRECISION
