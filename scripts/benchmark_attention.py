@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TextbookAttention(nn.Module):
-    """The straightforward version: separate Q/K/V linears, explicit softmax, -1e9 mask."""
+    """The straightforward version: separate Q/K/V linears, explicit softmax, masked_fill."""
 
     def __init__(self, embed_dim: int, num_heads: int, **factory) -> None:
         super().__init__()
@@ -61,7 +61,9 @@ class TextbookAttention(nn.Module):
         v = self.v(memory).view(B, -1, H, D).transpose(1, 2)
         scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, L, S)
         if mask is not None:
-            scores = scores.masked_fill(mask, -1e9)  # mask: True = masked out
+            # mask: True = masked out. -inf, as the project's masks use: the usual -1e9
+            # does not fit in fp16 (max 65504), and masked_fill refuses it there.
+            scores = scores.masked_fill(mask, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # (B, H, L, D)
         return self.out(out.transpose(1, 2).reshape(B, L, E))
 

@@ -99,7 +99,7 @@ import yaml
 run = Path(sys.argv[1])
 summary = json.loads((run / "summary.json").read_text())
 precision = yaml.safe_load((run / "csv" / "hparams.yaml").read_text())["precision"]
-expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+expected = "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
 print(f"precision: {precision} (auto on this GPU should be {expected})")
 for key in (
     "perf/train_tgt_tokens_per_s",

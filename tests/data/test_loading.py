@@ -5,6 +5,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import pytest
 
 from multihead.data import DataError, filter_parallel_dataset, load_parallel_dataset, read_lines
@@ -251,22 +252,140 @@ def test_offline_hub_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
-def test_hub_translation_column_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+# The Hub's Parquet conversions, as their refs/convert/parquet branches lay them out:
+# IWSLT/iwslt2017 has iwslt2017-de-en/{train,validation,test}/0000.parquet (one config per
+# direction); wmt/wmt14 has de-en/train/0000.parquet to 0002.parquet, de-en/validation/...
+# (one config for both directions). (name, src, tgt) -> (repo, config, train shards)
+PARQUET_CASES = {
+    ("iwslt2017", "de", "en"): ("IWSLT/iwslt2017", "iwslt2017-de-en", 1),
+    ("iwslt2017", "en", "de"): ("IWSLT/iwslt2017", "iwslt2017-en-de", 1),
+    ("wmt14", "de", "en"): ("wmt/wmt14", "de-en", 2),
+    ("wmt14", "en", "de"): ("wmt/wmt14", "de-en", 2),
+}
+
+
+def write_parquet_conversion(root: Path, config: str, train_shards: int = 1) -> Path:
+    """A tiny copy of a Parquet conversion: one ``translation`` column, as on the Hub."""
+    languages = ["de", "en"]
+    features = datasets.Features({"translation": datasets.Translation(languages=languages)})
+    shards = {"train": train_shards, "validation": 1, "test": 1}
+    for split, count in shards.items():
+        for shard in range(count):
+            rows = [{lang: f"{lang} {split} {shard}.{i}" for lang in languages} for i in range(2)]
+            path = root / config / split / f"{shard:04d}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table = datasets.Dataset.from_dict({"translation": rows}, features=features)
+            table.to_parquet(str(path))
+    return root
+
+
+@pytest.fixture
+def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_dataset's Arrow cache in tmp_path, not in the user's cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+
+
+@pytest.mark.parametrize("name, src_lang, tgt_lang", sorted(PARQUET_CASES))
+def test_hub_reads_the_parquet_conversion(
+    name, src_lang, tgt_lang, tmp_path, monkeypatch, datasets_cache
+) -> None:
+    """The Hub's branch is read with the config's data files; the fixture stands for it."""
+    repo_id, config, train_shards = PARQUET_CASES[name, src_lang, tgt_lang]
+    hub = write_parquet_conversion(tmp_path / "hub", config, train_shards)
+    real_load_dataset = datasets.load_dataset
     calls = []
 
-    def fake(repo_id, config):
-        calls.append((repo_id, config))
-        rows = {"translation": [{"de": "Hallo", "en": "Hello"}]}
-        return datasets.DatasetDict(
-            {s: datasets.Dataset.from_dict(rows) for s in ("train", "validation", "test")}
-        )
+    def from_fixture(path, *args, **kwargs):
+        calls.append((path, args, kwargs))
+        # The relative data files, resolved in the fixture as the Hub resolves them in the repo.
+        files = {split: str(hub / pattern) for split, pattern in kwargs["data_files"].items()}
+        return real_load_dataset("parquet", data_files=files)
 
-    monkeypatch.setattr(datasets, "load_dataset", fake)
-    dd = load_parallel_dataset(name="wmt14", src_lang="en", tgt_lang="de")
-    assert dd["train"][0] == {"src": "Hello", "tgt": "Hallo"}
+    monkeypatch.setattr(datasets, "load_dataset", from_fixture)
+    dd = load_parallel_dataset(name=name, src_lang=src_lang, tgt_lang=tgt_lang)
+    assert calls == [
+        (
+            repo_id,
+            (),
+            {
+                "revision": "refs/convert/parquet",
+                "data_files": {
+                    "train": f"{config}/train/*.parquet",
+                    "validation": f"{config}/validation/*.parquet",
+                    "test": f"{config}/test/*.parquet",
+                },
+            },
+        )
+    ]
+    assert {split: len(ds) for split, ds in dd.items()} == {
+        "train": 2 * train_shards,
+        "validation": 2,
+        "test": 2,
+    }
     assert dd["train"].features == FEATURES
-    load_parallel_dataset(name="iwslt2017", src_lang="de", tgt_lang="en")
-    assert calls == [("wmt/wmt14", "de-en"), ("IWSLT/iwslt2017", "iwslt2017-de-en")]
+    assert dd["validation"][1] == {
+        "src": f"{src_lang} validation 0.1",
+        "tgt": f"{tgt_lang} validation 0.1",
+    }
+    assert dd["train"][-1]["src"] == f"{src_lang} train {train_shards - 1}.1"
+
+
+@pytest.mark.parametrize("name, src_lang, tgt_lang", sorted(PARQUET_CASES))
+def test_local_copy_of_the_parquet_conversion(
+    name, src_lang, tgt_lang, tmp_path, monkeypatch, datasets_cache
+) -> None:
+    _, config, train_shards = PARQUET_CASES[name, src_lang, tgt_lang]
+    copy = write_parquet_conversion(tmp_path / "copy", config, train_shards)
+    real_load_dataset = datasets.load_dataset
+
+    def local_only(path, *args, **kwargs):
+        assert path == "parquet", f"the Hub was asked for {path}"
+        return real_load_dataset(path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", local_only)
+    dd = load_parallel_dataset(name=name, src_lang=src_lang, tgt_lang=tgt_lang, local_dir=copy)
+    assert list(dd) == ["train", "validation", "test"]
+    assert dd["test"][0] == {"src": f"{src_lang} test 0.0", "tgt": f"{tgt_lang} test 0.0"}
+    assert len(dd["train"]) == 2 * train_shards
+
+
+def test_local_parquet_copy_with_missing_files_is_one_line(tmp_path, datasets_cache) -> None:
+    copy = write_parquet_conversion(tmp_path, "iwslt2017-de-en")
+    (copy / "iwslt2017-de-en" / "test" / "0000.parquet").unlink()
+    with pytest.raises(DataError) as info:
+        load_parallel_dataset(name="iwslt2017", src_lang="de", tgt_lang="en", local_dir=copy)
+    assert str(info.value) == (
+        f"missing files in {copy}: iwslt2017-de-en/test/*.parquet; expected IWSLT/iwslt2017's "
+        f"Parquet files (refs/convert/parquet) as {copy}/iwslt2017-de-en/"
+        "{train,validation,test}/*.parquet"
+    )
+    with pytest.raises(DataError, match=f"^local_dir {tmp_path / 'nowhere'} is not a directory"):
+        load_parallel_dataset(name="wmt14", local_dir=tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "name, repo_id, config",
+    [("iwslt2017", "IWSLT/iwslt2017", "iwslt2017-de-en"), ("wmt14", "wmt/wmt14", "de-en")],
+)
+def test_parquet_datasets_offline_are_one_line_naming_the_dataset_and_local_dir(
+    name, repo_id, config, monkeypatch
+) -> None:
+    """The real loader, offline: what a machine without network gets."""
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError) as info:
+        load_parallel_dataset(name=name, src_lang="de", tgt_lang="en")
+    message = str(info.value)
+    assert "\n" not in message and info.value.__cause__ is None
+    assert message.startswith(
+        f"could not load dataset '{name}' ({repo_id}, config '{config}', Parquet files of "
+        "refs/convert/parquet) from the Hugging Face Hub: "
+    )
+    assert message.endswith(
+        f"Offline? download them (hf download {repo_id} --repo-type dataset --revision "
+        f"refs/convert/parquet --include '{config}/*' --local-dir DIR) and set "
+        "data.local_dir=DIR"
+    )
 
 
 def test_filtering_counts() -> None:

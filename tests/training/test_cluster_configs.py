@@ -79,7 +79,8 @@ def test_multi_gpu_trainers_instantiate(preset, tmp_path) -> None:
     expected = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[preset]
     assert isinstance(trainer.strategy, expected)
     assert trainer.num_devices == torch.cuda.device_count()
-    assert precision == ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed")
+    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert precision == ("bf16-mixed" if native_bf16 else "16-mixed")
 
 
 GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.sh"

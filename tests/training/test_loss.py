@@ -8,11 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torch._ops import ops
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead.training import TranslationModule
 from multihead.training.loss import linear_cross_entropy
 from tests.conftest import compose_config
 from tests.model.tiny_models import PAD, VOCAB, random_src, tiny_model
+
+aten = ops.aten
 
 
 def make_module(model, **options) -> TranslationModule:
@@ -150,73 +154,73 @@ def test_bf16_projection_option_composes_and_reaches_the_training_loss(tmp_path)
     torch.testing.assert_close(bf16_loss, fp32_loss, rtol=1e-2, atol=1e-2)
 
 
-def rdrop_reference(hidden, weight, targets, label_smoothing, alpha):
-    """R-Drop's fairseq criterion on unfused logits, divided by its two passes.
+class GemmDtypes(TorchDispatchMode):
+    """Records the dtype of each matrix product's result, below autocast's casts."""
 
-    Its loss is (sum of both passes' cross-entropy + alpha * (KL(p1||p2) + KL(p2||p1)) / 2,
-    summed over the real positions) / (real positions of one pass).
-    """
-    logp = F.log_softmax(hidden @ weight.T, dim=-1)  # (2B, T, V)
-    flat = logp.reshape(-1, weight.shape[0]), targets.reshape(-1)
-    ce = F.nll_loss(*flat, ignore_index=PAD, reduction="sum")
-    smooth = -(logp.mean(-1) * targets.ne(PAD)).sum()
-    ce = (1 - label_smoothing) * ce + label_smoothing * smooth
-    lp1, lp2 = logp.chunk(2)
-    kl = F.kl_div(lp1, lp2, log_target=True, reduction="none")
-    kl = kl + F.kl_div(lp2, lp1, log_target=True, reduction="none")
-    real = targets.chunk(2)[0].ne(PAD)  # (B, T)
-    kl = (kl.sum(-1) * real).sum()
-    return (ce + alpha * kl / 2) / real.sum() / 2
+    GEMMS = (aten.mm, aten.addmm, aten.addmm_, aten.bmm)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self.GEMMS:
+            self.dtypes.append(out.dtype)
+        return out
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
-def test_rdrop_loss_and_gradients_equal_the_papers_criterion(chunk_size) -> None:
-    hidden, weight, targets = inputs()
-    # Two "passes": the same targets, different states (as two dropout masks give).
-    hidden = torch.cat([hidden, hidden + 0.3 * torch.randn_like(hidden)]).detach().requires_grad_()
-    targets = torch.cat([targets, targets])
-    ref = rdrop_reference(hidden, weight, targets, 0.1, alpha=5.0)
-    ref_grads = torch.autograd.grad(ref, (hidden, weight))
-    loss, _ = linear_cross_entropy(
-        hidden,
-        weight,
-        targets,
-        ignore_index=PAD,
-        label_smoothing=0.1,
-        chunk_size=chunk_size,
-        rdrop_alpha=5.0,
-    )
-    grads = torch.autograd.grad(loss, (hidden, weight))
-    torch.testing.assert_close(loss, ref)
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad, ref_grad)
+AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=["bf16", "fp16"])
+def test_loss_without_gradients_is_fp32_under_autocast(dtype) -> None:
+    """Validation and test losses: every GEMM in fp32 whatever precision the run trains in."""
+    hidden, weight, targets = inputs(torch.float32)
     with torch.no_grad():
-        plain, _ = linear_cross_entropy(
-            hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1
+        ref_loss, ref_nll = reference(hidden, weight, targets, 0.1)
+        with torch.autocast("cpu", dtype=dtype):
+            with GemmDtypes() as gemms:
+                loss, nll = linear_cross_entropy(
+                    hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1, chunk_size=9
+                )
+            # What the same loss gives on logits from a GEMM under autocast.
+            low_loss, _ = reference(hidden, weight, targets, 0.1)
+    assert gemms.dtypes == [torch.float32] * 2  # 17 real positions: chunks of 9 and 8
+    assert loss.dtype == nll.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    assert (low_loss - ref_loss).abs() > 1e-4  # a low-precision GEMM would not pass above
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=["bf16", "fp16"])
+def test_training_loss_runs_its_gemms_in_the_autocast_dtype(dtype) -> None:
+    """A mixed-precision step: logits, state and weight gradients on autocast's operands."""
+    hidden, weight, targets = inputs(torch.float32)
+    ref_loss, _ = reference(hidden, weight, targets, 0.1)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    with torch.autocast("cpu", dtype=dtype), GemmDtypes() as gemms:
+        loss, _ = linear_cross_entropy(
+            hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1, chunk_size=9
         )
-    assert loss > plain  # the KL term is positive for different passes
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert gemms.dtypes == [dtype] * 6  # 2 chunks x (logits, state gradient, weight gradient)
+    assert loss.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.float32] * 2
+    assert loss != ref_loss
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=2e-2 * ref_grad.abs().max())
 
 
-def test_rdrop_needs_two_copies_of_the_targets() -> None:
-    hidden, weight, targets = inputs()
-    with pytest.raises(ValueError, match="rdrop_alpha must be >= 0, got -1.0"):
-        linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, rdrop_alpha=-1.0)
-    with pytest.raises(ValueError, match=r"rdrop_alpha=5.0 needs .* shape \(3, 7\)"):
-        linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, rdrop_alpha=5.0)
-
-
-def test_module_rdrop_runs_the_batch_twice_with_two_dropout_masks() -> None:
-    model = tiny_model(dropout=0.3).double().train()
-    module = make_module(model, rdrop_alpha=5.0)
-    batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
-    torch.manual_seed(0)
-    loss, ntokens = module.loss(batch)
-    # The same dropout draws, made by the unfused network on the doubled batch.
-    torch.manual_seed(0)
-    src, tgt = torch.cat([batch["src"]] * 2), torch.cat([batch["tgt"]] * 2)
-    states = model.decoder_states(src, tgt[:, :-1])
-    ref = rdrop_reference(states, model.output_projection.weight, tgt[:, 1:], 0.1, alpha=5.0)
-    torch.testing.assert_close(loss, ref)
-    assert ntokens == int(batch["tgt"][:, 1:].ne(PAD).sum())  # one pass's tokens
-    with pytest.raises(ValueError, match="module.rdrop_alpha must be >= 0, got -1"):
-        make_module(model, rdrop_alpha=-1)
+def test_fp32_training_loss_runs_its_gemms_in_fp32() -> None:
+    hidden, weight, targets = inputs(torch.float32)
+    with GemmDtypes() as gemms:
+        loss, _ = linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, chunk_size=9)
+    torch.autograd.grad(loss, (hidden, weight))
+    assert gemms.dtypes == [torch.float32] * 6
+    with GemmDtypes() as gemms:
+        loss, _ = linear_cross_entropy(
+            hidden, weight, targets, ignore_index=PAD, chunk_size=9, bf16=True
+        )
+    assert gemms.dtypes == [torch.bfloat16] * 6

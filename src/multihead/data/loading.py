@@ -1,9 +1,13 @@
 """Load a parallel corpus as a ``DatasetDict`` with string columns ``src`` and ``tgt``.
 
-Two sources give the same structure (splits ``train``, ``validation``, ``test``):
+Every source gives the same structure (splits ``train``, ``validation``, ``test``):
 
-* the Hugging Face Hub (``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``), and
-* a local directory in the raw Multi30k layout ``{train,val,test_2016_flickr}.{lang}[.gz]``.
+* the Hugging Face Hub: ``bentrevett/multi30k`` as it is, and ``iwslt2017`` and ``wmt14``
+  from the Hub's Parquet conversion of them (branch ``refs/convert/parquet``, files
+  ``<config>/<split>/NNNN.parquet``): ``IWSLT/iwslt2017`` is a loading script, which
+  ``datasets`` 4 and later refuse to run, and the conversion holds its data as Parquet;
+* a local directory: the raw Multi30k layout ``{train,val,test_2016_flickr}.{lang}[.gz]``,
+  or for ``iwslt2017`` and ``wmt14`` a copy of their Parquet files in the Hub's layout.
 
 Every data problem raises :class:`DataError` with a one-line message that names the file
 (and line) at fault.
@@ -38,12 +42,17 @@ class DataError(ValueError):
     """A dataset could not be loaded or is malformed; the message names the file and line."""
 
 
+# The branch where the Hub keeps a Parquet conversion of every public dataset.
+PARQUET_REVISION = "refs/convert/parquet"
+
+
 @dataclass(frozen=True)
 class _HubSpec:
     repo_id: str
     languages: tuple[str, ...]
     pairs: Callable[[str, str], str | None]  # (src, tgt) -> config name, None if unsupported
     translation_column: bool  # True: one `translation` dict column; False: a column per language
+    parquet: bool  # True: read the Parquet conversion (PARQUET_REVISION), not the main branch
 
 
 _IWSLT2017_PAIRS = {
@@ -68,18 +77,21 @@ HUB_DATASETS: dict[str, _HubSpec] = {
         languages=("en", "de"),
         pairs=lambda s, t: None if s == t else "default",
         translation_column=False,
+        parquet=False,
     ),
     "iwslt2017": _HubSpec(
         repo_id="IWSLT/iwslt2017",
         languages=("ar", "de", "en", "fr", "it", "ja", "ko", "nl", "ro", "zh"),
         pairs=_iwslt_config,
         translation_column=True,
+        parquet=True,
     ),
     "wmt14": _HubSpec(
         repo_id="wmt/wmt14",
         languages=("cs", "de", "en", "fr", "hi", "ru"),
         pairs=_wmt14_config,
         translation_column=True,
+        parquet=True,
     ),
 }
 
@@ -108,12 +120,13 @@ def load_parallel_dataset(
     """Load a translation corpus as splits ``train``/``validation``/``test`` of ``src``/``tgt``.
 
     Args:
-        name: Hub dataset, one of ``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``. Ignored
-            when ``local_dir`` is given.
+        name: Hub dataset, one of ``bentrevett/multi30k``, ``iwslt2017``, ``wmt14``.
         src_lang: Source language code, e.g. ``"en"``.
         tgt_lang: Target language code, e.g. ``"de"``.
-        local_dir: Directory of raw Multi30k files ``{train,val,test_2016_flickr}.{lang}[.gz]``;
-            when set, the Hub is not contacted.
+        local_dir: A local copy; when set, the Hub is not contacted. For ``iwslt2017`` and
+            ``wmt14``, their Parquet files in the Hub's layout
+            ``<config>/{train,validation,test}/*.parquet`` (see :func:`parquet_files`);
+            for Multi30k, raw files ``{train,val,test_2016_flickr}.{lang}[.gz]``.
 
     Returns:
         A ``DatasetDict`` whose splits have the string columns ``src`` and ``tgt``. Local
@@ -125,12 +138,40 @@ def load_parallel_dataset(
     """
     if src_lang == tgt_lang:
         raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; expected two languages")
-    if local_dir is not None:
+    spec = HUB_DATASETS.get(name)
+    if local_dir is not None and (spec is None or not spec.parquet):
         return _load_multi30k_dir(Path(local_dir), src_lang, tgt_lang)
-    return _load_hub(name, src_lang, tgt_lang)
+    return _load_hub(name, src_lang, tgt_lang, local_dir)
 
 
-def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
+def parquet_files(config: str) -> dict[str, str]:
+    """Where the Hub's Parquet conversion keeps ``config``'s splits, relative to its root."""
+    return {split: f"{config}/{split}/*.parquet" for split in SPLITS}
+
+
+def _read_parquet_copy(directory: Path, spec: _HubSpec, config: str) -> datasets.DatasetDict:
+    """``config``'s splits from a local copy of ``spec``'s Parquet conversion."""
+    files = parquet_files(config)
+    layout = f"{directory}/{config}/{{{','.join(SPLITS)}}}/*.parquet"
+    if not directory.is_dir():
+        raise DataError(
+            f"local_dir {directory} is not a directory; expected {spec.repo_id}'s Parquet "
+            f"files ({PARQUET_REVISION}) as {layout}"
+        )
+    missing = [pattern for pattern in files.values() if not any(directory.glob(pattern))]
+    if missing:
+        raise DataError(
+            f"missing files in {directory}: {', '.join(missing)}; expected {spec.repo_id}'s "
+            f"Parquet files ({PARQUET_REVISION}) as {layout}"
+        )
+    local = {split: str(directory / pattern) for split, pattern in files.items()}
+    return datasets.load_dataset("parquet", data_files=local)
+
+
+def _load_hub(
+    name: str, src_lang: str, tgt_lang: str, local_dir: str | Path | None = None
+) -> datasets.DatasetDict:
+    """A dataset of :data:`HUB_DATASETS`: from the Hub, or a local copy of its Parquet files."""
     spec = HUB_DATASETS.get(name)
     if spec is None:
         raise DataError(
@@ -145,16 +186,19 @@ def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
     config = spec.pairs(src_lang, tgt_lang)
     if config is None:
         raise DataError(f"dataset {name!r} has no {src_lang}-{tgt_lang} pair")
-    try:
-        raw = datasets.load_dataset(spec.repo_id, None if config == "default" else config)
-    except (ConnectionError, OSError) as exc:
-        # Offline mode raises ConnectionError, a missing repo FileNotFoundError; keep it one line.
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(
-            f"could not load dataset {name!r} ({spec.repo_id}, config {config!r}) from the "
-            f"Hugging Face Hub: {reason}. Offline? Use a local copy: "
-            "data.local_dir=/path/to/multi30k"
-        ) from None
+    if local_dir is not None:
+        raw = _read_parquet_copy(Path(local_dir), spec, config)
+    else:
+        try:
+            if spec.parquet:
+                raw = datasets.load_dataset(
+                    spec.repo_id, revision=PARQUET_REVISION, data_files=parquet_files(config)
+                )
+            else:
+                raw = datasets.load_dataset(spec.repo_id, None if config == "default" else config)
+        except (ConnectionError, OSError) as exc:
+            # Offline or no network: ConnectionError; a missing repo: FileNotFoundError.
+            raise DataError(_unreachable(name, spec, config, exc)) from None
     missing = [split for split in SPLITS if split not in raw]
     if missing:
         raise DataError(f"dataset {name!r} lacks splits {missing}; found {list(raw)}")
@@ -177,6 +221,25 @@ def _load_hub(name: str, src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
             )
         out[split] = ds.cast(FEATURES)
     return datasets.DatasetDict(out)
+
+
+def _unreachable(name: str, spec: _HubSpec, config: str, exc: Exception) -> str:
+    """One line: which dataset could not be loaded, why, and the local copy to use instead."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if spec.parquet:
+        where = f"{spec.repo_id}, config {config!r}, Parquet files of {PARQUET_REVISION}"
+        copy = (
+            f"download them (hf download {spec.repo_id} --repo-type dataset --revision "
+            f"{PARQUET_REVISION} --include '{config}/*' --local-dir DIR) and set "
+            "data.local_dir=DIR"
+        )
+    else:
+        where = f"{spec.repo_id}, config {config!r}"
+        copy = "use a local copy: data.local_dir=/path/to/multi30k"
+    return (
+        f"could not load dataset {name!r} ({where}) from the Hugging Face Hub: {reason}. "
+        f"Offline? {copy}"
+    )
 
 
 def _find_file(directory: Path, stem: str, lang: str) -> Path | None:

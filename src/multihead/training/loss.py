@@ -16,6 +16,7 @@ up to float rounding; ``tests/training/test_loss.py`` checks that.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,33 +27,13 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 512
 
 
-def _symmetric_kl(logp: Tensor, with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """R-Drop's term: the sum over pairs of KL(p1 || p2) + KL(p2 || p1), and its gradient.
-
-    ``logp`` is ``(2C, V)``: rows ``[0, C)`` and ``[C, 2C)`` are the two dropout passes'
-    log-probabilities for the same C targets. The gradient is with respect to the logits:
-    d KL(p1 || p2) / d z1 = p1 * (log p1 - log p2 - KL(p1 || p2)) and
-    d KL(p2 || p1) / d z1 = p1 - p2; those for z2 mirror them.
-    """
-    lp1, lp2 = logp.chunk(2)  # (C, V) each
-    p1, p2 = lp1.exp(), lp2.exp()
-    diff = lp1 - lp2  # (C, V)
-    kl12 = (p1 * diff).sum(1, keepdim=True)  # (C, 1)
-    kl21 = -(p2 * diff).sum(1, keepdim=True)
-    total = (kl12 + kl21).sum()
-    if not with_grad:
-        return total, None
-    grad1 = p1 * (diff - kl12) + p1 - p2
-    grad2 = -p2 * (diff + kl21) + p2 - p1
-    return total, torch.cat([grad1, grad2])  # (2C, V)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sums of the smoothed loss and of the NLL over the rows; gradients made in forward.
 
     The backward pass would need the chunk's probabilities again, so the forward pass
     computes the gradients right away (as Liger-Kernel's fused linear cross-entropy does)
-    and the backward pass only scales them by the incoming gradient.
+    and the backward pass only scales them by the incoming gradient. Runs with autocast
+    off: ``gemm_dtype`` alone says which precision the three GEMMs use.
     """
 
     @staticmethod
@@ -63,14 +44,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: Tensor,
         label_smoothing: float,
         chunk_size: int,
-        bf16: bool,
+        gemm_dtype: torch.dtype,
         with_grad: bool,
-        rdrop_weight: float,
     ) -> tuple[Tensor, Tensor]:
-        # hidden (N, E) real positions only, weight (V, E), targets (N,)
+        # hidden (N, E) real positions only, weight (V, E), both fp32 (or fp64); targets (N,)
         vocab_size = weight.shape[0]
-        # bf16 changes only the three GEMMs' operands; softmax, loss and sums stay in fp32.
-        gemm_dtype = torch.bfloat16 if bf16 else hidden.dtype
+        # A lower gemm_dtype changes only the three GEMMs' operands, and rounds their results;
+        # softmax, loss and the weight gradient's sum over chunks stay in hidden's dtype.
+        low_precision = gemm_dtype != hidden.dtype
         gemm_hidden, gemm_weight = hidden.to(gemm_dtype), weight.to(gemm_dtype)
         smooth = label_smoothing / vocab_size  # the smoothed target puts this on every class
         confidence = 1.0 - label_smoothing  # ... and this on top of it on the true class
@@ -79,14 +60,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros_like(weight) if with_grad else None
         weight_sum = weight.sum(0) if with_grad else None  # (E,)
-        # With R-Drop, row i and row half + i are two dropout passes over the same target,
-        # so a chunk takes rows [start, end) of each half, stacked: (2C, ...).
-        half = hidden.shape[0] // 2 if rdrop_weight else hidden.shape[0]
-        for start in range(0, half, chunk_size):
-            rows = slice(start, min(start + chunk_size, half))
-            if rdrop_weight:  # the chunk's rows in both halves
-                first = torch.arange(rows.start, rows.stop, device=hidden.device)
-                rows = torch.cat([first, first + half])
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
             h = hidden[rows]  # (C, E)
             gemm_h = gemm_hidden[rows]
             t = targets[rows]  # (C,)
@@ -96,25 +71,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # Smoothed cross-entropy: (1 - eps) * nll + eps * mean over classes of -log p.
             loss_sum += confidence * nll.sum() - label_smoothing * logp.mean(dim=1).sum()
             nll_sum += nll.sum()
-            if rdrop_weight:
-                kl_sum, kl_grad = _symmetric_kl(logp, with_grad)
-                loss_sum += rdrop_weight * kl_sum
             if not with_grad:
                 continue
             # d loss / d logits = softmax - q, with q the smoothed target distribution
             # (smooth everywhere, plus confidence at the target). Only the softmax goes
             # through the GEMMs; q's share of them is a row gather and a sum over rows, so
             # the (C, V) matrix is never rewritten to subtract q.
-            probs = logp.exp_()  # (C, V)
-            if rdrop_weight:
-                probs += rdrop_weight * kl_grad
-            probs = probs.to(gemm_dtype)
+            probs = logp.exp_().to(gemm_dtype)  # (C, V)
             grad_hidden[rows] = (
                 (probs @ gemm_weight).to(hidden.dtype)
                 - confidence * weight[t]
                 - smooth * weight_sum
             )  # (C, E)
-            if bf16:  # addmm_ cannot accumulate bf16 products into fp32
+            if low_precision:  # addmm_ cannot accumulate bf16/fp16 products into fp32
                 grad_weight += probs.T @ gemm_h  # (V, E)
             else:
                 grad_weight.addmm_(probs.T, h)
@@ -129,7 +98,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # made in forward (with_grad=True)
-        return grad_hidden * grad_loss, grad_weight * grad_loss, *[None] * 6
+        return grad_hidden * grad_loss, grad_weight * grad_loss, *[None] * 5
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on ``device_type`` here, None when it is off."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def linear_cross_entropy(
@@ -141,9 +119,22 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     bf16: bool = False,
-    rdrop_alpha: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Label-smoothed cross-entropy of the logits ``hidden @ weight.T``, chunk by chunk.
+
+    Precision. Softmax, loss and the weight gradient's sum over chunks are always fp32 (fp64
+    for fp64 inputs; bf16/fp16 inputs are promoted). The three GEMMs (logits, gradients of
+    the states and of the weight) run on:
+
+    * bfloat16 operands with ``bf16=True``;
+    * else, under autocast with gradients (a mixed-precision training step), the autocast
+      dtype's operands, as an unfused ``nn.Linear`` would run its forward and backward
+      GEMMs there: the projection is the step's largest matmul, and fp32 would give back
+      much of what mixed precision buys on a GPU;
+    * else fp32, autocast or not: so a loss without gradients (validation, test) is fp32
+      whatever precision the run trains in, and compares across runs.
+
+    Each lower-precision GEMM's result is rounded to its dtype before it is used in fp32.
 
     Args:
         hidden: ``(..., E)`` states before the output projection (e.g. ``(B, T, E)``).
@@ -152,15 +143,8 @@ def linear_cross_entropy(
         ignore_index: targets equal to it (padding) count neither in the loss nor in the mean.
         label_smoothing: epsilon, in [0, 1).
         chunk_size: positions projected at a time.
-        bf16: run the projection's three GEMMs (logits, gradients of the states and of the
-            weight) on bfloat16 operands. Each GEMM's result is rounded to bf16; softmax,
-            loss and the sum of the weight gradient over chunks stay fp32.
-        rdrop_alpha: R-Drop (Liang et al., 2021). The first and second half of the batch
-            (dim 0 of ``hidden`` and ``targets``) are two dropout passes over the same
-            examples. The loss is then the mean smoothed cross-entropy over both passes
-            plus ``rdrop_alpha / 4`` times the mean, over the pairs of real positions, of
-            KL(p1 || p2) + KL(p2 || p1): the objective of the paper's fairseq criterion
-            (its ``--reg-alpha``) divided by 2, the number of passes.
+        bf16: run the three GEMMs on bfloat16 operands (the training option
+            ``module.bf16_projection``, for fp32 runs).
 
     Returns:
         ``(loss, nll)``: the label-smoothed loss and the plain negative log-likelihood (no
@@ -180,26 +164,24 @@ def linear_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if rdrop_alpha < 0:
-        raise ValueError(f"rdrop_alpha must be >= 0, got {rdrop_alpha}")
-    if rdrop_alpha and (targets.shape[0] % 2 or not torch.equal(*targets.chunk(2))):
-        raise ValueError(
-            f"rdrop_alpha={rdrop_alpha} needs a batch made of two copies of the same targets "
-            f"along dim 0; got targets of shape {tuple(targets.shape)} whose halves differ"
-        )
     targets = targets.reshape(-1)
     real = targets.ne(ignore_index).nonzero().squeeze(1)  # (N,) positions that count
     states = hidden.reshape(-1, hidden.shape[-1])  # (B*T, E)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss_sum, nll_sum = _LinearCrossEntropy.apply(
-        states[real],
-        weight,
-        targets[real],
-        label_smoothing,
-        chunk_size,
-        bf16,
-        with_grad,
-        rdrop_alpha / 2,
-    )
+    dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    device_type = hidden.device.type
+    autocast_dtype = _autocast_dtype(device_type)
+    if bf16:
+        gemm_dtype = torch.bfloat16
+    elif with_grad and autocast_dtype is not None:
+        gemm_dtype = autocast_dtype
+    else:
+        gemm_dtype = dtype
+    # The casts stay outside the Function, so autograd returns gradients in the inputs' dtypes.
+    args = (states[real].to(dtype), weight.to(dtype), targets[real])
+    with torch.autocast(device_type, enabled=False) if autocast_dtype else nullcontext():
+        loss_sum, nll_sum = _LinearCrossEntropy.apply(
+            *args, label_smoothing, chunk_size, gemm_dtype, with_grad
+        )
     count = real.numel()
     return loss_sum / count, nll_sum / count

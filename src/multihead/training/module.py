@@ -39,7 +39,8 @@ class TranslationModule(pl.LightningModule):
         bf16_projection: run the output projection's GEMMs inside the training loss on
             bfloat16 operands (softmax and loss stay fp32; see
             :func:`~multihead.training.loss.linear_cross_entropy`). Validation and test
-            losses stay fp32, so they compare across runs.
+            losses are fp32 under every ``trainer.precision`` (the loss turns autocast off
+            when it takes no gradient), so they compare across runs.
         beam_size: 1 = greedy; the search for validation BLEU.
         test_beam_size: the search for test BLEU; ``None`` = ``beam_size``.
         length_penalty, max_len_a, max_len_b: decoding settings (see
@@ -53,11 +54,6 @@ class TranslationModule(pl.LightningModule):
             only; more than 10 in a row stop the run).
         aux_loss_weight: weight of the model's auxiliary loss (the load-balancing loss of
             sparse heads, :meth:`~multihead.model.Transformer.aux_loss`) in the training loss.
-        rdrop_alpha: R-Drop: each training batch goes through the network twice (as one
-            batch of two copies, so with two dropout masks), and the loss adds the two
-            predictions' symmetric KL divergence with this weight, as the paper's
-            ``--reg-alpha`` (see :func:`~multihead.training.loss.linear_cross_entropy`).
-            A step then costs about twice as much. 0 = off.
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
@@ -81,7 +77,6 @@ class TranslationModule(pl.LightningModule):
         seed: int = 0,
         aux_loss_weight: float = 0.0,
         on_non_finite_loss: str = "stop",
-        rdrop_alpha: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -101,9 +96,6 @@ class TranslationModule(pl.LightningModule):
         self.beam_sizes = {"val": beam_size, "test": test_beam_size or beam_size}
         if aux_loss_weight < 0:
             raise ValueError(f"module.aux_loss_weight must be >= 0, got {aux_loss_weight}")
-        if rdrop_alpha < 0:
-            raise ValueError(f"module.rdrop_alpha must be >= 0, got {rdrop_alpha}")
-        self.rdrop_alpha = rdrop_alpha
         if on_non_finite_loss not in ("stop", "skip"):
             raise ValueError(
                 f"module.on_non_finite_loss={on_non_finite_loss!r}; expected 'stop' or 'skip'"
@@ -121,9 +113,7 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def _losses(
-        self, batch: dict, bf16: bool = False, rdrop_alpha: float = 0.0
-    ) -> tuple[Tensor, Tensor, int]:
+    def _losses(self, batch: dict, bf16: bool = False) -> tuple[Tensor, Tensor, int]:
         """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
 
         The output projection runs inside the loss, chunk by chunk (see
@@ -132,8 +122,6 @@ class TranslationModule(pl.LightningModule):
         """
         src, tgt = batch["src"], batch["tgt"]
         ntokens = int(tgt[:, 1:].ne(self.pad_id).sum())
-        if rdrop_alpha:  # two passes, two dropout masks: (2B, S) and (2B, T + 1)
-            src, tgt = torch.cat([src, src]), torch.cat([tgt, tgt])
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
         states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
         loss, nll = linear_cross_entropy(
@@ -143,7 +131,6 @@ class TranslationModule(pl.LightningModule):
             ignore_index=self.pad_id,
             label_smoothing=self.label_smoothing,
             bf16=bf16,
-            rdrop_alpha=rdrop_alpha,
         )
         return loss, nll, ntokens
 
@@ -153,9 +140,7 @@ class TranslationModule(pl.LightningModule):
 
     def loss(self, batch: dict) -> tuple[Tensor, int]:
         """Label-smoothed cross-entropy per real target token, and that token count."""
-        loss, _, ntokens = self._losses(
-            batch, bf16=self.bf16_projection, rdrop_alpha=self.rdrop_alpha
-        )
+        loss, _, ntokens = self._losses(batch, bf16=self.bf16_projection)
         return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:

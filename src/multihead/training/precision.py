@@ -1,8 +1,11 @@
-"""The ``precision: auto`` setting, resolved once per run."""
+"""``trainer.precision``: ``auto`` resolved once per run, and the Trainer arguments that run it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
 
@@ -10,11 +13,26 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
 CPU_AUTO_PRECISION = "32-true"
 
 
+def _on_gpu(accelerator: str) -> bool:
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def _on_cpu(accelerator: str) -> bool:
+    return accelerator == "cpu" or (
+        accelerator == "auto"
+        and not torch.cuda.is_available()
+        and not torch.backends.mps.is_available()
+    )
+
+
 def resolve_precision(precision: str, accelerator: str) -> str:
     """Turn ``auto`` into a concrete Lightning precision for ``accelerator``.
 
-    ``auto`` picks bf16-mixed on GPUs that support bf16, 16-mixed (fp16 with loss scaling)
-    on older GPUs, and :data:`CPU_AUTO_PRECISION` on CPU.
+    ``auto`` picks bf16-mixed on GPUs with native bf16 (compute capability 8.0 on: A100,
+    H100, RTX 30xx on), 16-mixed (fp16 with loss scaling) on older GPUs (V100, T4), and
+    :data:`CPU_AUTO_PRECISION` on CPU. A V100 or T4 can emulate bf16, so
+    ``torch.cuda.is_bf16_supported()`` says True there unless emulation is excluded; the
+    emulated kernels are much slower than fp16 ones.
     """
     precision = str(precision)
     if precision not in PRECISIONS:
@@ -23,7 +41,28 @@ def resolve_precision(precision: str, accelerator: str) -> str:
         )
     if precision != "auto":
         return precision
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    if on_gpu:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    if _on_gpu(accelerator):
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16-mixed" if native_bf16 else "16-mixed"
     return CPU_AUTO_PRECISION
+
+
+def trainer_precision(precision: str, accelerator: str) -> dict[str, Any]:
+    """The Trainer's ``precision`` and precision ``plugins`` that run ``precision`` as named.
+
+    ``auto`` is resolved first (:func:`resolve_precision`). Given ``precision="16-mixed"``
+    on the CPU, Lightning 2.6 runs bf16-mixed instead ("AMP with fp16 is not supported on
+    CPU"), although torch's CPU autocast runs fp16 and ``torch.amp.GradScaler("cpu")``
+    scales its loss. There the run gets Lightning's own ``MixedPrecision("16-mixed",
+    "cpu")`` plugin with a CPU loss scaler instead of the flag, which Lightning takes as
+    given.
+
+    Returns:
+        ``{"precision": ..., "plugins": [...]}``: pass both to ``lightning.Trainer`` (the
+        plugins beside any others); ``precision`` is None when a plugin carries it.
+    """
+    resolved = resolve_precision(precision, accelerator)
+    if resolved == "16-mixed" and _on_cpu(accelerator):
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        return {"precision": None, "plugins": [plugin]}
+    return {"precision": resolved, "plugins": []}

@@ -6,6 +6,8 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
 from multihead.training.checkpoint_io import AtomicCheckpointIO
-from multihead.training.precision import resolve_precision
+from multihead.training.precision import trainer_precision
 from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
 
 log = logging.getLogger(__name__)
@@ -88,26 +90,43 @@ def model_summary(model) -> dict[str, Any]:
     }
 
 
-def decode_summary(module, datamodule, device: torch.device, cfg: DictConfig) -> dict[str, float]:
-    """Sentences per second of greedy and beam search (with the KV cache) on ``device``."""
+def decode_summary(
+    module,
+    datamodule,
+    device: torch.device,
+    cfg: DictConfig,
+    precision_context: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, float]:
+    """Sentences per second of greedy and beam search (with the KV cache) on ``device``.
+
+    Decoding runs under ``precision_context``: the training's precision (its precision
+    plugin's ``forward_context``, the autocast of bf16-mixed or 16-mixed). Each search first
+    decodes one untimed batch, so that the time leaves out CUDA's initialisation, the first
+    kernel choices and compilations (e.g. FlexAttention's).
+    """
     s = cfg.summary
     sentences = list(datamodule.tokenized[s.split]["src"])[: s.limit]
     # Lightning's teardown has moved the model to the CPU; a GPU run is measured on its GPU.
     model = module.model.to(device).eval()
     result = {}
     for name, beam in (("greedy", 1), (f"beam{s.beam_size}", s.beam_size)):
+
+        def search(batch: list[str], beam: int = beam) -> None:
+            with torch.inference_mode(), precision_context():
+                translate(
+                    model,
+                    datamodule.tokenizer,
+                    batch,
+                    beam_size=beam,
+                    batch_size=s.batch_size,
+                    **module.decode_settings,
+                )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        search(sentences[: s.batch_size])  # warm-up, untimed
         start = time.perf_counter()
-        with torch.inference_mode():
-            translate(
-                model,
-                datamodule.tokenizer,
-                sentences,
-                beam_size=beam,
-                batch_size=s.batch_size,
-                **module.decode_settings,
-            )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        search(sentences)
         result[f"decode/{name}_sentences_per_s"] = len(sentences) / (time.perf_counter() - start)
     return result
 
@@ -196,19 +215,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = build_loggers(cfg, model, wandb_id)
-    precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
-        precision=precision,
+        precision=precision["precision"],
         callbacks=callbacks,
         logger=loggers or False,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[*precision["plugins"], AtomicCheckpointIO()],
     )
     # Under DDP each rank decodes its share of the evaluation splits; under FSDP every layer
     # needs every rank, so all ranks decode the whole split, step for step.
     datamodule.shard_eval = not isinstance(trainer.strategy, FSDPStrategy)
+    summary["precision"] = trainer.precision  # what runs, from Lightning's precision plugin
+    log.info("precision: %s", summary["precision"])
     for logger in trainer.loggers:
-        logger.log_hyperparams({**config, **summary, "precision": precision})
+        logger.log_hyperparams({**config, **summary})
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -230,7 +251,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 log.warning("summary.decode_speed is not measured under FSDP")
             elif cfg.summary.decode_speed:
                 device = trainer.strategy.root_device
-                summary.update(decode_summary(module, datamodule, device, cfg))
+                forward_context = trainer.precision_plugin.forward_context
+                summary.update(decode_summary(module, datamodule, device, cfg, forward_context))
             summary.update(metrics)
             write_summary(run_dir, summary, trainer)
     finally:

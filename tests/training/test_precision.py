@@ -1,0 +1,129 @@
+"""``trainer.precision``: what ``auto`` picks on each kind of machine, and fp16 on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from multihead.training.precision import resolve_precision, trainer_precision
+from multihead.training.run import train
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, native_bf16: bool) -> None:
+    """A CUDA device whose bf16 is native (A100, H100) or only emulated (V100, T4).
+
+    torch's own check says True on both unless emulation is excluded.
+    """
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return native_bf16 or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda", "auto"])
+@pytest.mark.parametrize(
+    "native_bf16, expected", [(True, "bf16-mixed"), (False, "16-mixed")], ids=["a100", "v100"]
+)
+def test_auto_picks_bf16_only_where_the_gpu_has_it_natively(
+    monkeypatch, accelerator, native_bf16, expected
+) -> None:
+    fake_gpu(monkeypatch, native_bf16)
+    assert resolve_precision("auto", accelerator) == expected
+    assert resolve_precision("auto", "cpu") == "32-true"
+    assert resolve_precision("bf16-mixed", accelerator) == "bf16-mixed"  # asked for: kept
+
+
+def test_cpu_fp16_gets_lightnings_mixed_precision_plugin_with_a_cpu_scaler() -> None:
+    args = trainer_precision("16-mixed", "cpu")
+    assert args["precision"] is None
+    (plugin,) = args["plugins"]
+    assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu"
+    assert isinstance(plugin.scaler, torch.amp.GradScaler) and plugin.scaler._device == "cpu"
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **args)
+    assert trainer.precision == "16-mixed"
+    with trainer.precision_plugin.forward_context():
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    # Lightning's own flag would have run bf16 (the swap this plugin avoids).
+    swapped = Trainer(accelerator="cpu", logger=False, precision="16-mixed")
+    assert swapped.precision == "bf16-mixed"
+    # Everything else goes to Lightning as the flag.
+    assert trainer_precision("bf16-mixed", "cpu") == {"precision": "bf16-mixed", "plugins": []}
+    assert trainer_precision("auto", "cpu") == {"precision": "32-true", "plugins": []}
+
+
+class PrecisionProbe(Callback):
+    """Records what the training steps really ran, into a JSON file.
+
+    The dtypes of every ``nn.Linear`` output in training mode, and after each step the loss,
+    the loss scale and the number of Adam steps taken.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.dtypes: set[str] = set()
+        self.steps: list[dict] = []
+        self.handles: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for layer in pl_module.model.modules():
+            if isinstance(layer, nn.Linear):
+                self.handles.append(layer.register_forward_hook(self.record))
+
+    def record(self, layer, args, output) -> None:
+        if layer.training:
+            self.dtypes.add(str(output.dtype))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        (optimizer,) = trainer.optimizers
+        self.steps.append(
+            {
+                "loss": float(outputs["loss"]),
+                "scale": trainer.precision_plugin.scaler.get_scale(),
+                "adam_steps": sorted({int(s["step"]) for s in optimizer.state.values()}),
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        record = {"dtypes": sorted(self.dtypes), "steps": self.steps}
+        Path(self.out).write_text(json.dumps(record))
+
+
+def test_cpu_16_mixed_trains_in_fp16_with_a_loss_scale(smoke_config, tmp_path) -> None:
+    probe = tmp_path / "probe.json"
+    cfg = smoke_config(
+        "trainer.precision=16-mixed",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "test=false",
+        "summary.limit=4",
+        "+callbacks.probe._target_=tests.training.test_precision.PrecisionProbe",
+        f"+callbacks.probe.out={probe}",
+    )
+    summary = train(cfg)
+    record = json.loads(probe.read_text())
+    assert record["dtypes"] == ["torch.float16"]  # not Lightning's silent bf16
+    steps = record["steps"]
+    assert len(steps) == 4 and all(math.isfinite(s["loss"]) for s in steps)
+    # The scaler scales the loss, and no step found an inf (it would halve the scale and skip
+    # Adam's step): Adam stepped once per batch.
+    assert [s["scale"] for s in steps] == [2.0**16] * 4
+    assert [s["adam_steps"] for s in steps] == [[1], [2], [3], [4]]
+    assert summary["train/skipped_batches"] == 0
+    # The summary and the logged hyperparameters name the precision that ran.
+    assert summary["precision"] == "16-mixed"
+    hparams = yaml.safe_load((tmp_path / "csv" / "hparams.yaml").read_text())
+    assert hparams["precision"] == "16-mixed"
+    assert summary["decode/greedy_sentences_per_s"] > 0  # decoding under fp16 autocast runs
+    assert math.isfinite(summary["val/loss"])
