@@ -1,5 +1,6 @@
 """Every backend against the written-out math path: outputs and gradients."""
 
+import importlib.machinery
 import importlib.util
 
 import pytest
@@ -10,7 +11,7 @@ from multihead.attention import available_backends
 from multihead.attention.backends import BACKENDS, unavailable_reason
 from multihead.attention.masks import build_attention_mask
 
-E, H = 32, 4
+E, H = 64, 4  # head_dim 16: the smallest FlexAttention compiles on CUDA
 B, L = 2, 6
 CPU_BACKENDS = available_backends("cpu", torch.float32)
 CUDA = torch.cuda.is_available()
@@ -199,7 +200,7 @@ def test_flash_attn_missing_package_raises():
 
 
 def test_flash_attn_rejects_an_arbitrary_mask_before_running():
-    q = torch.randn(1, H, L, 8)
+    q = torch.randn(1, H, L, 16)
     mask = build_attention_mask(
         key_padding_mask=None,
         attn_mask=torch.zeros(L, L, dtype=torch.bool),
@@ -301,3 +302,171 @@ def test_expand_kv_is_a_view_for_mqa_and_repeats_groups_for_gqa() -> None:
     for h in range(8):
         torch.testing.assert_close(gqa[:, h], g[:, h // 4])
     assert expand_kv(g, 2) is g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_cuda_decoding_matches_the_full_pass(backend, dtype):
+    """Every backend decodes: a KV cache from one key (cuDNN refuses S = 1 on its own) up,
+    and cross-attention to a padded memory (flash takes no mask: it must say so)."""
+    skip_if_absent(backend, dtype)
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 2, backend=backend, device="cuda", dtype=dtype).eval()
+    x, memory = (torch.randn(B, n, E, device="cuda", dtype=dtype) for n in (L, L + 3))
+    pad = make_masks("padding", length=L + 3)["key_padding_mask"].cuda()
+    with torch.no_grad():
+        cache = layer.make_kv_cache(B, L)
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
+        full = layer(x, is_causal=True)
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-2, rtol=2e-2)
+        if backend == "flash":
+            with pytest.raises(BackendUnavailableError, match="efficient"):
+                layer(x, memory, key_padding_mask=pad)
+            return
+        cache = layer.make_kv_cache(B, L + 3)
+        steps = [
+            layer(x[:, t : t + 1], memory, key_padding_mask=pad, kv_cache=cache) for t in range(L)
+        ]
+        full = layer(x, memory, key_padding_mask=pad)
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- rules, without a GPU
+def test_flex_on_cuda_needs_head_dim_16():
+    cuda = torch.device("cuda")
+    assert "head_dim >= 16 (got head_dim=8)" in unavailable_reason(
+        "flex", cuda, torch.bfloat16, head_dim=8
+    )
+    assert unavailable_reason("flex", cuda, torch.bfloat16, head_dim=16) is None
+    assert unavailable_reason("flex", torch.device("cpu"), torch.float32, head_dim=8) is None
+
+
+def test_cudnn_dropout_must_be_a_multiple_of_a_sixteenth():
+    with pytest.raises(ValueError, match=r"multiples of 1/16.*dropout=0.1\b.*math, sdpa"):
+        MultiHeadAttention(E, H, backend="cudnn", dropout=0.1)
+    MultiHeadAttention(E, H, backend="cudnn", dropout=0.125)  # built; it runs on CUDA only
+
+
+class FlashAttnStub:
+    """flash-attn's two entry points, written from its documented semantics.
+
+    ``flash_attn_func(q, k, v, ...)``: (B, L, H, D) tensors. ``flash_attn_varlen_func``:
+    sequences packed along the first dimension, delimited by int32 ``cu_seqlens``. With
+    ``causal=True`` the mask is aligned to the bottom right: query i of a sequence with
+    ``seqlen_q`` queries and ``seqlen_k`` keys sees keys j <= i + seqlen_k - seqlen_q. Query
+    head h reads K/V head h // (H / G).
+    """
+
+    __spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # "installed" for find_spec
+
+    @staticmethod
+    def _attend(q, k, v, scale, causal):  # (Lq, H, D), (Lk, G, D)
+        H, G = q.shape[1], k.shape[1]
+        k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            Lq, Lk = q.shape[0], k.shape[0]
+            i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
+            scores = scores.masked_fill(j > i + Lk - Lq, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+    def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+        assert q.dim() == 4 and q.shape[2] % k.shape[2] == 0
+        return torch.stack(
+            [self._attend(*t, softmax_scale, causal) for t in zip(q, k, v, strict=True)]
+        )
+
+    def flash_attn_varlen_func(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False
+    ):
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and q.dim() == k.dim() == 3
+        assert max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        out = torch.empty_like(q)
+        for b in range(len(cu_q) - 1):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            out[rows] = self._attend(q[rows], k[keys], v[keys], softmax_scale, causal)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "q_len"),
+    [("padding", L), ("causal", L), ("causal", 2), ("causal+padding", 1), ("none", L)],
+)
+@pytest.mark.parametrize("variant", KV_HEADS)
+def test_flash_attn_calls_match_math_by_its_documented_semantics(monkeypatch, kind, q_len, variant):
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn", FlashAttnStub())
+    torch.manual_seed(0)
+    S = L + 2
+    q = torch.randn(B, H, q_len, 16)
+    k, v = (torch.randn(B, H // (4 // (KV_HEADS[variant] or 4)), S, 16) for _ in range(2))
+    masks = make_masks(kind, length=S)
+    mask = build_attention_mask(
+        key_padding_mask=masks.get("key_padding_mask"),
+        attn_mask=None,
+        is_causal=masks.get("is_causal", False),
+        batch_size=B,
+        num_heads=H,
+        q_len=q_len,
+        kv_len=S,
+        dtype=q.dtype,
+        device=q.device,
+    )
+    expected = BACKENDS["math"](q, k, v, mask, 0.0, 0.25)
+    torch.testing.assert_close(BACKENDS["flash_attn"](q, k, v, mask, 0.0, 0.25), expected)
+
+
+def test_flash_attn_refuses_causal_with_padding_over_several_queries(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn", FlashAttnStub())
+    q = torch.randn(B, H, L, 16)
+    masks = make_masks("causal+padding")
+    mask = build_attention_mask(
+        **masks, attn_mask=None, batch_size=B, num_heads=H, q_len=L, kv_len=L,
+        dtype=q.dtype, device=q.device,
+    )  # fmt: skip
+    with pytest.raises(BackendUnavailableError, match=r"is_causal with a key_padding_mask.*sdpa"):
+        BACKENDS["flash_attn"](q, q, q, mask, 0.0, 0.25)
+
+
+def test_a_kernel_refusal_is_a_backend_error(monkeypatch):
+    class Refusing(FlashAttnStub):
+        def flash_attn_func(self, *args, **kwargs):
+            raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
+
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn", Refusing())
+    q = torch.randn(B, H, L, 16)
+    mask = build_attention_mask(
+        key_padding_mask=None, attn_mask=None, is_causal=True, batch_size=B, num_heads=H,
+        q_len=L, kv_len=L, dtype=q.dtype, device=q.device,
+    )  # fmt: skip
+    with pytest.raises(BackendUnavailableError, match=r"'flash_attn'.*only supports fp16.*sdpa"):
+        BACKENDS["flash_attn"](q, q, q, mask, 0.0, 0.25)
+
+
+class SyncCounter(__import__("torch.utils._python_dispatch", fromlist=["x"]).TorchDispatchMode):
+    """Counts the ops that read a value back to the host (a sync on CUDA)."""
+
+    SYNCS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_the_layer_never_reads_back_from_the_device(backend):
+    layer = MultiHeadAttention(E, H, 2, backend=backend).eval()
+    x, memory = torch.randn(B, L, E), torch.randn(B, L + 3, E)
+    pad = make_masks("padding", length=L + 3)["key_padding_mask"]
+    pad[0] = True  # an empty row too: the rule that zeroes it must not ask whether there is one
+    layer(x)  # the first call checks the backend
+    with torch.no_grad(), SyncCounter() as syncs:
+        layer(x, is_causal=True)
+        layer(x, memory, key_padding_mask=pad)
+        layer(x, attn_mask=torch.randn(L, L))
+    assert syncs.count == 0

@@ -187,3 +187,31 @@ def test_chunked_topk_equals_torch_topk(width):
     assert torch.equal(values, expected)
     assert torch.equal(scores.gather(1, index), values)
     assert index[1, :2].tolist() == [width - 1, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "efficient", "cudnn", "flex", "flash_attn"])
+def test_cuda_decoding_with_every_backend(backend):
+    """Greedy and beam search run on CUDA with each backend (flash only where it may: the
+    decoder self-attention; the padded encoder and cross-attention use efficient)."""
+    from multihead.attention.backends import unavailable_reason
+
+    reason = unavailable_reason(backend, torch.device("cuda"), torch.float16, head_dim=16)
+    if reason is not None:
+        pytest.skip(f"backend {backend!r} is absent here: {reason}")
+    padded = "efficient" if backend == "flash" else backend
+    kwargs = dict(share_embeddings=False, tie_output=False, d_model=64)
+    ref = tiny_model(1, **kwargs, attention={"num_heads": 4, "backend": "math"}).cuda().half()
+    model = tiny_model(
+        1, **kwargs, attention={"num_heads": 4, "backend": padded},
+        decoder_self_attention={"backend": backend},
+    ).cuda().half()  # fmt: skip
+    src = random_src(8, 10, seed=11, min_len=2).cuda()
+    for decode, extra in ((greedy_decode, {}), (beam_search, {"beam_size": 5, **BEAM})):
+        extra = extra if decode is beam_search else LIMITS
+        with torch.no_grad():
+            ours = decode(model, src, bos_id=BOS, eos_id=EOS, **extra)
+            expected = decode(ref, src, bos_id=BOS, eos_id=EOS, **extra)
+        same = sum(a == b for a, b in zip(ours, expected, strict=True))
+        assert same >= 6, f"{backend}: {same}/8 sentences as the math backend's"

@@ -277,3 +277,12 @@ def test_hydra_instantiate_with_nested_attention_configs():
     )
     model = hydra_utils.instantiate(cfg)
     assert model.head_tag == "enc-mha4_dec-gqa4kv2_cross-mha4_sdpa"
+
+
+def test_flash_on_a_padded_sublayer_refuses_when_the_model_is_built():
+    with pytest.raises(ValueError, match=r"encoder_self_attention backend 'flash'.*efficient"):
+        tiny_model(attention={"num_heads": 4, "backend": "flash"})
+    with pytest.raises(ValueError, match=r"cross_attention backend 'flash'"):
+        tiny_model(cross_attention={"backend": "flash"})
+    model = tiny_model(decoder_self_attention={"backend": "flash"})  # causal, unpadded keys
+    assert model.head_config["decoder_self_attention"]["backend"] == "flash"

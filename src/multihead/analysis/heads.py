@@ -85,9 +85,8 @@ def head_similarity_matrix(outputs: Tensor, query_mask: Tensor | None = None) ->
     """``(H, H)`` pairwise cosine similarities of heads' outputs, averaged over positions.
 
     Entry ``(h, h')`` is the mean over real query positions ``(b, l)`` of
-    ``cos(outputs[b, h, l], outputs[b, h', l])`` (mean pairwise cosine of head outputs). A head whose
-    output is zero at a position (a sparse head that was not selected there) counts as
-    orthogonal to the others at that position.
+    ``cos(outputs[b, h, l], outputs[b, h', l])``. A head whose output is zero at a position
+    (a sparse head that was not selected there) counts as orthogonal to the others there.
 
     Args:
         outputs: ``(B, H, L, D)`` per-head outputs.

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask
 
 from multihead.attention.masks import AttentionMask, apply_mask
 
@@ -90,8 +91,8 @@ def expand_kv(t: Tensor, num_heads: int) -> Tensor:
     return t.repeat_interleave(num_heads // G, dim=1)
 
 
-# SDPA kernels that do not take grouped K/V heads (enable_gqa) themselves.
-_NO_GQA = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+# SDPA kernels that do not take grouped K/V heads (enable_gqa) themselves; cuDNN does (2.13).
+_NO_GQA = (SDPBackend.EFFICIENT_ATTENTION,)
 
 
 def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
@@ -100,21 +101,35 @@ def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
     ) -> Tensor:
         if kernel in _NO_GQA:
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        if kernel == SDPBackend.CUDNN_ATTENTION and k.shape[2] == 1:
+            # cuDNN refuses a single key (the first decoding step). Over one key the softmax
+            # is exactly 1 (a masked key makes an empty row, which the layer zeroes), so the
+            # output is V itself, under the same dropout.
+            ones = q.new_ones(q.shape[:-1] + (1,))  # (B, H, L, 1)
+            weights = F.dropout(ones, p=dropout_p) if dropout_p > 0 else ones
+            return weights * expand_kv(v, q.shape[1])  # (B, H, L, D)
         try:
             with sdpa_kernel([kernel]):
                 return sdpa_attention(q, k, v, mask, dropout_p, scale)
         except RuntimeError as err:
-            mask_kind = "none" if mask.tensor is None else f"{mask.tensor.dtype} tensor"
-            raise BackendUnavailableError(
-                f"backend {name!r} (SDPA pinned to {kernel.name}) cannot run these inputs: "
-                f"device={q.device.type}, dtype={q.dtype}, head_dim={q.shape[-1]}, "
-                f"mask={mask_kind}, dropout={dropout_p}. PyTorch says: "
-                f"{str(err).splitlines()[0]} Other backends that run on {q.device.type}/"
-                f"{q.dtype}: {', '.join(_others(name, q.device, q.dtype))}"
-            ) from err
+            raise _refused(name, f"SDPA pinned to {kernel.name}", q, mask, dropout_p, err) from err
 
     attention.__doc__ = f"SDPA pinned to the {kernel.name} kernel with ``sdpa_kernel``."
     return attention
+
+
+def _refused(
+    name: str, kernel: str, q: Tensor, mask: AttentionMask, dropout_p: float, err: Exception
+) -> BackendUnavailableError:
+    """The error for a kernel's own refusal of these inputs, naming the backends that run."""
+    mask_kind = "none" if mask.tensor is None else f"{mask.tensor.dtype} tensor"
+    return BackendUnavailableError(
+        f"backend {name!r} ({kernel}) cannot run these inputs: "
+        f"device={q.device.type}, dtype={q.dtype}, head_dim={q.shape[-1]}, "
+        f"mask={mask_kind}, dropout={dropout_p}. It says: "
+        f"{str(err).splitlines()[0]} Other backends that run on {q.device.type}/"
+        f"{q.dtype}: {', '.join(_others(name, q.device, q.dtype))}"
+    )
 
 
 # --------------------------------------------------------------------------- FlexAttention
@@ -128,7 +143,7 @@ def flex_attention(
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
-    reason = unavailable_reason("flex", dropout=dropout_p)
+    reason = _dropout_rule("flex", dropout_p)
     if reason is not None:
         raise BackendUnavailableError(
             f"{reason}; use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
@@ -148,22 +163,29 @@ def flex_attention(
     score_mod = block_mask = None
     if mask.kernel_causal(L, S):
         block_mask = _causal_block_mask(L, S, q.device)
+    elif mask.tensor is not None and mask.tensor.dtype == torch.bool:
+        # A keep mask (padding, causal, a bool attn_mask) becomes a block mask, so blocks of
+        # masked keys (a short sentence's padding) are skipped, not computed and discarded.
+        m = mask.tensor[(None,) * (4 - mask.tensor.dim())]  # (b, h, l, s), each full or 1
+        b_, h_ = (m.shape[0] if m.shape[0] > 1 else None), (m.shape[1] if m.shape[1] > 1 else None)
+        m = m.expand(B, H, L, S)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return m[b, h, q_idx, kv_idx]
+
+        block_mask = create_block_mask(mask_mod, b_, h_, L, S, device=q.device)
     elif mask.tensor is not None:
-        # Index the (broadcast, not copied) mask at each score's coordinates.
-        m = mask.tensor.expand(B, H, L, S)
-        if m.dtype == torch.bool:
+        m = mask.tensor.expand(B, H, L, S)  # a float bias, indexed where each score is
 
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return torch.where(m[b, h, q_idx, kv_idx], score, float("-inf"))
-        else:
-
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + m[b, h, q_idx, kv_idx]
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + m[b, h, q_idx, kv_idx]
 
     fn = flex.flex_attention
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex.flex_attention, dynamic=False)
+            # Token-bucket batches change L and S from step to step: compiled for dynamic
+            # shapes once, rather than recompiled per shape until torch gives up on it.
+            _compiled_flex = torch.compile(flex.flex_attention, dynamic=True)
         fn = _compiled_flex
     return fn(
         q,
@@ -183,8 +205,6 @@ def _causal(b, h, q_idx, kv_idx):
 @functools.lru_cache(maxsize=32)
 def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
     """FlexAttention's causal block mask, built once per shape (building it costs a kernel)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return create_block_mask(_causal, None, None, q_len, kv_len, device=device)
 
 
@@ -199,33 +219,46 @@ def flash_attn_attention(
             f"arbitrary attn_mask; backends that take one on {q.device.type}/{q.dtype}: "
             + ", ".join(n for n in _others("flash_attn", q.device, q.dtype) if n in _TAKE_ATTN_MASK)
         )
+    B, H, L, D = q.shape
+    causal = mask.is_causal and L > 1  # a single newest query sees every key
+    if causal and mask.key_padding_mask is not None:
+        # flash-attn aligns its causal mask to the end of each sequence's *kept* keys; with
+        # padded keys dropped that shifts the rows (query i would see fewer keys than i).
+        raise BackendUnavailableError(
+            "backend 'flash_attn' cannot combine is_causal with a key_padding_mask over more "
+            "than one query (its causal mask aligns to the unpadded length); right-padded "
+            "causal self-attention needs no padding mask, or use one of "
+            + ", ".join(_others("flash_attn", q.device, q.dtype))
+        )
     import flash_attn
 
-    B, H, L, D = q.shape
     # flash-attn wants (B, L, H, D); the layer's (B, H, L, D) are transposed views of that.
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
-    # flash-attn aligns a causal mask bottom-right when L < S, as the layer's convention does.
-    if mask.key_padding_mask is None:
-        out = flash_attn.flash_attn_func(
-            q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=mask.is_causal
+    try:
+        if mask.key_padding_mask is None:
+            # Causal with L < S: flash-attn aligns bottom-right, as the layer's convention.
+            out = flash_attn.flash_attn_func(
+                q_, k_, v_, dropout_p=dropout_p, softmax_scale=scale, causal=causal
+            )
+            return out.transpose(1, 2)
+        keep = ~mask.key_padding_mask  # (B, S)
+        seqlens_k = keep.sum(dim=1, dtype=torch.int32)  # (B,)
+        cu_k = F.pad(seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))  # (B + 1,)
+        cu_q = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)  # (B + 1,)
+        out = flash_attn.flash_attn_varlen_func(
+            q_.reshape(B * L, H, D),
+            k_[keep],  # (total_k, G, D): padded keys dropped
+            v_[keep],
+            cu_q,
+            cu_k,
+            L,
+            int(seqlens_k.max()),  # the kernel's grid size: read back to the host
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+            causal=False,
         )
-        return out.transpose(1, 2)
-    keep = ~mask.key_padding_mask  # (B, S)
-    seqlens_k = keep.sum(dim=1, dtype=torch.int32)  # (B,)
-    cu_k = F.pad(seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))
-    cu_q = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
-    out = flash_attn.flash_attn_varlen_func(
-        q_.reshape(B * L, H, D),
-        k_[keep],  # (total_k, G, D): padded keys dropped
-        v_[keep],
-        cu_q,
-        cu_k,
-        L,
-        int(seqlens_k.max()),
-        dropout_p=dropout_p,
-        softmax_scale=scale,
-        causal=mask.is_causal,
-    )
+    except RuntimeError as err:
+        raise _refused("flash_attn", "flash-attn", q, mask, dropout_p, err) from err
     return out.view(B, L, H, D).transpose(1, 2)
 
 
@@ -249,8 +282,16 @@ def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     return [n for n in available_backends(device, dtype) if n != name]
 
 
-# Backends that take no attention dropout.
-_NO_DROPOUT = ("flex",)
+def _dropout_rule(name: str, dropout: float) -> str | None:
+    """The dropout a backend cannot apply, on any device: a setting, not the machine."""
+    if dropout > 0 and name == "flex":
+        return f"backend 'flex' does not support attention dropout (got dropout={dropout})"
+    if name == "cudnn" and not (dropout * 16).is_integer():
+        return (
+            "SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only "
+            f"(got dropout={dropout})"
+        )
+    return None
 
 
 def unavailable_reason(
@@ -259,6 +300,7 @@ def unavailable_reason(
     dtype: torch.dtype | None = None,
     *,
     dropout: float = 0.0,
+    head_dim: int | None = None,
 ) -> str | None:
     """Why backend ``name`` cannot run, or ``None`` if it can: the one table of rules.
 
@@ -267,17 +309,23 @@ def unavailable_reason(
         device, dtype: where it would run. ``None`` checks only what holds on every
             device: the name, the installed packages and the dropout setting.
         dropout: the attention dropout it would apply.
+        head_dim: ``D``, for the kernels that limit it.
     """
     if name not in BACKENDS:
         return f"unknown backend {name!r}"
-    if dropout > 0 and name in _NO_DROPOUT:
-        return f"backend {name!r} does not support attention dropout (got dropout={dropout})"
+    rule = _dropout_rule(name, dropout)
+    if rule is not None:
+        return rule
     if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
         return "the flash-attn package is not installed (pip install flash-attn)"
     if device is None:
         return None
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = device.type == "cuda"
+    if name == "flex" and cuda and head_dim is not None and head_dim < 16:
+        # torch 2.13's inductor: "NYI: embedding dimension of the query, key, and value
+        # must be at least 16".
+        return f"FlexAttention on CUDA needs head_dim >= 16 (got head_dim={head_dim})"
     if name in ("math", "sdpa", "flex"):
         return None
     if name == "flash":
@@ -309,14 +357,15 @@ def check_backend(
     dtype: torch.dtype,
     *,
     dropout: float = 0.0,
+    head_dim: int | None = None,
     anywhere: bool = False,
 ) -> None:
     """Raise if backend ``name`` cannot run, by the rules of :func:`unavailable_reason`.
 
     The layer calls it when it is built (``anywhere=True``: the parameters may still move
     to another device, so only the name, packages and dropout are checked) and on its first
-    forward pass on each device and dtype. The kernels raise only for what depends on the
-    inputs themselves (a mask, a gradient, a kernel's own refusal).
+    forward pass on each device and dtype (with its ``head_dim``). The kernels raise only
+    for what depends on the inputs themselves (a mask, a gradient, a kernel's own refusal).
 
     Raises:
         ValueError: an unknown name, or a setting the backend lacks (dropout).
@@ -329,14 +378,11 @@ def check_backend(
             f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)} "
             f"(on {where} these can run: {', '.join(runnable)})"
         )
-    reason = unavailable_reason(name, dropout=dropout)
-    if reason is not None and dropout > 0 and name in _NO_DROPOUT:
-        others = [n for n in runnable if n not in _NO_DROPOUT]
-        raise ValueError(
-            f"{reason}; use dropout=0.0 or another backend, e.g. one of {', '.join(others)}"
-        )
-    if reason is None and not anywhere:
-        reason = unavailable_reason(name, device, dtype)
+    rule = _dropout_rule(name, dropout)
+    if rule is not None:
+        others = [n for n in runnable if _dropout_rule(n, dropout) is None]
+        raise ValueError(f"{rule}; use another dropout or backend, e.g. one of {', '.join(others)}")
+    reason = unavailable_reason(name, None if anywhere else device, dtype, head_dim=head_dim)
     if reason is not None:
         raise BackendUnavailableError(
             f"attention backend {name!r} cannot run on {where}: {reason}. "

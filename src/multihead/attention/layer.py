@@ -375,7 +375,7 @@ class MultiHeadAttention(nn.Module):
             out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, self.scale)
         else:
             if (q.device, q.dtype) not in self._checked:
-                check_backend(self.backend, q.device, q.dtype)
+                check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
                 self._checked.add((q.device, q.dtype))
             out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)
         if mask.empty_rows is not None:

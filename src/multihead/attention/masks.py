@@ -11,7 +11,8 @@ Two safety rules live here too:
   every float dtype represents, so fp16/bf16 autocast cannot overflow a mask.
 * A query row whose keys are *all* masked would make softmax divide 0 by 0. Such rows are
   un-masked before the kernel runs (so forward and backward stay finite) and their output
-  is zeroed afterwards (``AttentionMask.empty_rows``).
+  is zeroed afterwards (``AttentionMask.empty_rows``), without asking the device whether
+  there are any (that would be a host-device sync on every call).
 """
 
 from __future__ import annotations
@@ -183,22 +184,18 @@ def build_attention_mask(
         causal_keep = torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
         keep = causal_keep if keep is None else keep & causal_keep
 
+    # Rows with no key left are un-masked here and zeroed after the kernel. Both are done
+    # whether or not any row is empty: asking would read a flag back from the device.
     tensor: Tensor | None = None
     empty_rows: Tensor | None = None
     if bias is not None:
         if keep is not None:
             bias = bias.masked_fill(~keep, float("-inf"))
-        empty = torch.isneginf(bias).all(dim=-1, keepdim=True)
-        if bool(empty.any()):
-            empty_rows = empty
-            bias = bias.masked_fill(empty, 0.0)
-        tensor = bias
+        empty_rows = torch.isneginf(bias).all(dim=-1, keepdim=True)
+        tensor = bias.masked_fill(empty_rows, 0.0)
     elif keep is not None:
-        empty = ~keep.any(dim=-1, keepdim=True)
-        if bool(empty.any()):
-            empty_rows = empty
-            keep = keep | empty
-        tensor = keep
+        empty_rows = ~keep.any(dim=-1, keepdim=True)
+        tensor = keep | empty_rows
 
     return AttentionMask(
         tensor=tensor,

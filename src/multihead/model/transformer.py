@@ -21,6 +21,10 @@ from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+# SDPA's flash kernel takes no attn_mask on CUDA; the others run padded batches (flash_attn
+# through its varlen kernel).
+_NO_PADDING_MASK = ("flash",)
+_PADDED_BACKENDS = ("sdpa", "efficient", "cudnn", "flex", "flash_attn", "math")
 # The layer's head options (not its sizes or dropout, which the model sets) and their
 # defaults, read from its signature so that a new option needs no second list here.
 _ATTENTION_OPTIONS = {
@@ -341,6 +345,15 @@ class Transformer(nn.Module):
             kind: _attention_config(kind, attention, override)
             for kind, override in zip(ATTENTION_KINDS, overrides, strict=True)
         }
+        for kind in ("encoder_self_attention", "cross_attention"):
+            if self.attention_config[kind]["backend"] in _NO_PADDING_MASK:
+                raise ValueError(
+                    f"{kind} backend {self.attention_config[kind]['backend']!r} takes no "
+                    "padding mask on CUDA, and the encoder and cross-attention always mask "
+                    f"padded source tokens; use one of {', '.join(_PADDED_BACKENDS)} for "
+                    f"{kind} (e.g. attention.backend=efficient "
+                    "attention.decoder_self_attention.backend=flash)"
+                )
         self.d_model = d_model
         self.pad_id = pad_id
         self.max_positions = max_positions
@@ -621,8 +634,7 @@ class Transformer(nn.Module):
         kind's layer tag (a head design follows its heads, e.g. ``enc-mha8-moh-k2s1``),
         then the backends."""
         config = self.head_config
-        parts = [
-            f"{short}-{c['tag']}" for short, c in zip(("enc", "dec", "cross"), config.values())
-        ]
+        shorts = ("enc", "dec", "cross")
+        parts = [f"{short}-{c['tag']}" for short, c in zip(shorts, config.values(), strict=True)]
         backends = sorted({c["backend"] for c in config.values()})
         return "_".join(parts + ["-".join(backends)])
