@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_translator, search_settings
 from multihead.data import load_parallel_dataset
-from multihead.evaluation import corpus_scores, search_settings, translate
+from multihead.evaluation import corpus_scores, translate
 
 ENGINES = ("ours", "ct2 fp32", "ct2 int8")
 

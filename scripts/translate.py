@@ -15,9 +15,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_translator, search_settings
 from multihead.cli import exit_on_user_error
-from multihead.evaluation import search_settings, translate
+from multihead.evaluation import translate
 from multihead.evaluation.stream import read_lines, translate_lines
 
 ENGINES = ("torch", "ctranslate2")

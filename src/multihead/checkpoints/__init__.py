@@ -15,6 +15,7 @@ from multihead.checkpoints.io import (
     model_state_dict,
     read_checkpoint,
     save_new,
+    search_settings,
     weights_only,
     write_atomically,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "model_state_dict",
     "read_checkpoint",
     "save_new",
+    "search_settings",
     "weights_only",
     "write_atomically",
 ]

@@ -132,6 +132,20 @@ def load_translator(path: str | Path, backend: str | None = None) -> Translator:
     return Translator(model.eval(), tokenizer, config)
 
 
+def search_settings(
+    config: Mapping[str, Any],
+    *,
+    length_penalty: float | None = None,
+    max_len_a: float | None = None,
+    max_len_b: float | None = None,
+) -> dict[str, float]:
+    """The search settings a run was trained with (its ``module`` config), each replaced
+    where given: the keyword arguments of :func:`multihead.evaluation.translate` besides
+    the beam size."""
+    given = {"length_penalty": length_penalty, "max_len_a": max_len_a, "max_len_b": max_len_b}
+    return {k: config["module"][k] if v is None else v for k, v in given.items()}
+
+
 def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     """Write ``path`` so that it is either the old file or the complete new one, never torn.
 
