@@ -29,7 +29,7 @@ from multihead.evaluation import translate
 from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
 from multihead.training.checkpoint_io import AtomicCheckpointIO
 from multihead.training.precision import resolve_precision
-from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
+from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
 log = logging.getLogger(__name__)
 
