@@ -36,8 +36,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from multihead.checkpoints import build_model
 from multihead.cli import register_resolvers
+from multihead.model import build_model
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
-from multihead.checkpoints import build_model
+from multihead.model import build_model
 from multihead.training.precision import resolve_precision
 from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
 

@@ -10,7 +10,6 @@ of our own decoder (``scripts/translate.py engine=ctranslate2``). Imports no Lig
 from multihead.checkpoints.io import (
     FORMAT_VERSION,
     Translator,
-    build_model,
     load_translator,
     model_state_dict,
     read_checkpoint,
@@ -23,7 +22,6 @@ from multihead.checkpoints.io import (
 __all__ = [
     "FORMAT_VERSION",
     "Translator",
-    "build_model",
     "load_translator",
     "model_state_dict",
     "read_checkpoint",

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from multihead.data import Tokenizer
-from multihead.model.transformer import ATTENTION_KINDS
+from multihead.model.factory import build_model
 
 # Bumped whenever what ``multihead`` holds, or how the config describes the model, changes.
 FORMAT_VERSION = 2
@@ -85,35 +84,6 @@ _WEIGHTS_ONLY_KEYS = (
 def weights_only(ckpt: dict[str, Any]) -> dict[str, Any]:
     """A shallow copy of ``ckpt`` without optimiser, scheduler, loop and callback states."""
     return {key: ckpt[key] for key in _WEIGHTS_ONLY_KEYS if key in ckpt}
-
-
-def build_model(
-    config: Mapping[str, Any], vocab_size: int, pad_id: int, *, backend: str | None = None
-) -> nn.Module:
-    """The network a run config describes: ``config.model`` with the heads of ``config.attention``.
-
-    ``attention`` is the one place heads are set: its top-level keys apply to every
-    attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
-    ``cross_attention`` sections override them for one kind. ``backend`` replaces every
-    sublayer's backend (e.g. to translate with another kernel than the one trained with).
-    """
-    from hydra.utils import instantiate
-
-    attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
-    per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
-    if backend is not None:
-        attention["backend"] = backend
-        for section in per_kind.values():
-            if section:
-                section.pop("backend", None)
-    return instantiate(
-        config["model"],
-        src_vocab_size=vocab_size,
-        tgt_vocab_size=vocab_size,
-        pad_id=pad_id,
-        attention=attention,
-        **per_kind,
-    )
 
 
 def load_translator(path: str | Path, backend: str | None = None) -> Translator:
