@@ -9,6 +9,7 @@ of our own decoder (``scripts/translate.py engine=ctranslate2``). Imports no Lig
 
 from multihead.checkpoints.io import (
     FORMAT_VERSION,
+    AtomicCheckpointIO,
     Translator,
     load_translator,
     model_state_dict,
@@ -20,6 +21,7 @@ from multihead.checkpoints.io import (
 )
 
 __all__ = [
+    "AtomicCheckpointIO",
     "FORMAT_VERSION",
     "Translator",
     "load_translator",

@@ -17,13 +17,17 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from multihead.checkpoints import model_state_dict, read_checkpoint, write_atomically
+from multihead.checkpoints import (
+    AtomicCheckpointIO,
+    model_state_dict,
+    read_checkpoint,
+    write_atomically,
+)
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.model import build_model
 from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
-from multihead.training.checkpoint_io import AtomicCheckpointIO
 from multihead.training.precision import resolve_precision
 from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
