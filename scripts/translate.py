@@ -46,7 +46,7 @@ def check_engine(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     check_engine(cfg)
     if cfg.engine == "ctranslate2":
-        from multihead.checkpoints.engine import CTranslate2Engine
+        from multihead.deploy.engine import CTranslate2Engine
 
         engine = CTranslate2Engine(cfg.model_dir, compute_type=cfg.compute_type)
         run, tokenizer, trained = engine.translate, engine.tokenizer, engine.settings
