@@ -8,14 +8,14 @@ translating and scoring in :mod:`multihead.evaluation`; reports about finished r
 :mod:`multihead.analysis`.
 """
 
-from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor, WallClock
+from multihead.training.callbacks import RecentCheckpoints, TokenThroughput, WallClock
 from multihead.training.module import TranslationModule
 from multihead.training.schedules import InverseSqrtWarmup
 
 __all__ = [
     "InverseSqrtWarmup",
     "RecentCheckpoints",
-    "ThroughputMonitor",
+    "TokenThroughput",
     "TranslationModule",
     "WallClock",
 ]

@@ -27,7 +27,7 @@ from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoi
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.model import build_model
-from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
+from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
 from multihead.training.precision import resolve_precision
 from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
@@ -222,7 +222,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             summary["test/beam_size"] = module.beam_sizes["test"]
         if trainer.is_global_zero:
             # Whole-run training throughput and peak memory.
-            monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+            monitor = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
             summary.update(monitor.summary() if monitor else {})
             summary["train/skipped_batches"] = module.skipped_batches
             if cfg.summary.decode_speed and isinstance(trainer.strategy, FSDPStrategy):
