@@ -7,11 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 
 from multihead.training import TranslationModule
 from multihead.training.loss import linear_cross_entropy
-from tests.conftest import compose_config
 from tests.model.tiny_models import PAD, VOCAB, random_src, tiny_model
 
 
@@ -135,19 +133,6 @@ def test_bf16_projection_is_close_to_fp32() -> None:
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)
     for grad, ref_grad in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(grad, ref_grad, rtol=0, atol=2e-2 * ref_grad.abs().max())
-
-
-def test_bf16_projection_option_composes_and_reaches_the_training_loss(tmp_path) -> None:
-    cfg = compose_config("train", ["module.bf16_projection=true", f"paths.output_dir={tmp_path}"])
-    model = tiny_model().train()
-    module = instantiate(cfg.module, model=model, tokenizer=SimpleNamespace(pad_id=PAD))
-    assert module.bf16_projection is True
-    batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
-    bf16_loss, _ = module.loss(batch)
-    module.bf16_projection = False
-    fp32_loss, _ = module.loss(batch)
-    assert bf16_loss != fp32_loss
-    torch.testing.assert_close(bf16_loss, fp32_loss, rtol=1e-2, atol=1e-2)
 
 
 def rdrop_reference(hidden, weight, targets, label_smoothing, alpha):
