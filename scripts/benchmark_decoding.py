@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_translator, search_settings
 from multihead.data import load_parallel_dataset
-from multihead.evaluation import corpus_scores, search_settings, translate
+from multihead.evaluation import corpus_scores, translate
 
 ENGINES = ("ours", "ct2 fp32", "ct2 int8")
 
@@ -84,8 +84,8 @@ def main() -> None:
                 t.model, t.tokenizer, s, beam_size=beam, **o
             )
         if any(name.startswith("ct2") for name in names):
-            from multihead.checkpoints.engine import CTranslate2Engine
-            from multihead.checkpoints.export import export_ctranslate2
+            from multihead.deploy.engine import CTranslate2Engine
+            from multihead.deploy.export import export_ctranslate2
 
             out = export_ctranslate2(ckpt=args.checkpoints[i], out=Path(tmp.name) / f"ct2_{i}")
             for name, compute_type in (("ct2 fp32", "float32"), ("ct2 int8", "int8")):

@@ -14,12 +14,12 @@ scales the loss as Lightning's 16-mixed does).
 
 A variant is ``step`` (the training module's own loss) or ``+``-joined options:
 ``unfused`` (the full ``(B, T, V)`` logits into ``F.cross_entropy``, the step before the fused
-loss), ``chunk=N`` and ``bf16`` (:func:`~multihead.training.loss.linear_cross_entropy` with
-that chunk size, bf16 projection GEMMs), ``adam-loop`` (``Adam(fused=False)``, the
-per-tensor loop). ``unfused+adam-loop`` is the step before either change. E.g.
+loss), ``chunk=N`` (:func:`~multihead.training.loss.linear_cross_entropy` with that chunk
+size), ``adam-loop`` (``Adam(fused=False)``, the per-tensor loop). ``unfused+adam-loop`` is
+the step before either change. E.g.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
-        experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step bf16
+        experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step chunk=256
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from multihead.checkpoints import build_model
 from multihead.cli import register_resolvers
+from multihead.model import build_model
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -57,19 +57,17 @@ def autocast(precision: str, device: torch.device):
     raise ValueError(f"precision {precision!r}; expected {expected} on {device.type}")
 
 
-VARIANT_WORDS = ("step", "unfused", "chunk=N", "bf16", "adam-loop")
+VARIANT_WORDS = ("step", "unfused", "chunk=N", "adam-loop")
 
 
 def parse_variant(spec: str) -> dict:
-    """``"bf16+chunk=256+adam-loop"`` -> the options of :func:`loss_fn` and the optimiser."""
+    """``"chunk=256+adam-loop"`` -> the options of :func:`loss_fn` and the optimiser."""
     options = {"unfused": False, "fused_loss": {}, "optimizer": {}}
     for word in spec.split("+"):
         if word == "step":
             continue
         elif word == "unfused":
             options["unfused"] = True
-        elif word == "bf16":
-            options["fused_loss"]["bf16"] = True
         elif word.startswith("chunk=") and word[6:].isdigit():
             options["fused_loss"]["chunk_size"] = int(word[6:])
         elif word == "adam-loop":
@@ -77,7 +75,7 @@ def parse_variant(spec: str) -> dict:
         else:
             raise ValueError(f"variant word {word!r} in {spec!r}; expected {VARIANT_WORDS}")
     if options["unfused"] and options["fused_loss"]:
-        raise ValueError(f"variant {spec!r}: unfused takes no chunk= or bf16")
+        raise ValueError(f"variant {spec!r}: unfused takes no chunk=")
     return options
 
 

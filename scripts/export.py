@@ -7,8 +7,8 @@ Python that translates with it) atomically: a failed export leaves ``out`` as it
 import hydra
 from omegaconf import DictConfig
 
-from multihead.checkpoints.export import FORMATS, export_ctranslate2
 from multihead.cli import exit_on_user_error
+from multihead.deploy.export import FORMATS, export_ctranslate2
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="export")

@@ -15,9 +15,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_translator, search_settings
 from multihead.cli import exit_on_user_error
-from multihead.evaluation import search_settings, translate
+from multihead.evaluation import translate
 from multihead.evaluation.stream import read_lines, translate_lines
 
 ENGINES = ("torch", "ctranslate2")
@@ -46,7 +46,7 @@ def check_engine(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     check_engine(cfg)
     if cfg.engine == "ctranslate2":
-        from multihead.checkpoints.engine import CTranslate2Engine
+        from multihead.deploy.engine import CTranslate2Engine
 
         engine = CTranslate2Engine(cfg.model_dir, compute_type=cfg.compute_type)
         run, tokenizer, trained = engine.translate, engine.tokenizer, engine.settings

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from multihead.attention import MultiHeadAttention
-from multihead.checkpoints import build_model, load_translator, read_checkpoint
+from multihead.checkpoints import load_translator, read_checkpoint
 from multihead.checkpoints.conversion import (
     convert_checkpoint,
     convert_kv_heads,
@@ -18,7 +18,7 @@ from multihead.checkpoints.conversion import (
     resolve_scope,
 )
 from multihead.evaluation import evaluate_checkpoint
-from multihead.model import Transformer
+from multihead.model import Transformer, build_model
 from tests.conftest import compose_config
 from tests.training.test_configs import run_script
 

@@ -14,8 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from multihead.checkpoints import build_model
-from multihead.model import DecoderLayer, EncoderLayer
+from multihead.model import DecoderLayer, EncoderLayer, build_model
 from multihead.training.precision import resolve_precision
 from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
 

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
-from multihead.checkpoints import build_model
+from multihead.model import build_model
 from multihead.training.precision import resolve_precision
 from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
 
@@ -41,9 +41,9 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
         "group_mlp": "-group_mlp2",
         "head_attention": "-head_attention",
     }.get(attention, "")
-    assert {
-        (k["kind"], k["num_heads"], k["num_kv_heads"], k["tag"]) for k in kinds.values()
-    } == {(kind, H, G, tag)}
+    assert {(k["kind"], k["num_heads"], k["num_kv_heads"], k["tag"]) for k in kinds.values()} == {
+        (kind, H, G, tag)
+    }
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 

@@ -7,13 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch._ops import ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead.training import TranslationModule
 from multihead.training.loss import linear_cross_entropy
-from tests.conftest import compose_config
 from tests.model.tiny_models import PAD, VOCAB, random_src, tiny_model
 
 aten = ops.aten
@@ -127,33 +125,6 @@ def test_module_loss_equals_cross_entropy_of_the_logits() -> None:
         torch.testing.assert_close(grad, ref_grad)
 
 
-def test_bf16_projection_is_close_to_fp32() -> None:
-    hidden, weight, targets = inputs(torch.float32)
-    losses, grads = [], []
-    for bf16 in (False, True):
-        loss, _ = linear_cross_entropy(
-            hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1, bf16=bf16
-        )
-        losses.append(loss)
-        grads.append(torch.autograd.grad(loss, (hidden, weight)))
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)
-    for grad, ref_grad in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=2e-2 * ref_grad.abs().max())
-
-
-def test_bf16_projection_option_composes_and_reaches_the_training_loss(tmp_path) -> None:
-    cfg = compose_config("train", ["module.bf16_projection=true", f"paths.output_dir={tmp_path}"])
-    model = tiny_model().train()
-    module = instantiate(cfg.module, model=model, tokenizer=SimpleNamespace(pad_id=PAD))
-    assert module.bf16_projection is True
-    batch = {"src": random_src(4, 9, seed=1), "tgt": random_src(4, 8, seed=2, min_len=2)}
-    bf16_loss, _ = module.loss(batch)
-    module.bf16_projection = False
-    fp32_loss, _ = module.loss(batch)
-    assert bf16_loss != fp32_loss
-    torch.testing.assert_close(bf16_loss, fp32_loss, rtol=1e-2, atol=1e-2)
-
-
 class GemmDtypes(TorchDispatchMode):
     """Records the dtype of each matrix product's result, below autocast's casts."""
 
@@ -219,8 +190,3 @@ def test_fp32_training_loss_runs_its_gemms_in_fp32() -> None:
         loss, _ = linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, chunk_size=9)
     torch.autograd.grad(loss, (hidden, weight))
     assert gemms.dtypes == [torch.float32] * 6
-    with GemmDtypes() as gemms:
-        loss, _ = linear_cross_entropy(
-            hidden, weight, targets, ignore_index=PAD, chunk_size=9, bf16=True
-        )
-    assert gemms.dtypes == [torch.bfloat16] * 6

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from multihead.training.run import train
-from multihead.training.wandb_setup import configure_wandb_mode, has_wandb_api_key
+from multihead.wandb_setup import configure_wandb_mode, has_wandb_api_key
 
 
 def test_no_api_key_means_offline_with_sync_hint(monkeypatch, tmp_path, caplog) -> None:

@@ -1,2 +1,3 @@
 """Reports about finished runs: comparing runs, learning curves against wall-clock minutes,
-attention maps and head diversity."""
+attention maps and head diversity (which training's ``AttentionMapLogger`` also draws after
+validation)."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multihead.wandb_setup import has_wandb_api_key
+
 SUMMARY_FILE = "summary.json"
 CURVE_KEYS = ("val/bleu", "val/loss")
 STEP_KEY = "trainer/global_step"  # Lightning's step, the ``step`` column of metrics.csv
@@ -115,8 +117,6 @@ def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
 
 def load_wandb_group(group: str, project: str, entity: str | None = None) -> list[RunResult]:
     """The runs of a wandb group, through the public API (needs network and an API key)."""
-    from multihead.training.wandb_setup import has_wandb_api_key
-
     if os.environ.get("WANDB_MODE") in ("offline", "disabled") or not has_wandb_api_key():
         raise ValueError(
             f"group={group} reads runs from the wandb API, which needs an API key and "

@@ -1,32 +1,34 @@
-"""A checkpoint's life after training: read it, rebuild its model, write files atomically,
-resume from it, average several, convert its K/V heads, export it to CTranslate2.
+"""Checkpoints: read them, write them atomically (Lightning's writes during ``fit`` too,
+through :class:`AtomicCheckpointIO`), rebuild a trained model and its search settings from
+one, pick the one a run resumes from, average several, convert their K/V heads.
 
-Checkpoints are self-contained (see :mod:`multihead.checkpoints.io`).
-:mod:`multihead.checkpoints.export` writes a CTranslate2 model directory from any of them;
-:mod:`multihead.checkpoints.engine` translates with such a directory under the length rules
-of our own decoder (``scripts/translate.py engine=ctranslate2``). Imports no Lightning.
+Checkpoints are self-contained (see :mod:`multihead.checkpoints.io`): the config and the
+tokenizer inside rebuild the network with :func:`multihead.model.build_model`. Exporting
+one for deployment is :mod:`multihead.deploy`.
 """
 
 from multihead.checkpoints.io import (
     FORMAT_VERSION,
+    AtomicCheckpointIO,
     Translator,
-    build_model,
     load_translator,
     model_state_dict,
     read_checkpoint,
     save_new,
+    search_settings,
     weights_only,
     write_atomically,
 )
 
 __all__ = [
+    "AtomicCheckpointIO",
     "FORMAT_VERSION",
     "Translator",
-    "build_model",
     "load_translator",
     "model_state_dict",
     "read_checkpoint",
     "save_new",
+    "search_settings",
     "weights_only",
     "write_atomically",
 ]

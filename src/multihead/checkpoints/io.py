@@ -1,8 +1,10 @@
-"""Reading the self-contained checkpoints that ``train.py`` writes, and writing files safely.
+"""Reading the self-contained checkpoints that ``train.py`` writes, and writing them safely.
 
 A checkpoint is a Lightning checkpoint with one extra entry, ``multihead``: the format
 version, the resolved run config and the tokenizer. Config plus tokenizer rebuild the
-network anywhere, without the data or the Hydra config files.
+network anywhere, without the data or the Hydra config files. Every file is written with
+:func:`write_atomically`; during training Lightning writes through
+:class:`AtomicCheckpointIO`, which uses it.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from omegaconf import OmegaConf
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from multihead.data import Tokenizer
-from multihead.model.transformer import ATTENTION_KINDS
+from multihead.model.factory import build_model
 
 # Bumped whenever what ``multihead`` holds, or how the config describes the model, changes.
 FORMAT_VERSION = 2
@@ -87,35 +90,6 @@ def weights_only(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {key: ckpt[key] for key in _WEIGHTS_ONLY_KEYS if key in ckpt}
 
 
-def build_model(
-    config: Mapping[str, Any], vocab_size: int, pad_id: int, *, backend: str | None = None
-) -> nn.Module:
-    """The network a run config describes: ``config.model`` with the heads of ``config.attention``.
-
-    ``attention`` is the one place heads are set: its top-level keys apply to every
-    attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
-    ``cross_attention`` sections override them for one kind. ``backend`` replaces every
-    sublayer's backend (e.g. to translate with another kernel than the one trained with).
-    """
-    from hydra.utils import instantiate
-
-    attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
-    per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
-    if backend is not None:
-        attention["backend"] = backend
-        for section in per_kind.values():
-            if section:
-                section.pop("backend", None)
-    return instantiate(
-        config["model"],
-        src_vocab_size=vocab_size,
-        tgt_vocab_size=vocab_size,
-        pad_id=pad_id,
-        attention=attention,
-        **per_kind,
-    )
-
-
 def load_translator(path: str | Path, backend: str | None = None) -> Translator:
     """Rebuild the trained model (in eval mode) and its tokenizer from a checkpoint.
 
@@ -130,6 +104,20 @@ def load_translator(path: str | Path, backend: str | None = None) -> Translator:
     model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id, backend=backend)
     model.load_state_dict(model_state_dict(ckpt))
     return Translator(model.eval(), tokenizer, config)
+
+
+def search_settings(
+    config: Mapping[str, Any],
+    *,
+    length_penalty: float | None = None,
+    max_len_a: float | None = None,
+    max_len_b: float | None = None,
+) -> dict[str, float]:
+    """The search settings a run was trained with (its ``module`` config), each replaced
+    where given: the keyword arguments of :func:`multihead.evaluation.translate` besides
+    the beam size."""
+    given = {"length_penalty": length_penalty, "max_len_a": max_len_a, "max_len_b": max_len_b}
+    return {k: config["module"][k] if v is None else v for k, v in given.items()}
 
 
 def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
@@ -171,3 +159,22 @@ def save_new(obj: dict, out: str | Path) -> Path:
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new out= path")
     return write_atomically(out, lambda f: torch.save(obj, f))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Every checkpoint is the old file or the complete new one, never a torn one.
+
+    Lightning's own writer stages the file through an fsspec transaction whose temporary
+    file lives in the system temp directory; when that is another filesystem than the run
+    directory (a node-local ``/tmp``, a shared run directory), the final move is a copy that
+    a kill can interrupt, and nothing is fsynced. This writer uses :func:`write_atomically`:
+    a temporary file in the checkpoint's own directory, flushed and fsynced, then renamed
+    over the target.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options}")
+        write_atomically(os.fspath(path), lambda f: torch.save(checkpoint, f))

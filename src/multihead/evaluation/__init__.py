@@ -6,13 +6,12 @@ Used during training (validation BLEU) and after it (``scripts/evaluate.py``,
 
 from multihead.evaluation.metrics import Scores, corpus_scores, tokenized_bleu
 from multihead.evaluation.scoring import evaluate_checkpoint
-from multihead.evaluation.translate import search_settings, translate
+from multihead.evaluation.translate import translate
 
 __all__ = [
     "Scores",
     "corpus_scores",
     "evaluate_checkpoint",
-    "search_settings",
     "tokenized_bleu",
     "translate",
 ]

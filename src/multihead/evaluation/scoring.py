@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from multihead.checkpoints import load_translator, write_atomically
+from multihead.checkpoints import load_translator, search_settings, write_atomically
 from multihead.data import load_parallel_dataset
 from multihead.data.loading import SPLITS
 from multihead.evaluation.metrics import corpus_scores, tokenized_bleu
-from multihead.evaluation.translate import search_settings, translate
+from multihead.evaluation.translate import translate
 
 
 def evaluate_checkpoint(

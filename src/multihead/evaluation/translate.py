@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from torch import nn
 
 from multihead.data import Tokenizer, collate
@@ -25,7 +22,8 @@ def translate(
     """Translate ``sentences``; batches are formed by length and outputs kept in order.
 
     ``beam_size=1`` is greedy search. The model should be in eval mode. The search
-    settings are those of :func:`multihead.model.decode`.
+    settings are those of :func:`multihead.model.decode`; those a checkpoint was trained
+    with are :func:`multihead.checkpoints.search_settings`.
     """
     if beam_size < 1 or batch_size < 1:
         raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size}, {batch_size}")
@@ -52,16 +50,3 @@ def translate(
         for i, hyp in zip(chunk, tokenizer.decode_batch(hyp_ids), strict=True):
             out[i] = hyp
     return out
-
-
-def search_settings(
-    config: Mapping[str, Any],
-    *,
-    length_penalty: float | None = None,
-    max_len_a: float | None = None,
-    max_len_b: float | None = None,
-) -> dict[str, float]:
-    """The search settings a run was trained with (its ``module`` config), each replaced
-    where given: the keyword arguments of :func:`translate` besides the beam size."""
-    given = {"length_penalty": length_penalty, "max_len_a": max_len_a, "max_len_b": max_len_b}
-    return {k: config["module"][k] if v is None else v for k, v in given.items()}

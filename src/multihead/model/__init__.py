@@ -1,4 +1,5 @@
-"""The encoder-decoder Transformer and its decoders (plain ``nn.Module``, no Lightning)."""
+"""The encoder-decoder Transformer (plain ``nn.Module``, no Lightning), the factory that
+builds it from a run config (:func:`build_model`), and its decoders."""
 
 from multihead.model.decoding import beam_search, decode, greedy_decode, max_output_lengths
 from multihead.model.embedding import (
@@ -7,6 +8,7 @@ from multihead.model.embedding import (
     TransformerEmbedding,
     make_token_embedding,
 )
+from multihead.model.factory import build_model
 from multihead.model.transformer import (
     DecoderCache,
     DecoderLayer,
@@ -25,6 +27,7 @@ __all__ = [
     "Transformer",
     "TransformerEmbedding",
     "beam_search",
+    "build_model",
     "decode",
     "greedy_decode",
     "make_token_embedding",

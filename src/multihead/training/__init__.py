@@ -1,21 +1,23 @@
 """Training only: the LightningModule and its fused loss
 (:func:`~multihead.training.loss.linear_cross_entropy`), the learning-rate schedule, the
-callbacks that run during ``fit``, and :func:`~multihead.training.run.train`, which wires
-them from a config.
+``precision: auto`` setting, the callbacks that run during ``fit`` (throughput, wall clock,
+recent checkpoints, attention maps), and :func:`~multihead.training.run.train`, which wires
+them from a config. In the import order only ``multihead.cli`` and the root are above it.
 
-What happens to a checkpoint after training lives in :mod:`multihead.checkpoints`;
-translating and scoring in :mod:`multihead.evaluation`; reports about finished runs in
-:mod:`multihead.analysis`.
+Reading and writing checkpoints (Lightning's writes during ``fit`` too) lives in
+:mod:`multihead.checkpoints`; building the network in :mod:`multihead.model`; translating
+and scoring in :mod:`multihead.evaluation`; reports about finished runs in
+:mod:`multihead.analysis`; wandb's online/offline choice in :mod:`multihead.wandb_setup`.
 """
 
-from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor, WallClock
+from multihead.training.callbacks import RecentCheckpoints, TokenThroughput, WallClock
 from multihead.training.module import TranslationModule
 from multihead.training.schedules import InverseSqrtWarmup
 
 __all__ = [
     "InverseSqrtWarmup",
     "RecentCheckpoints",
-    "ThroughputMonitor",
+    "TokenThroughput",
     "TranslationModule",
     "WallClock",
 ]

@@ -20,10 +20,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB
 
 
-class ThroughputMonitor(pl.Callback):
+class TokenThroughput(pl.Callback):
     """Logs source and target tokens per second (padding excluded) and peak memory.
 
-    Padding (the module tokenizer's ``pad_id``) is not counted as work done.
+    Padding (the module tokenizer's ``pad_id``) is not counted as work done. Lightning's
+    ``ThroughputMonitor`` counts one length per batch (``length_fn``) and assumes a fixed
+    batch size; this one counts source and target tokens apart in token-bucketed batches,
+    logs ``perf/*``, and keeps whole-run totals for the run summary (:meth:`summary`).
 
     Args:
         log_every_n_steps: averaging window, in optimiser steps.

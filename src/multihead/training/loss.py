@@ -118,7 +118,6 @@ def linear_cross_entropy(
     ignore_index: int,
     label_smoothing: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    bf16: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Label-smoothed cross-entropy of the logits ``hidden @ weight.T``, chunk by chunk.
 
@@ -126,8 +125,7 @@ def linear_cross_entropy(
     for fp64 inputs; bf16/fp16 inputs are promoted). The three GEMMs (logits, gradients of
     the states and of the weight) run on:
 
-    * bfloat16 operands with ``bf16=True``;
-    * else, under autocast with gradients (a mixed-precision training step), the autocast
+    * under autocast with gradients (a mixed-precision training step), the autocast
       dtype's operands, as an unfused ``nn.Linear`` would run its forward and backward
       GEMMs there: the projection is the step's largest matmul, and fp32 would give back
       much of what mixed precision buys on a GPU;
@@ -143,8 +141,6 @@ def linear_cross_entropy(
         ignore_index: targets equal to it (padding) count neither in the loss nor in the mean.
         label_smoothing: epsilon, in [0, 1).
         chunk_size: positions projected at a time.
-        bf16: run the three GEMMs on bfloat16 operands (the training option
-            ``module.bf16_projection``, for fp32 runs).
 
     Returns:
         ``(loss, nll)``: the label-smoothed loss and the plain negative log-likelihood (no
@@ -171,12 +167,7 @@ def linear_cross_entropy(
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     device_type = hidden.device.type
     autocast_dtype = _autocast_dtype(device_type)
-    if bf16:
-        gemm_dtype = torch.bfloat16
-    elif with_grad and autocast_dtype is not None:
-        gemm_dtype = autocast_dtype
-    else:
-        gemm_dtype = dtype
+    gemm_dtype = autocast_dtype if with_grad and autocast_dtype is not None else dtype
     # The casts stay outside the Function, so autograd returns gradients in the inputs' dtypes.
     args = (states[real].to(dtype), weight.to(dtype), targets[real])
     with torch.autocast(device_type, enabled=False) if autocast_dtype else nullcontext():

@@ -36,11 +36,8 @@ class TranslationModule(pl.LightningModule):
             the optimiser and ``time_left`` (seconds of training left under
             ``trainer.max_time``); stepped every update.
         label_smoothing: epsilon of label-smoothed cross-entropy (padding is ignored).
-        bf16_projection: run the output projection's GEMMs inside the training loss on
-            bfloat16 operands (softmax and loss stay fp32; see
-            :func:`~multihead.training.loss.linear_cross_entropy`). Validation and test
-            losses are fp32 under every ``trainer.precision`` (the loss turns autocast off
-            when it takes no gradient), so they compare across runs.
+            Validation and test losses are fp32 under every ``trainer.precision`` (the loss
+            turns autocast off when it takes no gradient), so they compare across runs.
         beam_size: 1 = greedy; the search for validation BLEU.
         test_beam_size: the search for test BLEU; ``None`` = ``beam_size``.
         length_penalty, max_len_a, max_len_b: decoding settings (see
@@ -67,7 +64,6 @@ class TranslationModule(pl.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         *,
         label_smoothing: float = 0.1,
-        bf16_projection: bool = False,
         beam_size: int,
         test_beam_size: int | None = None,
         length_penalty: float,
@@ -89,7 +85,6 @@ class TranslationModule(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing
-        self.bf16_projection = bf16_projection
         self.decode_settings = dict(
             length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b
         )
@@ -113,7 +108,7 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
-    def _losses(self, batch: dict, bf16: bool = False) -> tuple[Tensor, Tensor, int]:
+    def _losses(self, batch: dict) -> tuple[Tensor, Tensor, int]:
         """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
 
         The output projection runs inside the loss, chunk by chunk (see
@@ -130,7 +125,6 @@ class TranslationModule(pl.LightningModule):
             tgt_out,
             ignore_index=self.pad_id,
             label_smoothing=self.label_smoothing,
-            bf16=bf16,
         )
         return loss, nll, ntokens
 
@@ -140,7 +134,7 @@ class TranslationModule(pl.LightningModule):
 
     def loss(self, batch: dict) -> tuple[Tensor, int]:
         """Label-smoothed cross-entropy per real target token, and that token count."""
-        loss, _, ntokens = self._losses(batch, bf16=self.bf16_projection)
+        loss, _, ntokens = self._losses(batch)
         return loss, ntokens
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.checkpoints import (
-    build_model,
+    AtomicCheckpointIO,
     model_state_dict,
     read_checkpoint,
     write_atomically,
@@ -28,10 +28,10 @@ from multihead.checkpoints import (
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
-from multihead.training.callbacks import RecentCheckpoints, ThroughputMonitor
-from multihead.training.checkpoint_io import AtomicCheckpointIO
+from multihead.model import build_model
+from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
 from multihead.training.precision import trainer_precision
-from multihead.training.wandb_setup import configure_wandb_mode, finish_wandb
+from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             summary["test/beam_size"] = module.beam_sizes["test"]
         if trainer.is_global_zero:
             # Whole-run training throughput and peak memory.
-            monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+            monitor = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
             summary.update(monitor.summary() if monitor else {})
             summary["train/skipped_batches"] = module.skipped_batches
             if cfg.summary.decode_speed and isinstance(trainer.strategy, FSDPStrategy):

@@ -42,10 +42,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.checkpoints.io import load_translator
+from multihead.checkpoints.io import load_translator, search_settings
 from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
-from multihead.evaluation.translate import search_settings
 from multihead.model import Transformer
 from multihead.model.transformer import DecoderLayer, FeedForward
 
@@ -292,7 +291,7 @@ def export_ctranslate2(*, ckpt: str | Path, out: str | Path, overwrite: bool = F
             "tgt_lang": data.get("tgt_lang"),
             "checkpoint": str(ckpt),
             "head_config": translator.model.head_config,
-            # The search settings it was trained with, as evaluation.search_settings reads them.
+            # The search settings it was trained with, as search_settings reads them.
             "module": search_settings(translator.config),
         }
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")

@@ -27,8 +27,8 @@ import json
 import math
 from pathlib import Path
 
-from multihead.checkpoints.export import SETTINGS_FILE, TOKENIZER_FILE, import_ctranslate2
 from multihead.data import Tokenizer
+from multihead.deploy.export import SETTINGS_FILE, TOKENIZER_FILE, import_ctranslate2
 
 COMPUTE_TYPES = ("default", "float32", "int8", "int8_float32", "int16")
 

@@ -14,8 +14,8 @@ from ct2_models import pairs, save_checkpoint, sentences, tokenizer
 from torch import nn
 
 from multihead.checkpoints import load_translator
-from multihead.checkpoints.engine import CTranslate2Engine
-from multihead.checkpoints.export import ExportError, build_spec, export_ctranslate2
+from multihead.deploy.engine import CTranslate2Engine
+from multihead.deploy.export import ExportError, build_spec, export_ctranslate2
 from multihead.evaluation import translate
 
 # The search settings every test translates with (the recipe's length limits).

@@ -1,4 +1,8 @@
-"""Make wandb safe to use unattended: offline without a key, never a prompt."""
+"""Make wandb safe to use unattended: offline without a key, never a prompt.
+
+Used by training (the run's logger) and by analysis (reading a wandb group); standard
+library only, so either can import it.
+"""
 
 from __future__ import annotations
 

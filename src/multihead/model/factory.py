@@ -1,0 +1,40 @@
+"""The network a run config describes: the one factory for training and for checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import OmegaConf
+from torch import nn
+
+from multihead.model.transformer import ATTENTION_KINDS
+
+
+def build_model(
+    config: Mapping[str, Any], vocab_size: int, pad_id: int, *, backend: str | None = None
+) -> nn.Module:
+    """The network a run config describes: ``config.model`` with the heads of ``config.attention``.
+
+    ``attention`` is the one place heads are set: its top-level keys apply to every
+    attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
+    ``cross_attention`` sections override them for one kind. ``backend`` replaces every
+    sublayer's backend (e.g. to translate with another kernel than the one trained with).
+    """
+    from hydra.utils import instantiate
+
+    attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
+    per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
+    if backend is not None:
+        attention["backend"] = backend
+        for section in per_kind.values():
+            if section:
+                section.pop("backend", None)
+    return instantiate(
+        config["model"],
+        src_vocab_size=vocab_size,
+        tgt_vocab_size=vocab_size,
+        pad_id=pad_id,
+        attention=attention,
+        **per_kind,
+    )
