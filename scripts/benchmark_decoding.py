@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.checkpoints import load_translator, search_settings
+from multihead.checkpoints import load_trained_model, search_settings
 from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, translate
 
@@ -59,7 +59,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    translators = [load_translator(path) for path in args.checkpoints]
+    translators = [load_trained_model(path) for path in args.checkpoints]
     data_cfg = translators[0].config["data"]
     split = load_parallel_dataset(
         name=data_cfg["name"],

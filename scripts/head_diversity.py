@@ -17,7 +17,7 @@ from multihead.analysis.heads import (
     plot_similarity_matrices,
     similarity_matrices,
 )
-from multihead.checkpoints import load_translator, write_atomically
+from multihead.checkpoints import load_trained_model, write_atomically
 from multihead.cli import exit_on_user_error
 from multihead.data import load_parallel_dataset
 
@@ -32,8 +32,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out)
     per_model = {}
     for label, ckpt in zip(labels, ckpts, strict=True):
-        translator = load_translator(ckpt)
-        data = translator.config["data"]
+        trained = load_trained_model(ckpt)
+        data = trained.config["data"]
         split = load_parallel_dataset(
             name=data["name"],
             src_lang=data["src_lang"],
@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> None:
         )[cfg.split]
         split = split.select(range(min(cfg.sentences, len(split))))
         pairs = list(zip(split["src"], split["tgt"], strict=True))
-        per_model[label] = similarity_matrices(translator.model, translator.tokenizer, pairs)
+        per_model[label] = similarity_matrices(trained.model, trained.tokenizer, pairs)
         fig = plot_similarity_matrices(
             per_model[label],
             f"{label}: cosine similarity of head outputs ({len(pairs)} {cfg.split})",

@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from multihead.checkpoints import load_translator, search_settings
+from multihead.checkpoints import load_trained_model, search_settings
 from multihead.cli import exit_on_user_error
 from multihead.evaluation import translate
 from multihead.evaluation.stream import read_lines, translate_lines
@@ -52,9 +52,9 @@ def main(cfg: DictConfig) -> None:
         run, tokenizer, trained = engine.translate, engine.tokenizer, engine.settings
         max_positions = engine.settings["max_positions"]
     else:
-        translator = load_translator(cfg.ckpt, backend=cfg.backend)
-        model = translator.model.to(cfg.device)
-        tokenizer, trained = translator.tokenizer, translator.config
+        trained = load_trained_model(cfg.ckpt, backend=cfg.backend)
+        model = trained.model.to(cfg.device)
+        tokenizer, trained = trained.tokenizer, trained.config
 
         def run(sentences, **options):
             with torch.inference_mode():

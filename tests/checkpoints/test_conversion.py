@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from multihead.attention import MultiHeadAttention
-from multihead.checkpoints import load_translator, read_checkpoint
+from multihead.checkpoints import load_trained_model, read_checkpoint
 from multihead.checkpoints.conversion import (
     convert_checkpoint,
     convert_kv_heads,
@@ -134,8 +134,8 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
     written, overrides = convert_kv_heads(trained, 2, out, scope)
     assert written == out
 
-    translator = load_translator(out)
-    heads = translator.model.head_config
+    trained = load_trained_model(out)
+    heads = trained.model.head_config
     expected_kv = {
         "encoder_self_attention": 2 if scope == "all" else 4,
         "decoder_self_attention": 2,
@@ -144,8 +144,8 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
     assert {kind: cfg["num_kv_heads"] for kind, cfg in heads.items()} == expected_kv
 
     # Written out: query rows kept; K/V head j of the result = mean of old heads 2j, 2j+1.
-    old = load_translator(trained).model.state_dict()
-    new = translator.model.state_dict()
+    old = load_trained_model(trained).model.state_dict()
+    new = trained.model.state_dict()
     E, D = 32, 8  # the smoke model: d_model 32, 4 heads
     converted = [
         f"{stack}.{i}.{attn}.in_proj"
@@ -192,12 +192,12 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
         [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
     )
     assert composed.init_from == str(out)
-    tok = translator.tokenizer
+    tok = trained.tokenizer
     rebuilt = build_model(
         OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
     )
     assert rebuilt.head_config == heads
-    rebuilt.load_state_dict(translator.model.state_dict())
+    rebuilt.load_state_dict(trained.model.state_dict())
 
 
 def test_converted_checkpoint_evaluates(trained, tmp_path, multi30k_dir) -> None:

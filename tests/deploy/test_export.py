@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ct2_models import pairs, save_checkpoint, sentences, tokenizer
 from torch import nn
 
-from multihead.checkpoints import load_translator
+from multihead.checkpoints import load_trained_model
 from multihead.deploy.engine import CTranslate2Engine
 from multihead.deploy.export import ExportError, build_spec, export_ctranslate2
 from multihead.evaluation import translate
@@ -53,7 +53,7 @@ def exported(request, tok, tmp_path_factory):
 def test_scores_match_teacher_forced_log_probs(exported, tok):
     """CTranslate2's log-probabilities of reference targets equal our forward pass's."""
     ckpt, out = exported
-    model = load_translator(ckpt).model
+    model = load_trained_model(ckpt).model
     vocabulary = CTranslate2Engine(out).vocabulary
     batch = pairs(8, seed=4)
     src_ids = [tok.encode(en) for en, _ in batch]
@@ -75,11 +75,9 @@ def test_scores_match_teacher_forced_log_probs(exported, tok):
 def test_greedy_output_is_identical(exported):
     """Greedy is cut to each sentence's own limit, so even a random model agrees exactly."""
     ckpt, out = exported
-    translator = load_translator(ckpt)
+    trained = load_trained_model(ckpt)
     source = sentences(48, seed=5)
-    ours = translate(
-        translator.model, translator.tokenizer, source, beam_size=1, batch_size=16, **SEARCH
-    )
+    ours = translate(trained.model, trained.tokenizer, source, beam_size=1, batch_size=16, **SEARCH)
     theirs = CTranslate2Engine(out).translate(source, beam_size=1, batch_size=16, **SEARCH)
     assert theirs == ours
     assert len({len(s) for s in ours}) > 5  # varied lengths, some at the limit
@@ -96,9 +94,9 @@ def trained(tok, tmp_path_factory):
 @pytest.mark.parametrize(("beam_size", "rate"), [(1, 1.0), (5, 0.98)])
 def test_trained_model_translations_match(trained, beam_size, rate):
     ckpt, out = trained
-    translator = load_translator(ckpt)
+    trained = load_trained_model(ckpt)
     source = sentences(100, seed=6)
-    ours = translate(translator.model, translator.tokenizer, source, beam_size=beam_size, **SEARCH)
+    ours = translate(trained.model, trained.tokenizer, source, beam_size=beam_size, **SEARCH)
     theirs = CTranslate2Engine(out).translate(source, beam_size=beam_size, **SEARCH)
     # Differences are the documented ones: beam searches that run into a length limit.
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
@@ -145,11 +143,11 @@ def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
     path = tmp_path / "model.ckpt"
     save_checkpoint(path, tokenizer(lowercase=True), seed=3)
     out = export_ctranslate2(ckpt=path, out=tmp_path / "ct2")
-    translator = load_translator(path)
+    trained = load_trained_model(path)
     source = sentences(16, seed=5)
     lowered = [s.lower() for s in source]
     assert lowered != source
-    ours = translate(translator.model, translator.tokenizer, source, beam_size=1, **SEARCH)
+    ours = translate(trained.model, trained.tokenizer, source, beam_size=1, **SEARCH)
     engine = CTranslate2Engine(out)
     assert engine.translate(source, beam_size=1, **SEARCH) == ours
     assert engine.translate(lowered, beam_size=1, **SEARCH) == ours

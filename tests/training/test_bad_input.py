@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead.checkpoints import FORMAT_VERSION, load_translator, write_atomically
+from multihead.checkpoints import FORMAT_VERSION, load_trained_model, write_atomically
 from multihead.cli import exit_on_user_error
 from multihead.evaluation import evaluate_checkpoint
 from multihead.training.run import train
@@ -88,7 +88,7 @@ def make_bad(kind: str, good: Path, path: Path) -> None:
     elif kind == "random bytes":
         path.write_bytes(os.urandom(4096))
     elif kind == "plain state_dict":
-        torch.save(load_translator(good).model.state_dict(), path)
+        torch.save(load_trained_model(good).model.state_dict(), path)
     elif kind == "another project's Lightning checkpoint":
         torch.save({"state_dict": {}, "epoch": 3, "pytorch-lightning_version": "2.6.0"}, path)
     elif kind == "another format version":
@@ -111,7 +111,7 @@ def test_bad_checkpoints(ckpt, tmp_path, capsys, kind, message) -> None:
     bad = tmp_path / "bad.ckpt"
     make_bad(kind, ckpt, bad)
     before = bad.read_bytes()
-    line = fails_in_one_line(load_translator, capsys, bad)
+    line = fails_in_one_line(load_trained_model, capsys, bad)
     assert message in line and str(bad) in line, line
     assert bad.read_bytes() == before  # left alone
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multihead.analysis.learning_curve import learning_curve
-from multihead.checkpoints import load_translator, read_checkpoint
+from multihead.checkpoints import load_trained_model, read_checkpoint
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.evaluation import evaluate_checkpoint
 from tests.training.test_configs import run_script
@@ -22,10 +22,10 @@ def run_dir(smoke_run_dir: Path) -> Path:
 
 
 def test_checkpoint_is_self_contained(run_dir: Path) -> None:
-    translator = load_translator(run_dir / "checkpoints" / "last.ckpt")
-    assert not translator.model.training
-    assert translator.config["data"]["tgt_lang"] == "de"
-    assert translator.tokenizer.decode(translator.tokenizer.encode("Ein Hund.")) == "Ein Hund."
+    trained = load_trained_model(run_dir / "checkpoints" / "last.ckpt")
+    assert not trained.model.training
+    assert trained.config["data"]["tgt_lang"] == "de"
+    assert trained.tokenizer.decode(trained.tokenizer.encode("Ein Hund.")) == "Ein Hund."
 
 
 def test_evaluate_writes_hypotheses_and_scores(run_dir, tmp_path, multi30k_dir) -> None:
@@ -159,7 +159,7 @@ def test_average_checkpoints(run_dir: Path, tmp_path: Path) -> None:
         "average_checkpoints.py", f"ckpt_dir={run_dir / 'checkpoints'}", "last=2", f"out={out}"
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert load_translator(out).config == load_translator(paths[-1]).config
+    assert load_trained_model(out).config == load_trained_model(paths[-1]).config
     before = out.read_bytes()
     again = run_script(
         "average_checkpoints.py", f"ckpt_dir={run_dir / 'checkpoints'}", "last=2", f"out={out}"

@@ -179,7 +179,7 @@ class SparseHeads(nn.Linear):
         S = k.shape[2]
         mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal)
 
-        def attend(q: Tensor, first: int, count: int, slots: Tensor | None):
+        def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             head_mask = mask.for_heads(first, count, slots, L, S)
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
             return layer._attend(q, k_h, v_h, head_mask, need_weights)
@@ -221,7 +221,7 @@ class SparseHeads(nn.Linear):
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
         q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
-        routed, routed_weights = attend(q, s, R, slots)  # (B, R, C, D)
+        routed, routed_weights = attend_heads(q, s, R, slots)  # (B, R, C, D)
 
         # Weight each pair by its gate value (0 for padding), then W^O per head slice.
         routed = routed.transpose(0, 1).reshape(R, B * C, D)
@@ -232,7 +232,7 @@ class SparseHeads(nn.Linear):
         out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
         if s:
-            shared, shared_weights = attend(q_shared, 0, s, None)  # (B, s, L, D)
+            shared, shared_weights = attend_heads(q_shared, 0, s, None)  # (B, s, L, D)
             shared = shared.transpose(1, 2).reshape(B, L, s * D)  # (B, L, s*D)
             out = out + shared @ w_o[:, :s].reshape(E, s * D).T
         if layer.out_proj.bias is not None:

@@ -10,8 +10,8 @@ one for deployment is :mod:`multihead.deploy`.
 from multihead.checkpoints.io import (
     FORMAT_VERSION,
     AtomicCheckpointIO,
-    Translator,
-    load_translator,
+    TrainedModel,
+    load_trained_model,
     model_state_dict,
     read_checkpoint,
     save_new,
@@ -23,8 +23,8 @@ from multihead.checkpoints.io import (
 __all__ = [
     "AtomicCheckpointIO",
     "FORMAT_VERSION",
-    "Translator",
-    "load_translator",
+    "TrainedModel",
+    "load_trained_model",
     "model_state_dict",
     "read_checkpoint",
     "save_new",

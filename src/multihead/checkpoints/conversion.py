@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from multihead.checkpoints.io import load_translator, read_checkpoint, save_new, weights_only
+from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_KINDS, Transformer
 
 # The GQA paper converts the decoder; "all" also converts the encoder self-attention.
@@ -67,7 +67,7 @@ def convert_checkpoint(
 ) -> dict[str, Any]:
     """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads.
 
-    The result loads with :func:`~multihead.checkpoints.load_translator` and can
+    The result loads with :func:`~multihead.checkpoints.load_trained_model` and can
     initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
     cannot resume one. ``ckpt["multihead"]["converted_from"]`` records the conversion.
 
@@ -78,7 +78,7 @@ def convert_checkpoint(
     """
     kinds = resolve_scope(scope)
     ckpt = read_checkpoint(path)
-    model = load_translator(path).model
+    model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
     convert_model(model, num_kv_heads, kinds)
 

@@ -29,7 +29,7 @@ FORMAT_VERSION = 2
 
 
 @dataclass
-class Translator:
+class TrainedModel:
     """What a checkpoint holds: the network, its tokenizer and the run's config."""
 
     model: nn.Module
@@ -90,7 +90,7 @@ def weights_only(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {key: ckpt[key] for key in _WEIGHTS_ONLY_KEYS if key in ckpt}
 
 
-def load_translator(path: str | Path, backend: str | None = None) -> Translator:
+def load_trained_model(path: str | Path, backend: str | None = None) -> TrainedModel:
     """Rebuild the trained model (in eval mode) and its tokenizer from a checkpoint.
 
     Args:
@@ -103,7 +103,7 @@ def load_translator(path: str | Path, backend: str | None = None) -> Translator:
     config = extra["config"]
     model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id, backend=backend)
     model.load_state_dict(model_state_dict(ckpt))
-    return Translator(model.eval(), tokenizer, config)
+    return TrainedModel(model.eval(), tokenizer, config)
 
 
 def search_settings(

@@ -42,7 +42,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.checkpoints.io import load_translator, search_settings
+from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
 from multihead.model import Transformer
@@ -276,23 +276,23 @@ def export_ctranslate2(*, ckpt: str | Path, out: str | Path, overwrite: bool = F
         raise FileExistsError(
             f"out={out} exists and is not empty; pass overwrite=true to replace it"
         )
-    translator = load_translator(ckpt)
-    spec = build_spec(translator.model, translator.tokenizer)
+    trained = load_trained_model(ckpt)
+    spec = build_spec(trained.model, trained.tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         spec.optimize()  # aliases shared matrices; weights stay float32
         spec.save(str(tmp))
-        translator.tokenizer.save(tmp / TOKENIZER_FILE)
-        data = translator.config.get("data", {})
+        trained.tokenizer.save(tmp / TOKENIZER_FILE)
+        data = trained.config.get("data", {})
         settings = {
-            "max_positions": translator.model.max_positions,
+            "max_positions": trained.model.max_positions,
             "src_lang": data.get("src_lang"),
             "tgt_lang": data.get("tgt_lang"),
             "checkpoint": str(ckpt),
-            "head_config": translator.model.head_config,
+            "head_config": trained.model.head_config,
             # The search settings it was trained with, as search_settings reads them.
-            "module": search_settings(translator.config),
+            "module": search_settings(trained.config),
         }
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(
@@ -300,8 +300,8 @@ def export_ctranslate2(*, ckpt: str | Path, out: str | Path, overwrite: bool = F
                 out=out,
                 ckpt=ckpt,
                 ct2_version=ctranslate2.__version__,
-                max_positions=translator.model.max_positions,
-                limit=translator.model.max_positions - 1,
+                max_positions=trained.model.max_positions,
+                limit=trained.model.max_positions - 1,
             ),
             encoding="utf-8",
         )

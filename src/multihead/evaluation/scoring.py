@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from multihead.checkpoints import load_translator, search_settings, write_atomically
+from multihead.checkpoints import load_trained_model, search_settings, write_atomically
 from multihead.data import load_parallel_dataset
 from multihead.data.loading import SPLITS
 from multihead.evaluation.metrics import corpus_scores, tokenized_bleu
@@ -41,8 +41,8 @@ def evaluate_checkpoint(
         raise ValueError(f"split={split!r}; expected one of {', '.join(SPLITS)}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit}; expected a positive number of sentences or null")
-    translator = load_translator(ckpt, backend=backend)
-    data_cfg = translator.config["data"]
+    trained = load_trained_model(ckpt, backend=backend)
+    data_cfg = trained.config["data"]
     dataset = load_parallel_dataset(
         name=data_cfg["name"],
         src_lang=data_cfg["src_lang"],
@@ -53,17 +53,17 @@ def evaluate_checkpoint(
         dataset = dataset.select(range(min(limit, len(dataset))))
     sources, references = list(dataset["src"]), list(dataset["tgt"])
 
-    model = translator.model.to(device)
+    model = trained.model.to(device)
     start = time.perf_counter()
     with torch.inference_mode():
         hypotheses = translate(
             model,
-            translator.tokenizer,
+            trained.tokenizer,
             sources,
             beam_size=beam_size,
             batch_size=batch_size,
             **search_settings(
-                translator.config,
+                trained.config,
                 length_penalty=length_penalty,
                 max_len_a=max_len_a,
                 max_len_b=max_len_b,

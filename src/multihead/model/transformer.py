@@ -55,7 +55,7 @@ class FeedForward(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
-def _attend(
+def _sublayer_attention(
     attn: MultiHeadAttention,
     maps: dict[str, Tensor] | None,
     name: str,
@@ -117,7 +117,7 @@ class EncoderLayer(_ResidualLayer):
         ``maps``, if given, receives the self-attention weights under ``"self"``.
         """
         h = self._sublayer_input(x, self.self_attn_norm)
-        h = _attend(self.self_attn, maps, "self", h, key_padding_mask=pad_mask)
+        h = _sublayer_attention(self.self_attn, maps, "self", h, key_padding_mask=pad_mask)
         x = self._sublayer_output(x, h, self.self_attn_norm)
         h = self.ffn(self._sublayer_input(x, self.ffn_norm))
         return self._sublayer_output(x, h, self.ffn_norm)
@@ -142,7 +142,9 @@ class DecoderLayer(_ResidualLayer):
         # token never sees a padded one; only padded queries see padding, and their outputs
         # are ignored by the loss.
         h = self._sublayer_input(x, self.self_attn_norm)
-        h = _attend(self.self_attn, maps, "self", h, is_causal=True, kv_cache=self_cache)
+        h = _sublayer_attention(
+            self.self_attn, maps, "self", h, is_causal=True, kv_cache=self_cache
+        )
         x = self._sublayer_output(x, h, self.self_attn_norm)
         h = self._sublayer_input(x, self.cross_attn_norm)
         # The k rows that share a memory row attend to it as one query of k*T positions:
@@ -150,7 +152,7 @@ class DecoderLayer(_ResidualLayer):
         # are then read once per sentence instead of once per beam.
         B, T, E = h.shape
         N = memory.shape[0]
-        h = _attend(
+        h = _sublayer_attention(
             self.cross_attn,
             maps,
             "cross",
