@@ -1,9 +1,9 @@
 """Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
 
-Each token's gate ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - s`` routed heads)
+Each token's gate ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - Hs`` routed heads)
 picks its ``k`` best routed heads; only those are computed (their query projection, their
 scores and weighted values, their slice of ``W^O``) and their outputs are summed with
-weights ``softmax(G(x))`` taken over the selected heads. Heads ``0 .. s - 1`` are shared:
+weights ``softmax(G(x))`` taken over the selected heads. Heads ``0 .. Hs - 1`` are shared:
 always on, with weight 1. K and V are still projected for all ``G`` K/V heads.
 
 :class:`SparseHeads` is the gate itself (an ``nn.Linear``, so ``layer.head_gate(x)`` gives
@@ -77,8 +77,8 @@ class SparseHeads(nn.Linear):
     Args:
         embed_dim: ``E``.
         num_heads: ``H``, the layer's query heads.
-        top_k_heads: ``k``, the routed heads each token computes, in ``[1, H - s]``.
-        num_shared_heads: ``s``, heads always on, in ``[0, H)``.
+        top_k_heads: ``k``, the routed heads each token computes, in ``[1, H - Hs]``.
+        num_shared_heads: ``Hs``, heads always on, in ``[0, H)``.
         device, dtype: for the gate's weight.
 
     In training mode each call sets :attr:`aux_loss`, the Switch Transformer's
@@ -167,13 +167,13 @@ class SparseHeads(nn.Linear):
         """
         B, L, E = query.shape
         H, D = layer.num_heads, layer.head_dim
-        s, top_k, R = self.num_shared, self.top_k, self.out_features
+        Hs, top_k, R = self.num_shared, self.top_k, self.out_features
         w, b = layer.in_proj.weight, layer.in_proj.bias
         w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
 
         # Project: the shared heads' queries densely, K/V for every K/V head.
-        q_shared = F.linear(query, w[: s * D], None if b is None else b[: s * D])  # (B, L, s*D)
-        q_shared = q_shared.view(B, L, s, D).transpose(1, 2)  # (B, s, L, D)
+        q_shared = F.linear(query, w[: Hs * D], None if b is None else b[: Hs * D])  # (B, L, Hs*D)
+        q_shared = q_shared.view(B, L, Hs, D).transpose(1, 2)  # (B, Hs, L, D)
         source = query if key_value is None else key_value
         k, v = layer._project_kv(source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
         S = k.shape[2]
@@ -215,26 +215,26 @@ class SparseHeads(nn.Linear):
 
         # Queries of the selected pairs only: per routed head, its (D, E) rows of W^Q.
         x = query.reshape(B * L, E).index_select(0, pair_token.reshape(-1)).view(R, M, E)
-        q = torch.bmm(x, w[s * D : E].view(R, D, E).transpose(1, 2))  # (R, M, D)
+        q = torch.bmm(x, w[Hs * D : E].view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b is not None:
-            q = q + b[s * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
+            q = q + b[Hs * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
         q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
-        routed, routed_weights = attend_heads(q, s, R, slots)  # (B, R, C, D)
+        routed, routed_weights = attend_heads(q, Hs, R, slots)  # (B, R, C, D)
 
         # Weight each pair by its gate value (0 for padding), then W^O per head slice.
         routed = routed.transpose(0, 1).reshape(R, B * C, D)
         routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
         slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
         pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
-        y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, s:].permute(1, 2, 0))  # (R, M, E)
+        y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R, M, E)
         out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
-        if s:
-            shared, shared_weights = attend_heads(q_shared, 0, s, None)  # (B, s, L, D)
-            shared = shared.transpose(1, 2).reshape(B, L, s * D)  # (B, L, s*D)
-            out = out + shared @ w_o[:, :s].reshape(E, s * D).T
+        if Hs:
+            shared, shared_weights = attend_heads(q_shared, 0, Hs, None)  # (B, Hs, L, D)
+            shared = shared.transpose(1, 2).reshape(B, L, Hs * D)  # (B, L, Hs*D)
+            out = out + shared @ w_o[:, :Hs].reshape(E, Hs * D).T
         if layer.out_proj.bias is not None:
             out = out + layer.out_proj.bias.to(out.dtype)
         if not need_weights:
@@ -245,6 +245,6 @@ class SparseHeads(nn.Linear):
         weights = q.new_zeros(B, R, L + 1, S).scatter(
             2, order.unsqueeze(-1).expand(B, R, C, S), routed_weights
         )[:, :, :L]
-        if s:
+        if Hs:
             weights = torch.cat([shared_weights, weights], dim=1)
         return out, weights
