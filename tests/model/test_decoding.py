@@ -215,3 +215,26 @@ def test_cuda_decoding_with_every_backend(backend):
             expected = decode(ref, src, bos_id=BOS, eos_id=EOS, **extra)
         same = sum(a == b for a, b in zip(ours, expected, strict=True))
         assert same >= 6, f"{backend}: {same}/8 sentences as the math backend's"
+
+
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
+def test_latent_attention_decodes_as_its_uncached_reference(absorb):
+    """MLA in the decoder self- and cross-attention: the latent-only caches (absorbed or
+    re-expanded at each step), beams reordering the latent, equal the uncached search."""
+    model = tiny_model(
+        1, share_embeddings=False, tie_output=False,
+        decoder_self_attention={"kv_latent_dim": 12}, cross_attention={"kv_latent_dim": 6},
+    )  # fmt: skip
+    with torch.no_grad():
+        model.output_projection.weight.mul_(3.0)
+    for layer in model.decoder_layers:
+        layer.self_attn.design.absorb = layer.cross_attn.design.absorb = absorb
+    assert model.kv_cache_bytes_per_token() == 2 * 12 * 4  # 2 layers, the latent alone
+    assert model.cross_kv_cache_bytes_per_source_token() == 2 * 6 * 4
+    src = random_src(6, 8, seed=7, min_len=2)
+    limits = [_max_len(row, **LIMITS, max_positions=64) for row in src]
+    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+    assert greedy == [naive_greedy(model, row, n) for row, n in zip(src, limits, strict=True)]
+    beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, **BEAM)
+    expected = [naive_beam(model, row, n, 3, 1.0) for row, n in zip(src, limits, strict=True)]
+    assert beam == expected

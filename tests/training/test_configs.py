@@ -34,7 +34,9 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     kinds = net.head_config
     H, G = cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads
     kind = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
-    tag = f"{kind}{H}" + (f"kv{G}" if kind == "gqa" else "")
+    r = cfg.attention.kv_latent_dim
+    kind = "mla" if r is not None else kind
+    tag = f"{kind}{H}" + (f"kv{G}" if kind == "gqa" else "") + (f"r{r}" if r else "")
     tag += {
         "moh": "-moh-k2s1",
         "talking_heads": "-talking_heads",

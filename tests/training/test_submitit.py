@@ -85,10 +85,10 @@ def test_slurm_launcher_submits_the_sweep_as_one_job_array(tmp_path: Path, monke
     flags = {
         line.split()[1] for line in captured.read_text().splitlines() if line.startswith("#SBATCH ")
     }
-    # The seven head configurations of compare_heads, all running at once, two GPUs and two
+    # The nine head configurations of compare_heads, eight at once, two GPUs and two
     # tasks (ranks) each; SLURM warns 90 s before the time limit so submitit can requeue.
     assert {
-        "--array=0-6%7",
+        "--array=0-8%8",
         "--partition=gpu",
         "--gpus-per-node=2",
         "--ntasks-per-node=2",

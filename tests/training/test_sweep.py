@@ -11,14 +11,16 @@ from hydra import compose, initialize_config_dir
 from tests.conftest import CONFIG_DIR
 from tests.training.test_configs import run_script
 
-EXPECTED = {  # (num_heads, num_kv_heads) of every job
-    (8, 8),
-    (8, 4),
-    (8, 2),
-    (8, 1),  # MHA, GQA at two group sizes, MQA
-    (4, 4),
-    (2, 2),
-    (1, 1),  # the head-count axis at the same width
+EXPECTED = {  # (num_heads, num_kv_heads, kv_latent_dim) of every job
+    (8, 8, None),
+    (8, 4, None),
+    (8, 2, None),
+    (8, 1, None),  # MHA, GQA at two group sizes, MQA
+    (8, 8, 32),
+    (8, 8, 16),  # MLA with MQA's cache size (2 x head_dim 16), and half of it
+    (4, 4, None),
+    (2, 2, None),
+    (1, 1, None),  # the head-count axis at the same width
 }
 
 
@@ -29,14 +31,13 @@ def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
         jobs = set()
         for option in options:
             cfg = compose("train", ["experiment=compare_heads", f"attention={option}"])
-            jobs.add(
-                (cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads)
-            )
+            heads = cfg.attention.num_heads
+            jobs.add((heads, cfg.attention.num_kv_heads or heads, cfg.attention.kv_latent_dim))
             assert cfg.trainer.max_steps == 600 and cfg.seed == 1234  # budget=cpu, fixed seed
     assert jobs == EXPECTED
 
 
-@pytest.mark.slow  # seven training jobs; the 2-job submitit sweep covers multiruns by default
+@pytest.mark.slow  # nine training jobs; the 2-job submitit sweep covers multiruns by default
 def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> None:
     result = run_script(
         "train.py",
@@ -53,11 +54,14 @@ def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> Non
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in tmp_path.glob("*/summary.json")]
-    assert {(s["num_heads"], s["num_kv_heads"]) for s in summaries} == EXPECTED
+    assert {
+        (s["num_heads"], s["num_kv_heads"], s.get("kv_latent_dim")) for s in summaries
+    } == EXPECTED
     for s in summaries:
         assert s["kv_cache/bytes_per_token"] > 0 and s["decode/greedy_sentences_per_s"] > 0
-    kv = {(s["num_heads"], s["num_kv_heads"]): s["kv_cache/bytes_per_token"] for s in summaries}
-    assert kv[(8, 1)] * 8 == kv[(8, 8)]  # MQA caches one K/V head instead of eight
+    kv = {s["run_name"].split("_")[1]: s["kv_cache/bytes_per_token"] for s in summaries}
+    assert kv["dec-mqa8"] * 8 == kv["dec-mha8"]  # MQA caches one K/V head instead of eight
+    assert kv["dec-mla8r32"] == kv["dec-mqa8"] == 2 * kv["dec-mla8r16"]  # the latent alone
 
 
 def test_compare_designs_composes_the_recipe_for_every_design() -> None:

@@ -24,7 +24,7 @@ from multihead.wandb_setup import has_wandb_api_key
 SUMMARY_FILE = "summary.json"
 CURVE_KEYS = ("val/bleu", "val/loss")
 STEP_KEY = "trainer/global_step"  # Lightning's step, the ``step`` column of metrics.csv
-KIND_ORDER = {"mha": 0, "gqa": 1, "mqa": 2}
+KIND_ORDER = {"mha": 0, "gqa": 1, "mqa": 2, "mla": 3}
 OUTPUT_FILES = (
     "comparison.md",
     "comparison.csv",

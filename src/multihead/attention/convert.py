@@ -1,8 +1,9 @@
-"""Conversions of a layer's heads: from ``torch.nn.MultiheadAttention``, and to fewer K/V heads.
+"""Conversions of a layer's heads: from ``torch.nn.MultiheadAttention``, to fewer K/V heads,
+to a K/V latent (MLA) and back to the equivalent MHA layer.
 
 Each returns a new :class:`~multihead.attention.MultiHeadAttention` and leaves its input as
-it was; :meth:`MultiHeadAttention.from_torch` and :meth:`MultiHeadAttention.with_kv_heads`
-call them.
+it was; :meth:`MultiHeadAttention.from_torch`, :meth:`~MultiHeadAttention.with_kv_heads` and
+:meth:`~MultiHeadAttention.with_kv_latent` call them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.latent import LatentKV
 from multihead.attention.layer import MultiHeadAttention
 
 
@@ -57,6 +59,8 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     its parameters are kept.
     """
     G, D, E = layer.num_kv_heads, layer.head_dim, layer.embed_dim
+    if isinstance(layer.design, LatentKV):
+        raise ValueError("with_kv_heads pools K/V heads; an MLA layer has a K/V latent instead")
     if num_kv_heads <= 0 or G % num_kv_heads != 0:
         raise ValueError(
             f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
@@ -88,4 +92,101 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
         if layer.design is not None:
             new.design.load_state_dict(layer.design.state_dict())
+    return new.train(layer.training)
+
+
+def _kv_rows(layer: MultiHeadAttention) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``W_K, W_V`` ``(H*D, E)`` and their biases, each K/V head repeated for its group."""
+    E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    w, b = layer.in_proj.weight, layer.in_proj.bias
+    rows = [w[E : E + G * D], w[E + G * D :]] + (
+        [None] * 2 if b is None else [b[E : E + G * D], b[E + G * D :]]
+    )
+
+    def per_query_head(t: Tensor | None) -> Tensor | None:  # (G*D, ...) -> (H*D, ...)
+        if t is None:
+            return None
+        return (
+            t.view(G, D, *t.shape[1:]).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
+        )
+
+    return tuple(per_query_head(t) for t in rows)
+
+
+def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAttention:
+    """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
+
+    The joint truncated SVD of the stacked K and V weights (TransMLA, MHA2MLA; 2025):
+    ``[W_K; W_V] = U S V^T`` (GQA's K/V heads repeated per query head first), ``W_DKV`` the
+    top ``r`` rows of ``V^T`` and ``[W_UK; W_UV] = U_r S_r``. It is exact when ``r`` is at
+    least the rank of the stack (at most ``min(2 G D, E)``). Biases: the K bias adds the same
+    ``q . b_K`` to every score of a query, which softmax ignores, so it is dropped; the V
+    bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
+    projection's bias (a query with no key left, zeroed by the layer, then differs).
+    """
+    if layer.design is not None:
+        raise ValueError(
+            f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
+        )
+    E = layer.embed_dim
+    new = MultiHeadAttention(
+        E,
+        layer.num_heads,
+        dropout=layer.dropout,
+        bias=layer.in_proj.bias is not None,
+        backend=layer.backend,
+        kv_latent_dim=kv_latent_dim,
+        device=layer.in_proj.weight.device,
+        dtype=layer.in_proj.weight.dtype,
+    )
+    w_k, w_v, _, b_v = _kv_rows(layer)
+    with torch.no_grad():
+        stacked = torch.cat([w_k, w_v]).double()  # (2*H*D, E)
+        U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)
+        r = min(kv_latent_dim, S.numel())
+        up = torch.zeros(2 * E, kv_latent_dim, dtype=torch.float64, device=U.device)
+        down = torch.zeros(kv_latent_dim, E, dtype=torch.float64, device=U.device)
+        up[:, :r], down[:r] = U[:, :r] * S[:r], Vh[:r]  # a latent wider than E: zero columns
+        latent = new.design
+        latent.up.weight.copy_(up)
+        latent.down.weight.copy_(down)
+        new.in_proj.weight.copy_(layer.in_proj.weight[:E])
+        new.out_proj.weight.copy_(layer.out_proj.weight)
+        if b_v is not None:
+            latent.down.bias.zero_()
+            new.in_proj.bias.copy_(layer.in_proj.bias[:E])
+            new.out_proj.bias.copy_(layer.out_proj.bias + layer.out_proj.weight @ b_v)
+    return new.train(layer.training)
+
+
+def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
+    """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``.
+
+    For engines without latent attention (CTranslate2). A latent norm is not linear, so a
+    layer with one has no such equivalent and is refused.
+    """
+    latent = layer.design
+    if not isinstance(latent, LatentKV):
+        raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
+    if latent.norm is not None:
+        raise ValueError(
+            f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
+            "computes: it has no MHA equivalent"
+        )
+    E = layer.embed_dim
+    new = MultiHeadAttention(
+        E,
+        layer.num_heads,
+        dropout=layer.dropout,
+        bias=layer.in_proj.bias is not None,
+        backend=layer.backend,
+        device=layer.in_proj.weight.device,
+        dtype=layer.in_proj.weight.dtype,
+    )
+    w_up = latent.up.weight  # (2E, r): [W_UK; W_UV]
+    with torch.no_grad():
+        new.in_proj.weight.copy_(torch.cat([layer.in_proj.weight, w_up @ latent.down.weight]))
+        if layer.in_proj.bias is not None:
+            new.in_proj.bias.copy_(torch.cat([layer.in_proj.bias, w_up @ latent.down.bias]))
+        new.out_proj.load_state_dict(layer.out_proj.state_dict())
     return new.train(layer.training)

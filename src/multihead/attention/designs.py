@@ -3,13 +3,15 @@
 A layer has at most one head design, a part that owns its parameters, its checks, its tag
 and its computation, registered on the layer under the name its parameters have always had
 in checkpoints: ``head_gate`` (:class:`~multihead.attention.sparse.SparseHeads`) or
-``head_mix`` (:mod:`~multihead.attention.mixing`).
+``head_mix`` (:mod:`~multihead.attention.mixing`); latent attention, a design of K/V heads,
+as ``kv_latent`` (:mod:`~multihead.attention.latent`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from multihead.attention.latent import LatentKV
 from multihead.attention.mixing import build_mixing
 from multihead.attention.sparse import SparseHeads
 
@@ -23,6 +25,10 @@ def build_head_design(
     num_shared_heads: int = 0,
     head_mixing: str | None = None,
     mixing_groups: int | None = None,
+    kv_latent_dim: int | None = None,
+    num_kv_heads: int | None = None,
+    kv_latent_norm: bool = False,
+    bias: bool = True,
     device=None,
     dtype=None,
 ) -> tuple[str, nn.Module] | None:
@@ -45,7 +51,25 @@ def build_head_design(
             f"top_k_heads={top_k_heads} cannot be combined with head_mixing={head_mixing!r}: "
             "a layer has one head design (a mixing reads every head, a sparse layer skips some)"
         )
+    if kv_latent_norm and kv_latent_dim is None:
+        raise ValueError("kv_latent_norm=True needs latent attention; set kv_latent_dim too")
     factory = {"device": device, "dtype": dtype}
+    if kv_latent_dim is not None:
+        others = {"top_k_heads": top_k_heads, "head_mixing": head_mixing}
+        if num_kv_heads not in (None, num_heads):
+            others["num_kv_heads"] = num_kv_heads
+        named = {k: v for k, v in others.items() if v is not None}
+        if named:
+            raise ValueError(
+                f"kv_latent_dim={kv_latent_dim} cannot be combined with "
+                + ", ".join(f"{k}={v!r}" for k, v in named.items())
+                + ": latent attention builds every K/V head from one latent (a layer has one "
+                "head design)"
+            )
+        latent = LatentKV(
+            embed_dim, num_heads, kv_latent_dim, bias=bias, norm=kv_latent_norm, **factory
+        )
+        return "kv_latent", latent
     if top_k_heads is not None:
         return "head_gate", SparseHeads(
             embed_dim, num_heads, top_k_heads, num_shared_heads, **factory

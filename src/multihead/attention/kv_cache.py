@@ -22,15 +22,25 @@ class KVCache:
         head_dim: ``D``.
         device, dtype: where and how to store. The dtype should match the projections'
             output dtype (e.g. ``torch.bfloat16`` under bf16 autocast).
+        share_kv: keys and values are one tensor, stored once: multi-head latent attention
+            caches its latent ``(B, 1, max_len, r)``, which serves as both.
 
-    Example:
+    Example: self-attention appends each step's position; cross-attention projects the
+    memory on the first step and reads it back afterwards.
+
         >>> import torch
         >>> from multihead import MultiHeadAttention
         >>> attn = MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2).eval()
-        >>> cache = attn.make_kv_cache(batch_size=1, max_len=8)
-        >>> x = torch.randn(1, 5, 16)
-        >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
-        >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
+        >>> x, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+        >>> pad = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
+        >>> self_cache = attn.make_kv_cache(batch_size=2, max_len=5)
+        >>> cross_cache = attn.make_kv_cache(batch_size=2, max_len=7)
+        >>> outs = []
+        >>> for t in range(5):
+        ...     h = attn(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
+        ...     outs.append(attn(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
+        >>> full = attn(attn(x, is_causal=True), memory, key_padding_mask=pad)
+        >>> torch.allclose(torch.cat(outs, dim=1), full, atol=1e-5)
         True
     """
 
@@ -43,14 +53,16 @@ class KVCache:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        share_kv: bool = False,
     ) -> None:
         if batch_size < 1 or max_len < 1:
             raise ValueError(
                 f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}"
             )
         shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.share_kv = share_kv
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = self.k if share_kv else torch.zeros(shape, device=device, dtype=dtype)
         self.size = 0  # positions filled so far
 
     @property
@@ -62,12 +74,13 @@ class KVCache:
         return self.k.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held by the filled part of the cache (keys and values)."""
-        per_position = self.k[:, :, 0].numel() * self.k.element_size() * 2
+        """Bytes held by the filled part of the cache (keys and values, once if shared)."""
+        per_position = self.k[:, :, 0].numel() * self.k.element_size() * (1 if self.share_kv else 2)
         return per_position * self.size
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``(B, G, L, D)`` keys/values; return all filled ``(B, G, size, D)``."""
+    def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared); return all
+        filled ``(B, G, size, D)``."""
         L = k.shape[2]
         if self.size + L > self.max_len:
             raise ValueError(
@@ -77,7 +90,8 @@ class KVCache:
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
         self.k[:, :, self.size : self.size + L] = k
-        self.v[:, :, self.size : self.size + L] = v
+        if not self.share_kv:
+            self.v[:, :, self.size : self.size + L] = v
         self.size += L
         return self.get()
 
@@ -91,7 +105,7 @@ class KVCache:
         Only the filled positions are copied: beam search reorders every step, and copying
         the whole ``max_len`` buffer each time cost more than the attention itself.
         """
-        for name in ("k", "v"):
+        for name in ("k",) if self.share_kv else ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty((index.numel(), *old.shape[1:]))  # positions >= size unset
             filled = old[:, :, : self.size]
@@ -100,6 +114,8 @@ class KVCache:
             else:
                 torch.index_select(filled, 0, index, out=new[:, :, : self.size])
             setattr(self, name, new)
+        if self.share_kv:
+            self.v = self.k
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""

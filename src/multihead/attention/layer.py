@@ -33,6 +33,7 @@ from multihead.attention.backends import (
 )
 from multihead.attention.designs import build_head_design
 from multihead.attention.kv_cache import KVCache
+from multihead.attention.latent import LatentKV
 from multihead.attention.masks import AttentionMask, build_attention_mask
 from multihead.attention.mixing import HeadMixing
 from multihead.attention.sparse import SparseHeads
@@ -61,6 +62,8 @@ class MultiHeadAttention(nn.Module):
         head_mixing, mixing_groups: a head mixing, ``"talking_heads"`` (``math`` backend
             only), ``"group_mlp"`` (``mixing_groups`` groups, default 2) or
             ``"head_attention"``; see :mod:`~multihead.attention.mixing` (``head_mix``).
+        kv_latent_dim, kv_latent_norm: multi-head latent attention, K/V from a latent of
+            ``kv_latent_dim`` numbers per token, see :mod:`~multihead.attention.latent`.
             A layer has at most one head design.
         device, dtype: for the parameters.
 
@@ -81,20 +84,9 @@ class MultiHeadAttention(nn.Module):
         torch.Size([2, 5, 64])
         >>> y = attn(x, is_causal=True)                       # decoder self-attention
 
-    Incremental decoding keeps ``G`` heads per position in a :class:`KVCache`. For
-    self-attention each call appends the new positions; for cross-attention the first
-    call projects the memory and later calls reuse it without projecting again:
-
-        >>> attn = attn.eval()
-        >>> self_cache = attn.make_kv_cache(batch_size=2, max_len=5)
-        >>> cross_cache = attn.make_kv_cache(batch_size=2, max_len=7)
-        >>> outs = []
-        >>> for t in range(5):
-        ...     h = attn(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
-        ...     outs.append(attn(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
-        >>> full = attn(attn(x, is_causal=True), memory, key_padding_mask=pad)
-        >>> torch.allclose(torch.cat(outs, dim=1), full, atol=1e-5)
-        True
+    Incremental decoding keeps ``G`` heads per position in a :class:`KVCache`: each
+    self-attention call appends the new positions; cross-attention projects the memory on
+    the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
     """
 
     def __init__(
@@ -110,6 +102,8 @@ class MultiHeadAttention(nn.Module):
         num_shared_heads: int = 0,
         head_mixing: str | None = None,
         mixing_groups: int | None = None,
+        kv_latent_dim: int | None = None,
+        kv_latent_norm: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -141,9 +135,10 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.backend = backend
         self.scale = default_scale(self.head_dim)
-        kv_dim = num_kv_heads * self.head_dim
         # Q, K and V projections stacked in one matrix, (E + 2*G*D, E): self-attention
         # does one GEMM for all three; cross-attention uses the row slices [Q] and [K; V].
+        # Latent attention's K and V come from its latent: Q alone here.
+        kv_dim = 0 if kv_latent_dim is not None else num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias, device, dtype)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
         self._checked: set[tuple[torch.device, torch.dtype]] = set()
@@ -154,7 +149,8 @@ class MultiHeadAttention(nn.Module):
         design = build_head_design(
             embed_dim, num_heads, backend=backend, top_k_heads=top_k_heads,
             num_shared_heads=num_shared_heads, head_mixing=head_mixing,
-            mixing_groups=mixing_groups, device=device, dtype=dtype,
+            mixing_groups=mixing_groups, kv_latent_dim=kv_latent_dim, num_kv_heads=num_kv_heads,
+            kv_latent_norm=kv_latent_norm, bias=bias, device=device, dtype=dtype,
         )  # fmt: skip
         self._design_name = None if design is None else design[0]
         if design is not None:
@@ -162,10 +158,8 @@ class MultiHeadAttention(nn.Module):
 
     def _reset_parameters(self) -> None:
         # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
-        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases. The bound is that of the
-        # MHA stack whatever G is: Xavier on the smaller (E + 2*G*D, E) stack of GQA/MQA would
-        # draw every weight larger (27% for MQA at 4 heads), so the variants would differ in
-        # initial scale as well as in K/V sharing.
+        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases, whatever G is: a smaller
+        # GQA/MQA stack would otherwise draw larger weights (27% for MQA at 4 heads).
         bound = (6.0 / (self.embed_dim + 3 * self.embed_dim)) ** 0.5
         nn.init.uniform_(self.in_proj.weight, -bound, bound)
         if self.in_proj.bias is not None:
@@ -174,7 +168,7 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ what was built
     @property
-    def design(self) -> SparseHeads | HeadMixing | None:
+    def design(self) -> SparseHeads | HeadMixing | LatentKV | None:
         """The head design part, or ``None`` for the textbook layer."""
         return None if self._design_name is None else getattr(self, self._design_name)
 
@@ -184,13 +178,9 @@ class MultiHeadAttention(nn.Module):
         ``G`` and the constructor arguments of its head design, if any."""
         kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
         kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
+        kind = getattr(self.design, "kind", kind)  # latent attention: "mla"
         design = {} if self.design is None else self.design.options
-        return {
-            "kind": kind,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            **design,
-        }
+        return dict(kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **design)
 
     @property
     def head_tag(self) -> str:
@@ -222,7 +212,13 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of K and V this layer caches for each decoded position and sentence."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        heads, width, shared = self._cache_layout
+        return (1 if shared else 2) * heads * width * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def _cache_layout(self) -> tuple[int, int, bool]:
+        # (heads, width, keys and values one tensor): a latent design caches its latent.
+        return getattr(self.design, "cache_layout", (self.num_kv_heads, self.head_dim, False))
 
     def make_kv_cache(
         self,
@@ -232,7 +228,7 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """An empty :class:`KVCache` for this layer (``num_kv_heads`` heads).
+        """An empty :class:`KVCache` for this layer (``num_kv_heads`` heads; a latent).
 
         ``device`` defaults to the parameters' device; ``dtype`` to the autocast dtype
         when autocast is on, else the parameters' dtype.
@@ -242,8 +238,9 @@ class MultiHeadAttention(nn.Module):
         if dtype is None:
             autocast = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
+        heads, width, shared = self._cache_layout
         return KVCache(
-            batch_size, max_len, self.num_kv_heads, self.head_dim, device=device, dtype=dtype
+            batch_size, max_len, heads, width, device=device, dtype=dtype, share_kv=shared
         )
 
     # ------------------------------------------------------------------ forward
@@ -342,14 +339,7 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
         return (k, v) if kv_cache is None else kv_cache.update(k, v)
 
-    def _mask(
-        self,
-        q: Tensor,
-        k: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-    ) -> AttentionMask:
+    def _mask(self, q: Tensor, k: Tensor, key_padding_mask, attn_mask, is_causal) -> AttentionMask:
         """The caller's masks for queries ``q`` ``(B, ·, L, D)`` and keys ``k`` ``(B, G, S, D)``,
         in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`)."""
         return build_attention_mask(
@@ -398,3 +388,9 @@ class MultiHeadAttention(nn.Module):
         from multihead.attention.convert import pool_kv_heads
 
         return pool_kv_heads(self, num_kv_heads)
+
+    def with_kv_latent(self, kv_latent_dim: int) -> MultiHeadAttention:
+        """An MLA copy with a ``kv_latent_dim`` latent, see :func:`.to_kv_latent`."""
+        from multihead.attention.convert import to_kv_latent
+
+        return to_kv_latent(self, kv_latent_dim)

@@ -82,6 +82,7 @@ def model_summary(model) -> dict[str, Any]:
         "heads/active_fraction": sum(fractions) / len(fractions),
         "num_heads": heads["num_heads"],
         "num_kv_heads": heads["num_kv_heads"],
+        "kv_latent_dim": heads.get("kv_latent_dim"),
         "backend": heads["backend"],
         "head_tag": model.head_tag,
         "params/total": model.num_parameters(),

@@ -1,0 +1,175 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, 2024), a part of the layer.
+
+K and V come from one low-rank latent per token, ``c = x W_DKV`` (``r = kv_latent_dim``
+numbers; DeepSeek and HF call ``r`` ``kv_lora_rank``), through per-head up-projections::
+
+    c   = norm(x W_DKV^T + b_DKV)      (B, S, r)    optional RMSNorm, as DeepSeek
+    K_h = c W_UK_h^T                   (B, S, D)    W_UK_h: (D, r), no bias
+    V_h = c W_UV_h^T                   (B, S, D)    W_UV_h: (D, r), no bias
+
+The KV cache holds ``c`` alone: ``r`` numbers per token and layer instead of MHA's ``2 H D``.
+This Transformer has absolute positions, so no decoupled RoPE keys are needed, and an MLA
+layer is exactly an MHA layer whose K/V weights are the products ``W_UK W_DKV`` and
+``W_UV W_DKV`` (without the norm).
+
+Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
+W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
+query projection and ``W_UV`` into the output projection, once (the folded weights are kept
+until a parameter changes), and each step attends over the cached latent as one shared K/V
+head of width ``r`` (MQA-shaped) with the original ``1/sqrt(D)`` scale: no per-step
+up-projection of the cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from multihead.attention.layer import MultiHeadAttention
+
+
+class LatentKV(nn.Module):
+    """The latent K/V of an MLA layer with ``num_heads`` heads of ``head_dim``.
+
+    Args:
+        embed_dim: ``E``.
+        num_heads: ``H``; K and V have ``H`` heads (expanded from the latent).
+        kv_latent_dim: ``r``, the latent's width, at least 1.
+        bias: a bias on the down-projection (as the layer's projections).
+        norm: RMSNorm on the latent, as DeepSeek-V2 (then the layer is no longer an MHA
+            layer of weight products, and cannot be exported as one).
+        device, dtype: for the parameters.
+
+    Attributes:
+        absorb: decode with the folded weights (the default); ``False`` re-expands K and V
+            from the cached latent at every step, to measure what absorption buys.
+    """
+
+    kind = "mla"
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kv_latent_dim: int,
+        *,
+        bias: bool = True,
+        norm: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        if isinstance(kv_latent_dim, bool) or not isinstance(kv_latent_dim, int):
+            raise TypeError(f"kv_latent_dim must be an integer, got {kv_latent_dim!r}")
+        if kv_latent_dim < 1:
+            raise ValueError(f"kv_latent_dim must be >= 1, got {kv_latent_dim}")
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.num_heads = num_heads
+        self.latent_dim = kv_latent_dim
+        self.down = nn.Linear(embed_dim, kv_latent_dim, bias, **factory)  # W_DKV
+        self.norm = nn.RMSNorm(kv_latent_dim, **factory) if norm else None
+        self.up = nn.Linear(kv_latent_dim, 2 * embed_dim, bias=False, **factory)  # [W_UK; W_UV]
+        self.absorb = True
+        self._folded: tuple[tuple, tuple[Tensor, Tensor | None, Tensor]] | None = None
+
+    @property
+    def options(self) -> dict[str, int | bool]:
+        """The layer's constructor arguments that build this part."""
+        norm = {"kv_latent_norm": True} if self.norm is not None else {}
+        return {"kv_latent_dim": self.latent_dim, **norm}
+
+    @property
+    def tag(self) -> str:
+        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "")
+
+    @property
+    def cache_layout(self) -> tuple[int, int, bool]:
+        """``(heads, width, share_kv)`` of the cache: one latent of width ``r``, stored once."""
+        return 1, self.latent_dim, True
+
+    def latent(self, source: Tensor) -> Tensor:
+        """``c`` ``(B, S, r)`` of ``source`` ``(B, S, E)``."""
+        c = self.down(source)
+        return c if self.norm is None else self.norm(c)
+
+    def expand(self, c: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V ``(B, H, S, D)`` from the latent ``c`` ``(B, S, r)``."""
+        B, S, _ = c.shape
+        k, v = self.up(c).chunk(2, dim=-1)  # (B, S, E) each
+        k = k.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
+        v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
+        return k, v
+
+    def folded(self, layer: MultiHeadAttention) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``W_UK`` folded into the query projection, ``W_UV`` into the output projection.
+
+        Returns ``(w_q, b_q, w_o)``: ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``.
+        Computed once and kept until a parameter is changed (in place or replaced).
+        """
+        tensors = (layer.in_proj.weight, layer.in_proj.bias, self.up.weight, layer.out_proj.weight)
+        key = tuple((t.data_ptr(), t._version) for t in tensors if t is not None)
+        if self._folded is None or self._folded[0] != key:
+            E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
+            D = E // H
+            w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
+            with torch.no_grad():
+                w_q = layer.in_proj.weight.view(H, D, E)
+                w_q = torch.einsum("hdr,hde->hre", w_uk, w_q).reshape(H * r, E)
+                b_q = layer.in_proj.bias
+                if b_q is not None:
+                    b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
+                w_o = layer.out_proj.weight.view(E, H, D)
+                w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
+            self._folded = (key, (w_q, b_q, w_o))
+        return self._folded[1]
+
+    def attention(
+        self,
+        layer: MultiHeadAttention,
+        query: Tensor,
+        key_value: Tensor | None,
+        *,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The layer's forward with latent K/V: the latent through the cache, then either
+        the expanded heads (training, full passes) or the absorbed ones (cached decoding)."""
+        B, L, E = query.shape
+        H, r = self.num_heads, self.latent_dim
+        cross = key_value is not None
+        if cross and kv_cache is not None and kv_cache.size > 0:
+            c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
+        else:
+            c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
+            if kv_cache is not None:
+                c, _ = kv_cache.update(c, None)  # (B, 1, S, r), the new positions appended
+        masks = {
+            "key_padding_mask": key_padding_mask,
+            "attn_mask": attn_mask,
+            "is_causal": is_causal,
+        }
+
+        if self.absorb and kv_cache is not None and not self.training:
+            w_q, b_q, w_o = self.folded(layer)
+            q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
+            mask = layer._mask(q, c, **masks)
+            heads, weights = layer._attend(q, c, c, mask, need_weights)  # (B, H, L, r)
+            heads = heads.transpose(1, 2).reshape(B, L, H * r)  # latent heads concatenated
+            out = F.linear(heads, w_o, layer.out_proj.bias)  # (B, L, E)
+        else:
+            w, b = layer.in_proj.weight, layer.in_proj.bias
+            q = F.linear(query, w, b).view(B, L, H, -1).transpose(1, 2)  # (B, H, L, D)
+            k, v = self.expand(c.squeeze(1))  # (B, H, S, D) each
+            mask = layer._mask(q, k, **masks)
+            heads, weights = layer._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
+            out = layer.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
+        return (out, weights) if need_weights else out

@@ -1,0 +1,177 @@
+"""Multi-head latent attention against torch's own MHA built from its weight products."""
+
+import pytest
+import torch
+from torch import nn
+
+from multihead import MultiHeadAttention
+from multihead.attention.convert import expand_latent
+
+E, H, R = 32, 4, 12
+D = E // H
+B, L, S = 2, 5, 7
+
+
+def mla(seed: int = 0, **options) -> MultiHeadAttention:
+    """An MLA layer with random (non-zero) biases, in eval mode."""
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(E, H, kv_latent_dim=R, **options)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return layer.eval()
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    x, memory = torch.randn(B, L, E, generator=g), torch.randn(B, S, E, generator=g)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, -3:] = True
+    return x, memory, pad
+
+
+def torch_reference(layer: MultiHeadAttention) -> nn.MultiheadAttention:
+    """torch.nn.MultiheadAttention whose K/V weights are the products W_UK W_DKV, W_UV W_DKV."""
+    latent = layer.design
+    ref = nn.MultiheadAttention(E, H, batch_first=True)
+    w_uk, w_uv = latent.up.weight[:E], latent.up.weight[E:]  # (E, r) each
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(
+            torch.cat([layer.in_proj.weight, w_uk @ latent.down.weight, w_uv @ latent.down.weight])
+        )
+        ref.in_proj_bias.copy_(
+            torch.cat([layer.in_proj.bias, w_uk @ latent.down.bias, w_uv @ latent.down.bias])
+        )
+        ref.out_proj.load_state_dict(layer.out_proj.state_dict())
+    return ref.eval()
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_mla_equals_torch_mha_of_the_weight_products(backend):
+    layer = mla(backend=backend)
+    ref = torch_reference(layer)
+    x, memory, pad = inputs()
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        expected = ref(x, x, x, attn_mask=causal, need_weights=False)[0]
+        torch.testing.assert_close(layer(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
+        expected, weights = ref(memory[:, :L], memory, memory, key_padding_mask=pad)
+        out, ours = layer(memory[:, :L], memory, key_padding_mask=pad, need_weights=True)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.mean(1), weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
+def test_cached_decoding_equals_the_full_pass(backend, absorb):
+    layer = mla(backend=backend)
+    layer.design.absorb = absorb
+    x, memory, pad = inputs()
+    with torch.no_grad():
+        self_cache, cross_cache = layer.make_kv_cache(B, L), layer.make_kv_cache(B, S)
+        steps = []
+        for t in range(L):
+            h = layer(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
+            steps.append(layer(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
+        full = layer(layer(x, is_causal=True), memory, key_padding_mask=pad)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_weights_follow_the_parameters():
+    layer = mla()
+    x, _, _ = inputs()
+    with torch.no_grad():
+        layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(B, L))  # folds
+        layer.design.up.weight.mul_(2.0)  # an optimiser step would change it in place too
+        cache = layer.make_kv_cache(B, L)
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
+        torch.testing.assert_close(torch.cat(steps, 1), layer(x, is_causal=True), atol=1e-5, rtol=0)
+
+
+def test_the_cache_holds_the_latent_alone():
+    layer = mla()
+    x, _, _ = inputs()
+    cache = layer.make_kv_cache(B, 8)
+    with torch.no_grad():
+        layer(x, is_causal=True, kv_cache=cache)
+    assert cache.k.shape == (B, 1, 8, R) and cache.v is cache.k
+    assert cache.nbytes() == B * L * R * 4
+    assert layer.kv_cache_bytes_per_token() == R * 4
+    assert MultiHeadAttention(E, H).kv_cache_bytes_per_token() == 2 * E * 4  # MHA: K and V
+    with torch.no_grad():
+        cache.select(torch.tensor([1, 1, 0]))  # beams reorder the latent only
+    assert cache.k.shape == (3, 1, 8, R) and cache.v is cache.k
+
+
+def test_names_and_options():
+    layer = mla()
+    assert layer.head_tag == "mla4r12"
+    assert layer.head_config == {
+        "kind": "mla",
+        "num_heads": H,
+        "num_kv_heads": H,
+        "kv_latent_dim": R,
+    }
+    assert layer.in_proj.weight.shape == (E, E)  # Q alone: K and V come from the latent
+    normed = MultiHeadAttention(E, H, kv_latent_dim=R, kv_latent_norm=True)
+    assert normed.head_tag == "mla4r12n" and isinstance(normed.design.norm, nn.RMSNorm)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"kv_latent_dim": 0}, r"kv_latent_dim must be >= 1, got 0"),
+        (
+            {"kv_latent_dim": 8, "num_kv_heads": 2},
+            r"kv_latent_dim=8 cannot be combined with num_kv_heads=2",
+        ),
+        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"cannot be combined with top_k_heads=2"),
+        ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"head_mixing='group_mlp'"),
+        ({"kv_latent_norm": True}, r"kv_latent_norm=True needs latent attention"),
+    ],
+)
+def test_invalid_latent_options_raise(options, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(E, H, **options)
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "rank"), [(None, E), (2, 4 * D), (1, 2 * D)]
+)  # min(2GD, E)
+def test_conversion_is_exact_at_the_stacked_rank(num_kv_heads, rank):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, num_kv_heads).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    x, memory, pad = inputs()
+    exact = layer.with_kv_latent(rank)
+    low = layer.with_kv_latent(rank // 2)
+    with torch.no_grad():
+        expected = layer(x, memory, key_padding_mask=pad)
+        torch.testing.assert_close(
+            exact(x, memory, key_padding_mask=pad), expected, atol=2e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            exact(x, is_causal=True), layer(x, is_causal=True), atol=2e-5, rtol=1e-5
+        )
+        assert (low(x, memory, key_padding_mask=pad) - expected).abs().max() > 1e-2
+
+
+def test_export_equivalent_and_refusals():
+    layer = mla()
+    x, memory, pad = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            expand_latent(layer)(x, memory, key_padding_mask=pad),
+            layer(x, memory, key_padding_mask=pad),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    with pytest.raises(ValueError, match="no MHA equivalent"):
+        expand_latent(MultiHeadAttention(E, H, kv_latent_dim=R, kv_latent_norm=True))
+    with pytest.raises(ValueError, match="an MLA layer has a K/V latent"):
+        layer.with_kv_heads(1)
+    with pytest.raises(ValueError, match=r"plain MHA/GQA/MQA layer.*mla4r12"):
+        layer.with_kv_latent(4)
