@@ -1,9 +1,11 @@
-"""Convert a trained checkpoint's attention to fewer K/V heads (MHA to GQA/MQA).
+"""Convert a trained checkpoint's attention to fewer K/V heads or a K/V latent.
 
 python scripts/convert_kv_heads.py ckpt=RUN/checkpoints/last.ckpt num_kv_heads=2 out=gqa2.ckpt
+python scripts/convert_kv_heads.py ckpt=RUN/checkpoints/last.ckpt kv_latent_dim=32 out=mla.ckpt
 
-Each K/V head of the new layers is the mean of a group of the trained ones (GQA paper);
-the printed command uptrains the converted model.
+Each K/V head of the new layers is the mean of a group of the trained ones (GQA paper), or
+K/V come from a latent found by a truncated SVD of the trained K/V weights (MLA); the
+printed command uptrains the converted model.
 """
 
 import shlex
@@ -19,8 +21,15 @@ from multihead.cli import exit_on_user_error
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     scope = OmegaConf.to_object(cfg.scope) if OmegaConf.is_list(cfg.scope) else cfg.scope
-    out, overrides = convert_kv_heads(cfg.ckpt, cfg.num_kv_heads, cfg.out, scope)
-    print(f"converted {cfg.ckpt} to {cfg.num_kv_heads} K/V heads (scope={scope}) into {out}")
+    out, overrides = convert_kv_heads(
+        cfg.ckpt, cfg.num_kv_heads, cfg.out, scope, kv_latent_dim=cfg.kv_latent_dim
+    )
+    target = (
+        f"{cfg.num_kv_heads} K/V heads"
+        if cfg.kv_latent_dim is None
+        else f"a K/V latent of {cfg.kv_latent_dim}"
+    )
+    print(f"converted {cfg.ckpt} to {target} (scope={scope}) into {out}")
     print(
         "uptrain it (the GQA paper uses about 5% of the original steps) with the command "
         "below; it repeats the original run's overrides only if <run dir>/.hydra/"

@@ -67,7 +67,7 @@ def test_identical_heads_in_each_group_convert_exactly(scope, backend) -> None:
     src[0, 5:] = 0  # some padding
     with torch.no_grad():
         before = model(src, tgt_in)
-        convert_model(model, 2, resolve_scope(scope))
+        convert_model(model, resolve_scope(scope), num_kv_heads=2)
         after = model(src, tgt_in)
     torch.testing.assert_close(after, before)
     converted = {"decoder_self_attention", "cross_attention"}
@@ -82,7 +82,9 @@ def test_pooling_is_the_mean_of_each_groups_rows() -> None:
     model = tiny_model()
     old = model.decoder_layers[1].cross_attn
     w, b = old.in_proj.weight.detach().clone(), old.in_proj.bias.detach().clone()
-    convert_model(model, 1, ["cross_attention"])  # MQA: one K/V head, the mean of all 4
+    convert_model(
+        model, ["cross_attention"], num_kv_heads=1
+    )  # MQA: one K/V head, the mean of all 4
     new = model.decoder_layers[1].cross_attn
     E, D = 16, 4
     k_rows = [w[E + h * D : E + (h + 1) * D] for h in range(4)]
@@ -134,8 +136,8 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
     written, overrides = convert_kv_heads(trained, 2, out, scope)
     assert written == out
 
-    trained = load_trained_model(out)
-    heads = trained.model.head_config
+    result = load_trained_model(out)
+    heads = result.model.head_config
     expected_kv = {
         "encoder_self_attention": 2 if scope == "all" else 4,
         "decoder_self_attention": 2,
@@ -145,7 +147,7 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
 
     # Written out: query rows kept; K/V head j of the result = mean of old heads 2j, 2j+1.
     old = load_trained_model(trained).model.state_dict()
-    new = trained.model.state_dict()
+    new = result.model.state_dict()
     E, D = 32, 8  # the smoke model: d_model 32, 4 heads
     converted = [
         f"{stack}.{i}.{attn}.in_proj"
@@ -192,12 +194,12 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
         [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
     )
     assert composed.init_from == str(out)
-    tok = trained.tokenizer
+    tok = result.tokenizer
     rebuilt = build_model(
         OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
     )
     assert rebuilt.head_config == heads
-    rebuilt.load_state_dict(trained.model.state_dict())
+    rebuilt.load_state_dict(result.model.state_dict())
 
 
 def test_converted_checkpoint_evaluates(trained, tmp_path, multi30k_dir) -> None:
@@ -208,6 +210,24 @@ def test_converted_checkpoint_evaluates(trained, tmp_path, multi30k_dir) -> None
     )
     assert result["sentences"] == 4
     assert len((tmp_path / "hypotheses.test.txt").read_text().splitlines()) == 4
+
+
+def test_latent_conversion_is_exact_at_full_rank_and_uptrains(trained, tmp_path) -> None:
+    """MHA to MLA with r = the K/V stack's rank (d_model 32: r = 32): the same model."""
+    out = tmp_path / "mla.ckpt"
+    written, overrides = convert_kv_heads(trained, None, out, "decoder", kv_latent_dim=32)
+    old, new = load_trained_model(trained).model, load_trained_model(written).model
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32"
+    assert new.head_config["encoder_self_attention"]["tag"] == "mha4"
+    assert new.kv_cache_bytes_per_token() == 2 * 32 * 4  # 2 layers: the latent alone
+    src = torch.randint(4, 100, (3, 9))
+    tgt = torch.randint(4, 100, (3, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
+    assert "attention.decoder_self_attention.kv_latent_dim=32" in overrides
+    assert "attention.cross_attention.num_kv_heads=4" in overrides
+    with pytest.raises(ValueError, match="set exactly one of num_kv_heads and kv_latent_dim"):
+        convert_checkpoint(trained, 2, kv_latent_dim=8)
 
 
 def test_refuses_to_overwrite_and_bad_head_counts(trained, tmp_path) -> None:

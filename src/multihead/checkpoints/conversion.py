@@ -1,9 +1,11 @@
-"""MHA to GQA/MQA conversion of a trained checkpoint (scripts/convert_kv_heads.py).
+"""K/V conversion of a trained checkpoint (scripts/convert_kv_heads.py): MHA to GQA/MQA/MLA.
 
-As in the GQA paper (Ainslie et al., 2023), each attention sublayer in scope keeps its
-query heads and gets ``num_kv_heads`` K/V heads, each the mean of a group of the trained
-K/V projection heads (:meth:`~multihead.attention.MultiHeadAttention.with_kv_heads`). The
-converted checkpoint is then uptrained for a small fraction of the original steps.
+Each attention sublayer in scope keeps its query heads and gets either ``num_kv_heads`` K/V
+heads, each the mean of a group of the trained K/V projection heads, as in the GQA paper
+(Ainslie et al., 2023; :meth:`~multihead.attention.MultiHeadAttention.with_kv_heads`), or a
+K/V latent of ``kv_latent_dim`` numbers per token from a joint truncated SVD of its K/V
+weights (TransMLA, MHA2MLA; :meth:`~multihead.attention.MultiHeadAttention.with_kv_latent`).
+The converted checkpoint is then uptrained for a small fraction of the original steps.
 """
 
 from __future__ import annotations
@@ -44,28 +46,65 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(kind for kind in ATTENTION_KINDS if kind in names)
 
 
-def convert_model(model: Transformer, num_kv_heads: int, kinds: Sequence[str]) -> Transformer:
-    """Replace the attention sublayers of ``kinds`` by mean-pooled ``num_kv_heads`` copies.
+def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, int]:
+    """The one conversion asked for, as ``{name: value}``; bad values raise, naming them."""
+    asked = {
+        k: v
+        for k, v in (("num_kv_heads", num_kv_heads), ("kv_latent_dim", kv_latent_dim))
+        if v is not None
+    }
+    if len(asked) != 1:
+        raise ValueError(
+            f"set exactly one of num_kv_heads and kv_latent_dim, got num_kv_heads={num_kv_heads}, "
+            f"kv_latent_dim={kv_latent_dim}"
+        )
+    ((name, value),) = asked.items()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return asked
+
+
+def convert_model(
+    model: Transformer,
+    kinds: Sequence[str],
+    *,
+    num_kv_heads: int | None = None,
+    kv_latent_dim: int | None = None,
+) -> Transformer:
+    """Replace the attention sublayers of ``kinds`` by their converted copies.
 
     Changes ``model`` in place and returns it.
 
     Raises:
-        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads.
+        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads, or a
+            sublayer to give a latent has a head design.
     """
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
-        raise TypeError(f"num_kv_heads must be an integer, got {num_kv_heads!r}")
+    target = _target(num_kv_heads, kv_latent_dim)
     for kind, _, path, attn in list(model.attention_sublayers()):
         if kind in kinds:
-            model.set_submodule(path, attn.with_kv_heads(num_kv_heads))
+            new = (
+                attn.with_kv_heads(num_kv_heads)
+                if num_kv_heads
+                else attn.with_kv_latent(kv_latent_dim)
+            )
+            model.set_submodule(path, new)
     for kind in kinds:
-        model.attention_config[kind]["num_kv_heads"] = num_kv_heads
+        config = model.attention_config[kind]
+        config.update(target)
+        if kv_latent_dim is not None:  # a latent builds all H K/V heads
+            config["num_kv_heads"] = config["num_heads"]
     return model
 
 
 def convert_checkpoint(
-    path: str | Path, num_kv_heads: int, scope: str | Sequence[str] = "decoder"
+    path: str | Path,
+    num_kv_heads: int | None = None,
+    scope: str | Sequence[str] = "decoder",
+    *,
+    kv_latent_dim: int | None = None,
 ) -> dict[str, Any]:
-    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads.
+    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
+    or a ``kv_latent_dim`` K/V latent.
 
     The result loads with :func:`~multihead.checkpoints.load_trained_model` and can
     initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
@@ -75,16 +114,18 @@ def convert_checkpoint(
         path: a ``.ckpt`` written by ``scripts/train.py``.
         num_kv_heads: ``G``; must divide the current K/V heads of every converted sublayer.
         scope: see :func:`resolve_scope`.
+        kv_latent_dim: ``r``, instead of ``num_kv_heads``.
     """
+    target = _target(num_kv_heads, kv_latent_dim)
     kinds = resolve_scope(scope)
     ckpt = read_checkpoint(path)
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
-    convert_model(model, num_kv_heads, kinds)
+    convert_model(model, kinds, **target)
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
-    if set(state) != old_keys:  # only shapes change; a different key set is a bug here
+    if num_kv_heads is not None and set(state) != old_keys:  # pooling changes shapes only
         raise RuntimeError(f"conversion changed the parameter names: {set(state) ^ old_keys}")
     converted = weights_only(ckpt)
     converted["state_dict"] = {
@@ -92,16 +133,17 @@ def convert_checkpoint(
         **state,
     }
     extra = dict(ckpt["multihead"])
-    # The run config with num_kv_heads set for kinds, so that it rebuilds the result.
+    # The run config with the K/V settings of kinds, so that it rebuilds the result.
     extra["config"] = config = copy.deepcopy(extra["config"])
     attention = config["attention"]  # the one place heads are set
     for kind in kinds:
-        attention[kind] = {**(attention.get(kind) or {}), "num_kv_heads": num_kv_heads}
-    if set(kinds) == set(ATTENTION_KINDS):
+        kv = {k: model.attention_config[kind][k] for k in ("num_kv_heads", *target)}
+        attention[kind] = {**(attention.get(kind) or {}), **kv}
+    if set(kinds) == set(ATTENTION_KINDS) and num_kv_heads is not None:
         attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
         "path": str(path),
-        "num_kv_heads": num_kv_heads,
+        **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
     }
@@ -117,11 +159,16 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
     ``ckpt_path``, ``paths.output_dir``, ``hydra.*`` and the head counts set here.
     """
     info = converted["multihead"]["converted_from"]
-    kinds, num_kv_heads = info["scope"], info["num_kv_heads"]
+    kinds, attention = info["scope"], converted["multihead"]["config"]["attention"]
     heads: list[str] = []
-    if set(kinds) == set(ATTENTION_KINDS):
-        heads.append(f"attention.num_kv_heads={num_kv_heads}")
-    heads += [f"attention.{kind}.num_kv_heads={num_kv_heads}" for kind in kinds]
+    if set(kinds) == set(ATTENTION_KINDS) and "num_kv_heads" in info:
+        heads.append(f"attention.num_kv_heads={info['num_kv_heads']}")
+    for kind in kinds:
+        heads += [
+            f"attention.{kind}.{key}={attention[kind][key]}"
+            for key in ("num_kv_heads", "kv_latent_dim")
+            if attention[kind].get(key) is not None
+        ]
     # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     ours |= {"ckpt_path", "init_from", "paths.output_dir"}
@@ -137,7 +184,12 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
 
 
 def convert_kv_heads(
-    ckpt: str | Path, num_kv_heads: int, out: str | Path, scope: str | Sequence[str] = "decoder"
+    ckpt: str | Path,
+    num_kv_heads: int | None,
+    out: str | Path,
+    scope: str | Sequence[str] = "decoder",
+    *,
+    kv_latent_dim: int | None = None,
 ) -> tuple[Path, list[str]]:
     """Convert ``ckpt`` and save it to ``out`` (never overwritten).
 
@@ -150,6 +202,6 @@ def convert_kv_heads(
     """
     if Path(out).exists():  # before the work; save_new checks again when writing
         raise FileExistsError(f"{out} already exists; choose a new out= path")
-    converted = convert_checkpoint(ckpt, num_kv_heads, scope)
+    converted = convert_checkpoint(ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim)
     written = save_new(converted, out)
     return written, uptrain_overrides(ckpt, written, converted)
