@@ -75,9 +75,9 @@ def test_scores_match_teacher_forced_log_probs(exported, tok):
 def test_greedy_output_is_identical(exported):
     """Greedy is cut to each sentence's own limit, so even a random model agrees exactly."""
     ckpt, out = exported
-    trained = load_trained_model(ckpt)
+    loaded = load_trained_model(ckpt)
     source = sentences(48, seed=5)
-    ours = translate(trained.model, trained.tokenizer, source, beam_size=1, batch_size=16, **SEARCH)
+    ours = translate(loaded.model, loaded.tokenizer, source, beam_size=1, batch_size=16, **SEARCH)
     theirs = CTranslate2Engine(out).translate(source, beam_size=1, batch_size=16, **SEARCH)
     assert theirs == ours
     assert len({len(s) for s in ours}) > 5  # varied lengths, some at the limit
@@ -94,9 +94,9 @@ def trained(tok, tmp_path_factory):
 @pytest.mark.parametrize(("beam_size", "rate"), [(1, 1.0), (5, 0.98)])
 def test_trained_model_translations_match(trained, beam_size, rate):
     ckpt, out = trained
-    trained = load_trained_model(ckpt)
+    loaded = load_trained_model(ckpt)
     source = sentences(100, seed=6)
-    ours = translate(trained.model, trained.tokenizer, source, beam_size=beam_size, **SEARCH)
+    ours = translate(loaded.model, loaded.tokenizer, source, beam_size=beam_size, **SEARCH)
     theirs = CTranslate2Engine(out).translate(source, beam_size=beam_size, **SEARCH)
     # Differences are the documented ones: beam searches that run into a length limit.
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
@@ -143,11 +143,11 @@ def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
     path = tmp_path / "model.ckpt"
     save_checkpoint(path, tokenizer(lowercase=True), seed=3)
     out = export_ctranslate2(ckpt=path, out=tmp_path / "ct2")
-    trained = load_trained_model(path)
+    loaded = load_trained_model(path)
     source = sentences(16, seed=5)
     lowered = [s.lower() for s in source]
     assert lowered != source
-    ours = translate(trained.model, trained.tokenizer, source, beam_size=1, **SEARCH)
+    ours = translate(loaded.model, loaded.tokenizer, source, beam_size=1, **SEARCH)
     engine = CTranslate2Engine(out)
     assert engine.translate(source, beam_size=1, **SEARCH) == ours
     assert engine.translate(lowered, beam_size=1, **SEARCH) == ours

@@ -22,10 +22,10 @@ def run_dir(smoke_run_dir: Path) -> Path:
 
 
 def test_checkpoint_is_self_contained(run_dir: Path) -> None:
-    trained = load_trained_model(run_dir / "checkpoints" / "last.ckpt")
-    assert not trained.model.training
-    assert trained.config["data"]["tgt_lang"] == "de"
-    assert trained.tokenizer.decode(trained.tokenizer.encode("Ein Hund.")) == "Ein Hund."
+    loaded = load_trained_model(run_dir / "checkpoints" / "last.ckpt")
+    assert not loaded.model.training
+    assert loaded.config["data"]["tgt_lang"] == "de"
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("Ein Hund.")) == "Ein Hund."
 
 
 def test_evaluate_writes_hypotheses_and_scores(run_dir, tmp_path, multi30k_dir) -> None:
