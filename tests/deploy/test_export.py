@@ -34,6 +34,10 @@ VARIANTS = {
         decoder_self_attention={"num_kv_heads": 1},
         cross_attention={"num_kv_heads": 2},
     ),
+    # CTranslate2 has no MLA: written as the MHA layer of its weight products.
+    "MLA decoder and cross-attention": dict(
+        decoder_self_attention={"kv_latent_dim": 16}, cross_attention={"kv_latent_dim": 12}
+    ),
 }
 
 
@@ -83,17 +87,26 @@ def test_greedy_output_is_identical(exported):
     assert len({len(s) for s in ours}) > 5  # varied lengths, some at the limit
 
 
-@pytest.fixture(scope="module")
-def trained(tok, tmp_path_factory):
+def _trained(tok, tmp, variant: int):
     """A model trained briefly on the toy pairs, so its outputs end with eos."""
-    tmp = tmp_path_factory.mktemp("trained")
-    save_checkpoint(tmp / "model.ckpt", tok, seed=1, steps=150, **VARIANTS[list(VARIANTS)[2]])
+    save_checkpoint(tmp / "model.ckpt", tok, seed=1, steps=150, **VARIANTS[list(VARIANTS)[variant]])
     return tmp / "model.ckpt", export_ctranslate2(ckpt=tmp / "model.ckpt", out=tmp / "ct2")
 
 
+@pytest.fixture(scope="module")
+def trained(tok, tmp_path_factory):
+    return _trained(tok, tmp_path_factory.mktemp("trained"), 2)
+
+
+@pytest.fixture(scope="module")
+def trained_mla(tok, tmp_path_factory):
+    return _trained(tok, tmp_path_factory.mktemp("trained_mla"), 3)
+
+
 @pytest.mark.parametrize(("beam_size", "rate"), [(1, 1.0), (5, 0.98)])
-def test_trained_model_translations_match(trained, beam_size, rate):
-    ckpt, out = trained
+@pytest.mark.parametrize("model", ["trained", "trained_mla"])
+def test_trained_model_translations_match(request, model, beam_size, rate):
+    ckpt, out = request.getfixturevalue(model)
     loaded = load_trained_model(ckpt)
     source = sentences(100, seed=6)
     ours = translate(loaded.model, loaded.tokenizer, source, beam_size=beam_size, **SEARCH)
@@ -169,6 +182,20 @@ def test_unknown_head_design_is_refused(tok, tmp_path):
     model = save_checkpoint(tmp_path / "m.ckpt", tok)
     model.encoder_layers[0].self_attn = nn.MultiheadAttention(32, 4, batch_first=True)
     with pytest.raises(ExportError, match="encoder_self_attention is a MultiheadAttention"):
+        build_spec(model, tok)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"top_k_heads": 2}, r"head design 'mha4-moh-k2'; CTranslate2 runs plain"),
+        ({"head_mixing": "group_mlp"}, r"head design 'mha4-group_mlp2'"),
+        ({"kv_latent_dim": 8, "kv_latent_norm": True}, r"normalises its K/V latent"),
+    ],
+)
+def test_head_designs_ctranslate2_cannot_run_are_refused(tok, tmp_path, options, pattern):
+    model = save_checkpoint(tmp_path / "m.ckpt", tok, cross_attention=options)
+    with pytest.raises(ExportError, match=r"cross_attention .*" + pattern):
         build_spec(model, tok)
 
 

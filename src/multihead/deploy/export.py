@@ -11,7 +11,9 @@ maps onto what:
   and V, which is CTranslate2's fused self-attention layout for MHA, GQA and MQA alike; for
   cross-attention ``[Q]`` and ``[K; V]`` are its two input projections. ``num_heads_kv`` is
   written per attention sublayer, so encoder self-, decoder self- and cross-attention may
-  each have their own K/V head count.
+  each have their own K/V head count. CTranslate2 has no latent attention: an MLA layer is
+  written as the MHA layer it equals (K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``), which
+  CTranslate2 then runs with an MHA-sized cache.
 - positions: our table (sinusoidal, interleaved sin/cos, or learned) is written as the
   spec's ``encodings`` so CTranslate2 does not use its own (concatenated) sinusoids.
 - embeddings: ``sqrt(E)`` scaling as ours; shared matrices are stored once (the spec
@@ -24,7 +26,8 @@ maps onto what:
 
 What CTranslate2 cannot express raises :class:`ExportError` naming the setting: a head count
 (query or K/V) that differs between the layers of one kind, decoder self- and
-cross-attention with different query head counts, an attention module that is not ours.
+cross-attention with different query head counts, an attention module that is not ours, a
+head design other than latent attention (sparse heads, mixings), a normalised latent.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.convert import expand_latent
+from multihead.attention.latent import LatentKV
 from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
@@ -106,7 +111,18 @@ def _same_across_layers(kind: str, layers: list[MultiHeadAttention]) -> tuple[in
                 f"{kind} is a {type(attn).__name__}; expected multihead.MultiHeadAttention "
                 "(an unknown head design cannot be exported)"
             )
-    heads = sorted({(a.num_heads, a.num_kv_heads) for a in layers})
+        if isinstance(attn.design, LatentKV):
+            if attn.design.norm is not None:
+                raise ExportError(
+                    f"{kind} normalises its K/V latent ({attn.head_tag}), which CTranslate2 "
+                    "cannot compute; expected an MLA layer without kv_latent_norm"
+                )
+        elif attn.design is not None:
+            raise ExportError(
+                f"{kind} has head design {attn.head_tag!r}; CTranslate2 runs plain "
+                "MHA/GQA/MQA attention (and MLA, as its MHA equivalent)"
+            )
+    heads = sorted({(a.num_heads, a.num_kv_heads) for a in layers})  # MLA: G = H
     if len(heads) > 1:
         raise ExportError(
             f"{kind} has (heads, K/V heads) {heads} differing between layers; expected one "
@@ -158,6 +174,8 @@ def _set_layer_norm(spec: Any, norm: nn.LayerNorm) -> None:
 
 def _set_attention(spec: Any, attn: MultiHeadAttention, *, cross: bool) -> None:
     """Our stacked ``[Q; K; V]`` projection into CTranslate2's one or two input linears."""
+    if isinstance(attn.design, LatentKV):
+        attn = expand_latent(attn)  # the MHA layer it equals
     E = attn.embed_dim
     weight, bias = attn.in_proj.weight, attn.in_proj.bias
     if cross:
