@@ -11,10 +11,12 @@ import pytest
 
 from multihead.analysis.comparison import (
     OUTPUT_FILES,
+    RunResult,
     compare,
     find_run_dirs,
     load_local_runs,
     load_wandb_group,
+    pareto_frontier,
     read_metrics_csv,
 )
 from tests.training.test_configs import run_script
@@ -161,3 +163,32 @@ def test_script_writes_the_comparison(runs_dir: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "compared 3 runs" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES)
+
+
+def test_pareto_frontier_of_bleu_against_cache_and_speed() -> None:
+    """Written out: a run is on the frontier when no run is at least as good on the axis
+    and better in BLEU."""
+    figures = {  # name: (KV bytes per token, greedy sentences/s, test BLEU)
+        "mha": (512, 100.0, 30.0),
+        "gqa": (256, 110.0, 29.5),
+        "mqa": (128, 120.0, 28.0),
+        "mla-r32": (128, 90.0, 29.0),  # MQA's cache, better BLEU: MQA leaves the frontier
+        "mla-r16": (64, 80.0, 27.0),
+        "worse": (512, 50.0, 25.0),
+    }
+    runs = [
+        RunResult(
+            source=name,
+            label=name,
+            summary={
+                "kv_cache/bytes_per_token": kv,
+                "decode/greedy_sentences_per_s": speed,
+                "test/bleu": bleu,
+            },
+        )
+        for name, (kv, speed, bleu) in figures.items()
+    ]
+    by_cache = pareto_frontier(runs, "kv_cache/bytes_per_token", lower_is_better=True)
+    assert [r.label for r in by_cache] == ["mla-r16", "mla-r32", "gqa", "mha"]
+    by_speed = pareto_frontier(runs, "decode/greedy_sentences_per_s", lower_is_better=False)
+    assert [r.label for r in by_speed] == ["mqa", "gqa", "mha"]

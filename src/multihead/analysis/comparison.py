@@ -300,6 +300,7 @@ def comparison_markdown(runs: list[RunResult], source: str) -> str:
         )
         parts.append(markdown_table(["run", "MHA run"] + [h for h, _, _ in RATIOS], ratio_lines))
 
+    parts.append(_frontier_lines(runs))
     parts.append(
         "\n## Plots\n\n![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n\n"
         "![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n\n"
@@ -308,6 +309,19 @@ def comparison_markdown(runs: list[RunResult], source: str) -> str:
     for run in runs:
         parts.append(f"- {run.label}: `{run.source}` (validation curves: {run.curve_source})")
     return "\n".join(parts) + "\n"
+
+
+def _frontier_lines(runs: list[RunResult]) -> str:
+    """The Pareto frontiers of test BLEU against KV-cache bytes and decoding speed."""
+    lines = ["\n## Pareto frontiers (test BLEU against ...)\n"]
+    for key, what in (
+        ("kv_cache/bytes_per_token", "KV-cache bytes per token (fewer is better)"),
+        ("decode/greedy_sentences_per_s", "greedy sentences/s (more is better)"),
+    ):
+        frontier = pareto_frontier(runs, key, lower_is_better=LOWER_IS_BETTER.get(key, False))
+        names = ", ".join(run.label for run in frontier) or "no runs with both figures"
+        lines.append(f"- {what}: {names}")
+    return "\n".join(lines) + "\n"
 
 
 def write_csv(runs: list[RunResult], path: Path) -> None:
@@ -329,8 +343,32 @@ def write_csv(runs: list[RunResult], path: Path) -> None:
 # Plots
 
 
+def pareto_frontier(runs: list[RunResult], key: str, *, lower_is_better: bool) -> list[RunResult]:
+    """The runs no other run beats on both test BLEU and ``key``, in ``key`` order (best
+    first): a run is on the frontier when every run at least as good on ``key`` scores a
+    lower BLEU."""
+    points = [
+        (x, y, run)
+        for run in runs
+        if (x := _number(value(run, key))) is not None
+        and (y := _number(value(run, "test/bleu"))) is not None
+    ]
+    points.sort(key=lambda p: (p[0] if lower_is_better else -p[0], -p[1]))
+    frontier, best = [], -math.inf
+    for _, y, run in points:
+        if y > best:
+            frontier.append(run)
+            best = y
+    return frontier
+
+
+# Which end of each plotted axis is better: fewer cache bytes, more sentences per second.
+LOWER_IS_BETTER = {"kv_cache/bytes_per_token": True}
+
+
 def plot_bleu_against(runs: list[RunResult], path: Path, panels: list[tuple[str, str]]) -> None:
-    """Test BLEU against each ``(key, x label)`` of ``panels``, one annotated scatter each."""
+    """Test BLEU against each ``(key, x label)`` of ``panels``: an annotated scatter each,
+    with its Pareto frontier drawn as a step line."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
@@ -342,6 +380,13 @@ def plot_bleu_against(runs: list[RunResult], path: Path, panels: list[tuple[str,
                 ax.annotate(
                     run.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
                 )
+        lower = LOWER_IS_BETTER.get(key, False)
+        frontier = pareto_frontier(runs, key, lower_is_better=lower)
+        if len(frontier) > 1:
+            xs = [_number(value(run, key)) for run in frontier]
+            ys = [_number(value(run, "test/bleu")) for run in frontier]
+            ax.step(xs, ys, where="post" if lower else "pre", color="C1", label="Pareto frontier")
+            ax.legend(fontsize=7)
         if not ax.collections:
             _no_data(ax, f"test BLEU and {xlabel}")
         ax.set_xlabel(xlabel)
