@@ -49,7 +49,13 @@ def test_cpu_fp16_gets_lightnings_mixed_precision_plugin_with_a_cpu_scaler() -> 
     (plugin,) = args["plugins"]
     assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu"
     assert isinstance(plugin.scaler, torch.amp.GradScaler) and plugin.scaler._device == "cpu"
-    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **args)
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        precision=args["precision"],
+        plugins=args["plugins"],
+    )
     assert trainer.precision == "16-mixed"
     with trainer.precision_plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == torch.float16
@@ -57,8 +63,20 @@ def test_cpu_fp16_gets_lightnings_mixed_precision_plugin_with_a_cpu_scaler() -> 
     swapped = Trainer(accelerator="cpu", logger=False, precision="16-mixed")
     assert swapped.precision == "bf16-mixed"
     # Everything else goes to Lightning as the flag.
-    assert trainer_precision("bf16-mixed", "cpu") == {"precision": "bf16-mixed", "plugins": []}
-    assert trainer_precision("auto", "cpu") == {"precision": "32-true", "plugins": []}
+    assert trainer_precision("bf16-mixed", "cpu") == {
+        "precision": "bf16-mixed",
+        "plugins": [],
+        "float32_matmul_precision": None,
+    }
+
+
+def test_fp32_on_a_gpu_uses_tf32_and_the_cpu_never_does(monkeypatch) -> None:
+    assert trainer_precision("32-true", "cpu")["float32_matmul_precision"] is None
+    fake_gpu(monkeypatch, native_bf16=True)
+    assert trainer_precision("32-true", "gpu")["float32_matmul_precision"] == "high"
+    assert trainer_precision("bf16-mixed", "gpu")["float32_matmul_precision"] is None
+    cpu = {"precision": "32-true", "plugins": [], "float32_matmul_precision": None}
+    assert trainer_precision("auto", "cpu") == cpu  # even where a GPU is present
 
 
 class PrecisionProbe(Callback):

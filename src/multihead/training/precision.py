@@ -57,12 +57,19 @@ def trainer_precision(precision: str, accelerator: str) -> dict[str, Any]:
     "cpu")`` plugin with a CPU loss scaler instead of the flag, which Lightning takes as
     given.
 
+    A 32-true run on a GPU also gets ``float32_matmul_precision="high"``: TF32 tensor cores
+    for its fp32 matmuls (Ampere on), which torch leaves off by default. The CPU keeps
+    ``"highest"``: there "high" may let oneDNN round fp32 matmuls to bf16.
+
     Returns:
-        ``{"precision": ..., "plugins": [...]}``: pass both to ``lightning.Trainer`` (the
-        plugins beside any others); ``precision`` is None when a plugin carries it.
+        ``{"precision": ..., "plugins": [...], "float32_matmul_precision": ...}``: pass the
+        first two to ``lightning.Trainer`` (the plugins beside any others; ``precision`` is
+        None when a plugin carries it) and the third, unless None, to
+        ``torch.set_float32_matmul_precision``.
     """
     resolved = resolve_precision(precision, accelerator)
+    tf32 = "high" if resolved == "32-true" and _on_gpu(accelerator) else None
     if resolved == "16-mixed" and _on_cpu(accelerator):
         plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
-        return {"precision": None, "plugins": [plugin]}
-    return {"precision": resolved, "plugins": []}
+        return {"precision": None, "plugins": [plugin], "float32_matmul_precision": tf32}
+    return {"precision": resolved, "plugins": [], "float32_matmul_precision": tf32}

@@ -217,6 +217,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = build_loggers(cfg, model, wandb_id)
     precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    if precision["float32_matmul_precision"] is not None:
+        torch.set_float32_matmul_precision(precision["float32_matmul_precision"])
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         precision=precision["precision"],
