@@ -3,6 +3,7 @@
     python scripts/benchmark_decoding.py CKPT [CKPT ...] --local-dir ../shared/data/multi30k
     python scripts/benchmark_decoding.py CKPT --ctranslate2 --threads 2   # + CT2 fp32, int8
     python scripts/benchmark_decoding.py CKPT --engines ct2-fp32 --threads 2   # one engine
+    python scripts/benchmark_decoding.py MLA_CKPT --engines ours ours-expanded   # absorption
 
 Translates the test split with greedy search and beam search (KV cache on) for every
 checkpoint and engine, on the same sentences, threads, beam size, length penalty and batches
@@ -11,7 +12,9 @@ CTranslate2 model and also decoded by CTranslate2 in float32 and int8. Runs are 
 repeat by repeat, so machine noise hits them alike; the table gives the median sentences/s,
 the ratio to our decoder on the same checkpoint (or, without CT2, to the first checkpoint),
 output words per second (fairer than sentences/s between models whose outputs differ in
-length), cased BLEU, and for CT2 the share of outputs identical to ours.
+length), cased BLEU, and for CT2 the share of outputs identical to ours. ``ours expanded``
+decodes an MLA checkpoint with its K/V re-expanded from the cached latent at every step
+instead of absorbed (what absorption buys); it is skipped for checkpoints without MLA.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from multihead.attention.latent import LatentKV
 from multihead.checkpoints import load_trained_model, search_settings
 from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, translate
 
-ENGINES = ("ours", "ct2 fp32", "ct2 int8")
+ENGINES = ("ours", "ours expanded", "ct2 fp32", "ct2 int8")
 
 
 def main() -> None:
@@ -53,7 +57,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    names = ENGINES if args.ctranslate2 else ENGINES[:1]
+    names = ENGINES if args.ctranslate2 else ENGINES[:2]
     if args.engines:
         names = tuple(name.replace("-", " ") for name in args.engines)
     if args.threads is not None:
@@ -83,6 +87,21 @@ def main() -> None:
             engines[i, "ours"] = lambda s, beam, t=t, o=options: translate(
                 t.model, t.tokenizer, s, beam_size=beam, **o
             )
+        latents = [
+            a.design for *_, a in t.model.attention_sublayers() if isinstance(a.design, LatentKV)
+        ]
+        if "ours expanded" in names and latents:
+
+            def expanded(s, beam, t=t, o=options, latents=latents):
+                for latent in latents:
+                    latent.absorb = False
+                try:
+                    return translate(t.model, t.tokenizer, s, beam_size=beam, **o)
+                finally:
+                    for latent in latents:
+                        latent.absorb = True
+
+            engines[i, "ours expanded"] = expanded
         if any(name.startswith("ct2") for name in names):
             from multihead.deploy.engine import CTranslate2Engine
             from multihead.deploy.export import export_ctranslate2
@@ -121,10 +140,10 @@ def main() -> None:
         model = translators[i].model
         heads = model.head_config["decoder_self_attention"]
         cache = model.kv_cache_bytes_per_token()
-        if engine != "ours":
+        if engine.startswith("ct2"):
             # CTranslate2 4.8 repeats GQA/MQA K/V heads to all query heads before caching
-            # (layers/attention.cc), so its cache holds H heads whatever G is.
-            cache = cache * heads["num_heads"] // heads["num_kv_heads"]
+            # (layers/attention.cc), and runs MLA as its MHA equivalent: H heads of K and V.
+            cache = len(model.decoder_layers) * 2 * model.d_model * 4
         base_key = (i, "ours") if len(names) > 1 else (0, names[0])
         cells = []
         for name in searches:
