@@ -4,12 +4,13 @@ python scripts/average_checkpoints.py ckpt_dir=RUN/checkpoints last=5 out=RUN/av
 python scripts/average_checkpoints.py 'ckpts=[RUN/a.ckpt,RUN/b.ckpt]' out=RUN/avg.ckpt
 """
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig
 
 from multihead.checkpoints import save_new
 from multihead.checkpoints.averaging import average_checkpoints, checkpoints_to_average
-from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="average")

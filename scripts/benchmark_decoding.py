@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import multihead.cli  # noqa: F401  (names the train extra when it is missing)
+
 import torch
 
 from multihead.attention.latent import LatentKV

@@ -30,13 +30,14 @@ import statistics
 import time
 from pathlib import Path
 
+from multihead.cli import register_resolvers
+
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from multihead.cli import register_resolvers
 from multihead.model import build_model
 from multihead.training.loss import linear_cross_entropy
 

@@ -4,11 +4,12 @@ Writes comparison.md (table, ratios vs MHA, plots), comparison.csv and the PNG p
 DIR. ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online only).
 """
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.analysis.comparison import compare
-from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="compare")

@@ -10,11 +10,12 @@ printed command uptrains the converted model.
 
 import shlex
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.checkpoints.conversion import convert_kv_heads
-from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="convert")

@@ -5,11 +5,12 @@ Prints BLEU and writes the hypotheses and scores.json into outputs/evaluate/<tim
 
 import json
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from multihead.cli import exit_on_user_error
 from multihead.evaluation import evaluate_checkpoint
 
 

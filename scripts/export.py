@@ -4,10 +4,11 @@ Writes a CTranslate2 model directory (weights, vocabulary, tokenizer, a README w
 Python that translates with it) atomically: a failed export leaves ``out`` as it was.
 """
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig
 
-from multihead.cli import exit_on_user_error
 from multihead.deploy.export import FORMATS, export_ctranslate2
 
 

@@ -8,6 +8,8 @@ references): one figure per checkpoint, ``<label>_head_similarity.png``, and
 
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 import matplotlib.pyplot as plt
 from omegaconf import DictConfig
@@ -18,7 +20,6 @@ from multihead.analysis.heads import (
     similarity_matrices,
 )
 from multihead.checkpoints import load_trained_model, write_atomically
-from multihead.cli import exit_on_user_error
 from multihead.data import load_parallel_dataset
 
 

@@ -7,11 +7,12 @@ and learning_curve.png into DIR.
 
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig
 
 from multihead.analysis.learning_curve import learning_curve
-from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="learning_curve")

@@ -7,10 +7,11 @@ Examples:
     python scripts/train.py ... hydra.run.dir=RUN ckpt_path=last   # resume RUN
 """
 
+from multihead.cli import exit_on_user_error, register_resolvers
+
 import hydra
 from omegaconf import DictConfig
 
-from multihead.cli import exit_on_user_error, register_resolvers
 from multihead.training.run import train
 
 register_resolvers()

@@ -11,12 +11,13 @@ same length rules.
 import sys
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 import torch
 from omegaconf import DictConfig
 
 from multihead.checkpoints import load_trained_model, search_settings
-from multihead.cli import exit_on_user_error
 from multihead.evaluation import translate
 from multihead.evaluation.stream import read_lines, translate_lines
 

@@ -1,4 +1,8 @@
-"""Fixtures shared by all tests: where the raw Multi30k lives, and composing real configs."""
+"""Fixtures shared by all tests: where the raw Multi30k lives, and composing real configs.
+
+Only torch is imported here: tests/attention and tests/model also run where only the core
+is installed (.ci/run). Hydra, which composing configs needs, is imported when used.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,16 @@ import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from multihead.cli import register_resolvers
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(REPO_ROOT / "configs")
-register_resolvers()  # as scripts/train.py does
 
 # Every test runs offline: the Hugging Face Hub is never contacted.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,6 +83,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def compose_config(name: str, overrides: list[str]) -> DictConfig:
     """Compose ``configs/<name>.yaml`` with ``overrides``, exactly as the scripts do."""
+    from multihead.cli import register_resolvers
+
+    from hydra import compose, initialize_config_dir
+
+    register_resolvers()  # as scripts/train.py does
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
 

@@ -1,19 +1,56 @@
 """What the scripts share: user errors become one ``error: ...`` line and exit status 2,
-and the config resolvers of their own."""
+and the config resolvers of their own.
+
+The scripts need the ``train`` extra, the core (the layer and the model) does not. The
+scripts import this module before any of the extra's packages, so that a core-only install
+gets one line naming the extra instead of a traceback.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hydra.errors import InstantiationException
-from omegaconf import OmegaConf
-
 from multihead.attention import BackendUnavailableError
-from multihead.training.precision import resolve_precision
+
+# What the ``train`` extra of pyproject.toml installs, by import name.
+TRAIN_MODULES = (
+    "lightning",
+    "hydra",
+    "omegaconf",
+    "datasets",
+    "tokenizers",
+    "sacrebleu",
+    "sacremoses",
+    "wandb",
+    "matplotlib",
+    "tqdm",
+)
+
+
+def require_train_extra() -> None:
+    """Exit with status 2 and one ``error: ...`` line if a package of the extra is missing."""
+    missing = [name for name in TRAIN_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"error: the scripts need the training extra ({', '.join(missing)} not installed): "
+            "pip install 'multihead[train]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+require_train_extra()
+
+# After the check: these are the extra's.
+from hydra.errors import InstantiationException  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from multihead.training.precision import resolve_precision  # noqa: E402
 
 
 def register_resolvers() -> None:

@@ -15,11 +15,12 @@ import signal
 import tempfile
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import pytest
 import torch
 
 from multihead.checkpoints import FORMAT_VERSION, load_trained_model, write_atomically
-from multihead.cli import exit_on_user_error
 from multihead.evaluation import evaluate_checkpoint
 from multihead.training.run import train
 from tests.training.test_configs import run_script
