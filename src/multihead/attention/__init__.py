@@ -8,6 +8,7 @@ from multihead.attention.backends import (
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.masks import AttentionMask, build_attention_mask
+from multihead.attention.torch_swap import TorchAttentionAdapter, replace_torch_attention
 
 __all__ = [
     "BACKENDS",
@@ -15,6 +16,8 @@ __all__ = [
     "BackendUnavailableError",
     "KVCache",
     "MultiHeadAttention",
+    "TorchAttentionAdapter",
     "available_backends",
     "build_attention_mask",
+    "replace_torch_attention",
 ]

@@ -1,0 +1,320 @@
+"""replace_torch_attention: torch's own models compute what they did, with our layer inside."""
+
+import copy
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import multihead.attention.torch_swap
+from multihead import MultiHeadAttention, replace_torch_attention
+from multihead.attention import TorchAttentionAdapter
+
+E, H, B, L, S = 32, 4, 3, 7, 5
+
+
+def swapped(model: nn.Module) -> nn.Module:
+    """A swapped copy; ``model`` keeps its ``nn.MultiheadAttention``s as the reference."""
+    return replace_torch_attention(copy.deepcopy(model))
+
+
+def adapters(model: nn.Module) -> list[TorchAttentionAdapter]:
+    return [m for m in model.modules() if isinstance(m, TorchAttentionAdapter)]
+
+
+def padding(lengths: list[int], max_len: int) -> torch.Tensor:
+    """``(len(lengths), max_len)`` bool, True past each length."""
+    return torch.arange(max_len)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+def some_masked(*shape: int) -> torch.Tensor:
+    """A random bool mask (True = masked out) that leaves key 0 to every query, so no row
+    is fully masked (torch gives NaN there, the layer zeros; see the test at the end)."""
+    mask = torch.rand(*shape) < 0.3
+    mask[..., 0] = False
+    return mask
+
+
+def seq(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """``(B, L, E)`` in the caller's layout."""
+    return x if batch_first else x.transpose(0, 1).contiguous()
+
+
+def test_doctest() -> None:
+    result = doctest.testmod(multihead.attention.torch_swap)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------ nn.MultiheadAttention
+MASK_CASES = {
+    "none": lambda: {},
+    "bool_2d": lambda: {"attn_mask": some_masked(L, L)},
+    "float_3d": lambda: {"attn_mask": torch.randn(B * H, L, L)},
+    "bool_3d": lambda: {"attn_mask": some_masked(B * H, L, L)},
+    "padding_bool": lambda: {"key_padding_mask": padding([L, 4, 2], L)},
+    "padding_float": lambda: {
+        "key_padding_mask": torch.zeros(B, L).masked_fill(padding([L, 4, 2], L), float("-inf"))
+    },
+    "padding_and_bool": lambda: {
+        "key_padding_mask": padding([L, 4, 2], L),
+        "attn_mask": some_masked(L, L),
+    },
+    "padding_float_and_bool": lambda: {
+        "key_padding_mask": torch.zeros(B, L).masked_fill(padding([L, 4, 2], L), float("-inf")),
+        "attn_mask": some_masked(L, L),
+    },
+    "causal_hint": lambda: {
+        "attn_mask": nn.Transformer.generate_square_subsequent_mask(L),
+        "is_causal": True,
+    },
+    "causal_hint_padding": lambda: {
+        "attn_mask": nn.Transformer.generate_square_subsequent_mask(L),
+        "is_causal": True,
+        "key_padding_mask": padding([L, 4, 2], L),
+    },
+}
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("masks", MASK_CASES)
+def test_self_attention_matches_torch(masks, average, batch_first) -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first)
+    nn.init.normal_(mha.in_proj_bias)  # non-zero biases, so they are checked too
+    adapter = replace_torch_attention(copy.deepcopy(mha))
+    assert isinstance(adapter, TorchAttentionAdapter)
+    x = seq(torch.randn(B, L, E), batch_first)
+    kwargs = MASK_CASES[masks]()
+    # torch's need_weights path ignores the is_causal hint and uses attn_mask; both agree.
+    for need_weights in (False, True):
+        want, want_w = mha(
+            x, x, x, need_weights=need_weights, average_attn_weights=average, **kwargs
+        )
+        got, got_w = adapter(
+            x, x, x, need_weights=need_weights, average_attn_weights=average, **kwargs
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        if need_weights:
+            assert got_w.shape == want_w.shape  # (B, L, S) or (B, H, L, S)
+            torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=0)
+        else:
+            assert got_w is None and want_w is None
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_cross_attention_matches_torch(batch_first) -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first)
+    adapter = replace_torch_attention(copy.deepcopy(mha))
+    x = seq(torch.randn(B, L, E), batch_first)
+    memory = seq(torch.randn(B, S, E), batch_first)
+    masks = {"key_padding_mask": padding([S, 3, 1], S), "attn_mask": some_masked(L, S)}
+    want, want_w = mha(x, memory, memory, average_attn_weights=False, **masks)
+    got, got_w = adapter(x, memory, memory, average_attn_weights=False, **masks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=0)
+
+
+def test_unbatched_input_matches_torch() -> None:
+    mha = nn.MultiheadAttention(E, H)
+    adapter = replace_torch_attention(copy.deepcopy(mha))
+    x, memory = torch.randn(L, E), torch.randn(S, E)
+    kwargs = {"key_padding_mask": padding([3], S)[0], "attn_mask": torch.randn(H, L, S)}
+    want, want_w = mha(x, memory, memory, **kwargs)
+    got, got_w = adapter(x, memory, memory, **kwargs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=0)
+
+
+def test_separate_key_and_value_are_refused() -> None:
+    adapter = replace_torch_attention(nn.MultiheadAttention(E, H, batch_first=True))
+    x, k, v = torch.randn(B, L, E), torch.randn(B, S, E), torch.randn(B, S, E)
+    with pytest.raises(ValueError, match="key and value must be the same tensor"):
+        adapter(x, k, v)
+
+
+# ----------------------------------------------------------------------- whole models
+def encoder(batch_first: bool) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(
+        d_model=E, nhead=H, dim_feedforward=64, dropout=0.0, batch_first=batch_first
+    )
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=batch_first)
+
+
+ENCODER_MASKS = {
+    "none": lambda: {},
+    "padding": lambda: {"src_key_padding_mask": padding([L, 4, 2], L)},
+    "causal": lambda: {"mask": nn.Transformer.generate_square_subsequent_mask(L)},
+    "causal_padding": lambda: {
+        "mask": nn.Transformer.generate_square_subsequent_mask(L),
+        "src_key_padding_mask": padding([L, 4, 2], L),
+    },
+}
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ENCODER_MASKS)
+def test_transformer_encoder_in_train_mode(masks, batch_first) -> None:
+    torch_model = encoder(batch_first).train()
+    ours = swapped(torch_model)
+    assert len(adapters(ours)) == 2 and not any(
+        isinstance(m, nn.MultiheadAttention) for m in ours.modules()
+    )
+    x = seq(torch.randn(B, L, E), batch_first)
+    kwargs = ENCODER_MASKS[masks]()
+    want, got = torch_model(x, **kwargs), ours(x, **kwargs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # The same gradients reach the same weights (our in_proj is torch's in_proj_weight).
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for theirs, mine in zip(torch_model.layers, ours.layers, strict=True):
+        torch.testing.assert_close(
+            mine.self_attn.attn.in_proj.weight.grad, theirs.self_attn.in_proj_weight.grad
+        )
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ENCODER_MASKS)
+def test_transformer_encoder_in_eval_mode(masks, batch_first) -> None:
+    # Eval mode under no_grad is torch's fast path: the fused encoder-layer kernel, and with
+    # a padding mask (batch_first) nested tensors, which leave padded positions at zero.
+    torch_model = encoder(batch_first).eval()
+    ours = swapped(torch_model)
+    x = seq(torch.randn(B, L, E), batch_first)
+    kwargs = ENCODER_MASKS[masks]()
+    with torch.no_grad():
+        want, got = torch_model(x, **kwargs), ours(x, **kwargs)
+    keep = torch.ones(B, L, dtype=torch.bool)
+    if "src_key_padding_mask" in kwargs:
+        keep = ~kwargs["src_key_padding_mask"]
+        if batch_first and "mask" not in kwargs:
+            assert want[~keep].abs().max() == 0  # torch took the nested-tensor path
+    keep = seq(keep[..., None], batch_first)[..., 0]  # in the caller's layout
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)
+
+
+def transformer(batch_first: bool) -> nn.Transformer:
+    return nn.Transformer(
+        d_model=E,
+        nhead=H,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=64,
+        dropout=0.0,
+        batch_first=batch_first,
+    )
+
+
+def transformer_inputs(batch_first: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    src, tgt = torch.randn(B, S, E), torch.randn(B, L, E)
+    masks = {
+        "tgt_mask": nn.Transformer.generate_square_subsequent_mask(L),
+        "src_key_padding_mask": padding([S, 3, 2], S),
+        "memory_key_padding_mask": padding([S, 3, 2], S),
+        "tgt_key_padding_mask": padding([L, 6, 4], L),
+    }
+    return seq(src, batch_first), seq(tgt, batch_first), masks
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_nn_transformer(mode, batch_first) -> None:
+    torch_model = transformer(batch_first).train(mode == "train")
+    ours = swapped(torch_model)
+    assert len(adapters(ours)) == 2 + 2 * 2  # encoder self; decoder self and cross
+    src, tgt, masks = transformer_inputs(batch_first)
+    with torch.set_grad_enabled(mode == "train"):
+        want, got = torch_model(src, tgt, **masks), ours(src, tgt, **masks)
+    # Padded memory positions differ on torch's eval fast path (zeros there), but the
+    # decoder never attends to them, so every output position compares.
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_swapped_transformer_converts_to_gqa_and_trains() -> None:
+    ours = swapped(transformer(batch_first=True))
+    for adapter in adapters(ours):
+        adapter.attn = adapter.attn.with_kv_heads(2)
+    assert {a.attn.variant for a in adapters(ours)} == {"gqa"}
+    src, tgt, masks = transformer_inputs(batch_first=True)
+    out = ours.train()(src, tgt, **masks)
+    out.square().mean().backward()
+    for adapter in adapters(ours):
+        assert adapter.attn.in_proj.weight.shape == (E + 2 * 2 * (E // H), E)
+        assert adapter.attn.in_proj.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # eval, where torch's fast path would look for its own weights
+        out = ours.eval()(src, tgt, **masks)
+    assert out.shape == (B, L, E) and out.isfinite().all()
+
+
+def test_nested_tensor_fast_path_is_turned_off_only_where_swapped() -> None:
+    model = nn.ModuleDict({"ours": encoder(True), "theirs": encoder(True)})
+    model["ours"] = replace_torch_attention(model["ours"])
+    assert model["ours"].use_nested_tensor is False and model["theirs"].use_nested_tensor
+
+
+def test_backend_is_passed_on() -> None:
+    ours = replace_torch_attention(encoder(True), backend="math")
+    assert {a.attn.backend for a in adapters(ours)} == {"math"}
+
+
+def test_a_shared_module_gets_one_adapter() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    model = nn.ModuleDict({"a": mha, "b": nn.Sequential(mha)})
+    replace_torch_attention(model)
+    assert isinstance(model["a"], TorchAttentionAdapter) and model["b"][0] is model["a"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"kdim": 16, "vdim": 16}, "kdim=16, vdim=16 differ from embed_dim=32"),
+        ({"add_bias_kv": True}, "add_bias_kv=True is not supported"),
+        ({"add_zero_attn": True}, "add_zero_attn=True is not supported"),
+    ],
+)
+def test_unsupported_options_name_the_module(options, message) -> None:
+    model = nn.Module()
+    model.encoder = nn.ModuleList([nn.MultiheadAttention(E, H), nn.MultiheadAttention(E, H)])
+    model.encoder[1] = nn.MultiheadAttention(E, H, **options)
+    with pytest.raises(ValueError, match=f"cannot replace 'encoder.1': {message}"):
+        replace_torch_attention(model)
+    assert isinstance(model.encoder[0], nn.MultiheadAttention)  # nothing was replaced
+
+
+def test_from_torch_layer_is_the_plain_layer() -> None:
+    adapter = replace_torch_attention(nn.MultiheadAttention(E, H, dropout=0.1))
+    assert type(adapter.attn) is MultiHeadAttention and adapter.attn.dropout == 0.1
+    assert adapter.batch_first is False and adapter.training
+
+
+def test_fully_masked_rows_are_zeros() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    nn.init.normal_(mha.out_proj.bias)
+    adapter = replace_torch_attention(copy.deepcopy(mha))
+    x = torch.randn(B, L, E)
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    mask[2] = True  # query 2 may attend to nothing
+    rows = torch.arange(L) != 2
+    for need_weights in (False, True):
+        want, want_w = mha(x, x, x, attn_mask=mask, need_weights=need_weights)
+        got, got_w = adapter(x, x, x, attn_mask=mask, need_weights=need_weights)
+        # Query 2's attention is zero, so its output is out_proj's bias alone.
+        torch.testing.assert_close(got[:, 2], mha.out_proj.bias.expand(B, E))
+        torch.testing.assert_close(got[:, rows], want[:, rows], atol=1e-5, rtol=0)
+        if need_weights:  # torch's explicit softmax divides 0 by 0
+            assert want[:, 2].isnan().all() and want_w[:, 2].isnan().all()
+            assert (got_w[:, 2] == 0).all()
+        else:  # torch's SDPA path zeros the row too
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- a vision transformer
+def test_torchvision_vit_b_16() -> None:
+    models = pytest.importorskip("torchvision.models")
+    torch_model = models.vit_b_16().eval()  # random weights
+    ours = swapped(torch_model)
+    assert len(adapters(ours)) == 12
+    images = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        want, got = torch_model(images), ours(images)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
