@@ -19,8 +19,8 @@ the code that calls it does not change. Then the layer's own features apply, GQA
     >>> for module in encoder.modules():  # 2 K/V heads for the 4 query heads
     ...     if isinstance(module, TorchAttentionAdapter):
     ...         module.attn = module.attn.with_kv_heads(2)
-    >>> encoder.layers[0].self_attn.attn.variant
-    'gqa'
+    >>> encoder.layers[0].self_attn.attn.num_kv_heads
+    2
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import OmegaConf
 from torch import nn
 
 from multihead.model.transformer import ATTENTION_KINDS
@@ -21,7 +20,9 @@ def build_model(
     ``cross_attention`` sections override them for one kind. ``backend`` replaces every
     sublayer's backend (e.g. to translate with another kernel than the one trained with).
     """
+    # Run configs are Hydra's (the `train` extra); the model itself needs torch alone.
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
     per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
