@@ -14,6 +14,7 @@ from multihead.analysis.importance import (
     head_roles,
     masked_heads,
     normalise_per_layer,
+    prune_model,
     pruning_curve,
     pruning_order,
     rare_token_ids,
@@ -168,3 +169,26 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
         curve = list(csv.DictReader(f))
     assert [r["fraction_masked"] for r in curve] == ["0.0", "0.5"]
     assert int(curve[1]["heads_masked"]) == len(rows) // 2
+
+
+def test_a_pruned_model_computes_the_masked_one_with_fewer_parameters(tokenizer):
+    # tiny_model: MHA encoder, GQA (2 groups of 2) decoder self-attention, MQA cross.
+    model = tiny_model(tokenizer.vocab_size)
+    heads = [("encoder_self", 0, 1), ("encoder_self", 0, 3), ("encoder_self", 1, 0)]
+    heads += [("decoder_self", 1, 2), ("decoder_self", 1, 3), ("cross", 0, 0), ("cross", 1, 2)]
+    pruned = prune_model(model, heads)
+    src, tgt_in, _ = next(batches(tokenizer, SENTENCES, 3, "cpu"))
+    with torch.no_grad(), masked_heads(model, heads):
+        masked = model(src, tgt_in)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(src, tgt_in), masked, atol=1e-5, rtol=1e-4)
+    D, E = 4, 16
+    query_head = 2 * D * E + D  # W^Q rows, W^O columns, the Q bias
+    kv_head = 2 * D * E + 2 * D  # W^K and W^V rows, their biases
+    removed = 3 * (query_head + kv_head)  # MHA: three heads with their own K/V
+    removed += 2 * query_head + kv_head  # GQA: a group of two and its K/V head
+    removed += 2 * query_head  # MQA: two query heads; the one K/V head stays
+    assert pruned.num_parameters() == model.num_parameters() - removed
+    assert pruned.decoder_layers[1].self_attn.num_kv_heads == 1
+    with pytest.raises(ValueError, match="GQA prunes whole groups of 2"):
+        prune_model(model, [("decoder_self", 0, 0)])

@@ -17,6 +17,9 @@ layer) and query head, over (source, reference) pairs with the decoder teacher-f
   running tokens (:func:`rare_token_ids`); ``rare_keys`` is the share of real keys that are
   rare, the weight a head spreading its attention evenly would give them.
 
+Pruning: :func:`pruning_curve` masks the heads least important first and re-scores greedy
+BLEU; :func:`prune_model` removes heads for real (:meth:`MultiHeadAttention.prune_heads`).
+
 The weights are those of :meth:`~multihead.model.Transformer.attention_maps`: for sparse
 heads an unselected head's row is zero, for talking heads the mixed weights.
 """
@@ -287,6 +290,32 @@ def masked_heads(model: nn.Module, heads: Sequence[tuple[str, int, int]]) -> Ite
     finally:
         for kind, i, attn in sublayers(model):
             attn.head_mask = before[(kind, i)]
+
+
+def prune_model(model: nn.Module, heads: Sequence[tuple[str, int, int]]) -> nn.Module:
+    """A copy of ``model`` without ``heads`` (``(kind, layer, head)``): each sublayer with
+    heads to remove replaced by :meth:`MultiHeadAttention.prune_heads` (GQA: whole groups).
+
+    It computes what ``model`` does with those heads masked (:func:`masked_heads`), with
+    fewer parameters. Its sublayers have ``num_heads * head_dim < embed_dim``, so it is not
+    rebuilt by :func:`~multihead.model.build_model` from a config: use it in memory.
+    """
+    import copy
+
+    pruned = copy.deepcopy(model)
+    by_layer: dict[tuple[str, int], list[int]] = {}
+    for kind, layer, head in heads:
+        by_layer.setdefault((kind, layer), []).append(head)
+    paths = {(k.removesuffix("_attention"), i): p for k, i, p, _ in model.attention_sublayers()}
+    unknown = sorted(set(by_layer) - set(paths))
+    if unknown:
+        raise ValueError(
+            f"no attention sublayers {unknown}; expected (kind, layer) of {list(paths)}"
+        )
+    for key, indices in by_layer.items():
+        layer = pruned.get_submodule(paths[key])
+        pruned.set_submodule(paths[key], layer.prune_heads(indices))
+    return pruned
 
 
 def pruning_curve(
