@@ -87,6 +87,9 @@ class MultiHeadAttention(nn.Module):
     Incremental decoding keeps ``G`` heads per position in a :class:`KVCache`: each
     self-attention call appends the new positions; cross-attention projects the memory on
     the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
+
+    ``attn.head_mask = gate`` (``(H,)``) scales each head's output before ``W^O`` on every
+    call (Michel et al., 2019; see :meth:`forward`); :meth:`prune_heads` removes heads.
     """
 
     def __init__(
