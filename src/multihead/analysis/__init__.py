@@ -1,3 +1,3 @@
 """Reports about finished runs: comparing runs, learning curves against wall-clock minutes,
 attention maps and head diversity (which training's ``AttentionMapLogger`` also draws after
-validation)."""
+validation), and which heads matter (importance, roles, pruning curves)."""

@@ -1,9 +1,10 @@
 """Conversions of a layer's heads: from ``torch.nn.MultiheadAttention``, to fewer K/V heads,
-to a K/V latent (MLA) and back to the equivalent MHA layer.
+to a K/V latent (MLA) and back to the equivalent MHA layer, and to fewer query heads.
 
 Each returns a new :class:`~multihead.attention.MultiHeadAttention` and leaves its input as
-it was; :meth:`MultiHeadAttention.from_torch`, :meth:`~MultiHeadAttention.with_kv_heads` and
-:meth:`~MultiHeadAttention.with_kv_latent` call them.
+it was; :meth:`MultiHeadAttention.from_torch`, :meth:`~MultiHeadAttention.with_kv_heads`,
+:meth:`~MultiHeadAttention.with_kv_latent` and :meth:`~MultiHeadAttention.prune_heads` call
+them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     its parameters are kept.
     """
     G, D, E = layer.num_kv_heads, layer.head_dim, layer.embed_dim
+    _check_unpruned(layer, "with_kv_heads")
     if isinstance(layer.design, LatentKV):
         raise ValueError("with_kv_heads pools K/V heads; an MLA layer has a K/V latent instead")
     if num_kv_heads <= 0 or G % num_kv_heads != 0:
@@ -128,6 +130,7 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
         raise ValueError(
             f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
         )
+    _check_unpruned(layer, "with_kv_latent")
     E = layer.embed_dim
     new = MultiHeadAttention(
         E,
@@ -189,4 +192,78 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
         if layer.in_proj.bias is not None:
             new.in_proj.bias.copy_(torch.cat([layer.in_proj.bias, w_up @ latent.down.bias]))
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
+    return new.train(layer.training)
+
+
+def _check_unpruned(layer: MultiHeadAttention, what: str) -> None:
+    # The conversions above rebuild the layer from (E, H), which gives head_dim = E / H.
+    if layer.num_heads * layer.head_dim != layer.embed_dim:
+        raise ValueError(
+            f"{what} converts a layer with all its heads; this one has pruned heads "
+            f"({layer.num_heads} heads of {layer.head_dim} for embed_dim={layer.embed_dim})"
+        )
+
+
+def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
+    """A copy of ``layer`` without the query heads ``indices`` (Michel et al., 2019).
+
+    Their rows of ``W^Q`` and columns of ``W^O`` go, and the K/V heads no query head reads
+    any more: for MHA each head's own, for GQA whole groups only (a group's query heads
+    all go together with its K/V head, else ``ValueError``); MQA keeps its one K/V head.
+    ``head_dim`` and the scale stay, so the copy has ``num_heads * head_dim < embed_dim``
+    (the projections are ``(H'D + 2G'D, E)`` and ``(E, H'D)``) and computes what ``layer``
+    does with those heads' ``head_mask`` entries at 0. A :attr:`head_mask` set on ``layer``
+    keeps its entries for the heads that stay. Layers with a head design are refused.
+    """
+    H, G, D, E = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.embed_dim
+    if layer.design is not None:
+        raise ValueError(
+            f"prune_heads removes heads of a plain MHA/GQA/MQA layer, got head design "
+            f"{layer.head_tag!r}"
+        )
+    pruned = sorted({int(i) for i in indices})
+    if any(not 0 <= i < H for i in pruned):
+        raise ValueError(f"head indices must be in [0, {H}), got {pruned}")
+    if len(pruned) == H:
+        raise ValueError(f"prune_heads must keep at least one of the {H} heads, got {pruned}")
+    per_group = H // G
+    if G > 1 and per_group > 1:
+        partial = [g for g in range(G) if 0 < sum(i // per_group == g for i in pruned) < per_group]
+        if partial:
+            raise ValueError(
+                f"GQA prunes whole groups of {per_group} query heads (heads {per_group}g .. "
+                f"{per_group}g+{per_group - 1} with K/V head g); got heads {pruned}"
+            )
+    keep = [h for h in range(H) if h not in pruned]
+    keep_kv = sorted({h // per_group for h in keep})
+    H2, G2 = len(keep), len(keep_kv)
+
+    def rows(heads: list[int]) -> Tensor:  # the rows of heads' D-blocks
+        return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
+
+    in_rows = torch.cat([rows(keep), E + rows(keep_kv), E + G * D + rows(keep_kv)])
+    in_rows = in_rows.to(layer.in_proj.weight.device)
+    new = MultiHeadAttention(
+        E,
+        H,
+        G,
+        dropout=layer.dropout,
+        bias=layer.in_proj.bias is not None,
+        backend=layer.backend,
+        device=layer.in_proj.weight.device,
+        dtype=layer.in_proj.weight.dtype,
+    )
+    factory = {"device": layer.in_proj.weight.device, "dtype": layer.in_proj.weight.dtype}
+    bias = layer.in_proj.bias is not None
+    new.num_heads, new.num_kv_heads = H2, G2
+    new.in_proj = nn.Linear(E, (H2 + 2 * G2) * D, bias, **factory)
+    new.out_proj = nn.Linear(H2 * D, E, bias, **factory)
+    with torch.no_grad():
+        new.in_proj.weight.copy_(layer.in_proj.weight[in_rows])
+        new.out_proj.weight.copy_(layer.out_proj.weight[:, in_rows[: H2 * D]])
+        if bias:
+            new.in_proj.bias.copy_(layer.in_proj.bias[in_rows])
+            new.out_proj.bias.copy_(layer.out_proj.bias)
+    if layer.head_mask is not None:
+        new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
     return new.train(layer.training)

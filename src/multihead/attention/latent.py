@@ -140,9 +140,13 @@ class LatentKV(nn.Module):
         is_causal: bool,
         kv_cache: KVCache | None,
         need_weights: bool,
+        head_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The layer's forward with latent K/V: the latent through the cache, then either
-        the expanded heads (training, full passes) or the absorbed ones (cached decoding)."""
+        the expanded heads (training, full passes) or the absorbed ones (cached decoding).
+
+        ``head_mask`` ``(H,)`` scales each head's output; on the absorbed path it scales
+        the latent heads, the same by linearity (``W_UV`` is folded into ``W^O``)."""
         B, L, E = query.shape
         H, r = self.num_heads, self.latent_dim
         cross = key_value is not None
@@ -163,6 +167,8 @@ class LatentKV(nn.Module):
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
             mask = layer._mask(q, c, **masks)
             heads, weights = layer._attend(q, c, c, mask, need_weights)  # (B, H, L, r)
+            if head_mask is not None:
+                heads = layer._gate_heads(heads, head_mask)
             heads = heads.transpose(1, 2).reshape(B, L, H * r)  # latent heads concatenated
             out = F.linear(heads, w_o, layer.out_proj.bias)  # (B, L, E)
         else:
@@ -171,5 +177,7 @@ class LatentKV(nn.Module):
             k, v = self.expand(c.squeeze(1))  # (B, H, S, D) each
             mask = layer._mask(q, k, **masks)
             heads, weights = layer._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
+            if head_mask is not None:
+                heads = layer._gate_heads(heads, head_mask)
             out = layer.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
         return (out, weights) if need_weights else out

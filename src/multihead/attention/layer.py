@@ -87,6 +87,9 @@ class MultiHeadAttention(nn.Module):
     Incremental decoding keeps ``G`` heads per position in a :class:`KVCache`: each
     self-attention call appends the new positions; cross-attention projects the memory on
     the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
+
+    ``attn.head_mask = gate`` (``(H,)``) scales each head's output before ``W^O`` on every
+    call (Michel et al., 2019; see :meth:`forward`); :meth:`prune_heads` removes heads.
     """
 
     def __init__(
@@ -142,6 +145,9 @@ class MultiHeadAttention(nn.Module):
         self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias, device, dtype)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
         self._checked: set[tuple[torch.device, torch.dtype]] = set()
+        # Michel et al.'s per-head gate, (H,): None, or a tensor scaling each query head's
+        # output before W^O (a plain attribute, not in the state_dict); see forward.
+        self.head_mask: Tensor | None = None
         self._reset_parameters()
 
         # The head design comes after the projections' init, so a layer with one draws the
@@ -254,6 +260,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
         need_weights: bool = False,
+        head_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to itself, or to ``key_value`` (cross-attention).
 
@@ -270,24 +277,48 @@ class MultiHeadAttention(nn.Module):
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
                 by the ``math`` path whatever the backend (a head design's own weights:
                 see its part).
+            head_mask: ``(H,)``, scales each query head's output before ``W^O`` (Michel et
+                al., 2019: 0 removes a head, a ones tensor that requires grad gives each
+                head's importance). ``None`` uses :attr:`head_mask` of the layer, ``None``
+                by default: the layer unchanged. The weights returned are not scaled.
+                Refused by ``group_mlp`` and ``head_attention``, which mix the heads after
+                the gate.
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
         B, L, E = self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
+        head_mask = self._check_head_mask(self.head_mask if head_mask is None else head_mask)
         if self.design is not None:
             # The one hook: a head design runs these steps itself, with its own in place of
             # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).
+            gate = {} if head_mask is None else {"head_mask": head_mask}
             return self.design.attention(
                 self, query, key_value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights,
+                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights, **gate,
             )  # fmt: skip
         q, k, v = self._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
         mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal)
         heads, weights = self._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
-        out = self.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # heads concatenated
+        if head_mask is not None:
+            heads = self._gate_heads(heads, head_mask)
+        # Heads concatenated: H * D is E, or less in a layer with pruned heads.
+        out = self.out_proj(heads.transpose(1, 2).reshape(B, L, -1))
         return (out, weights) if need_weights else out
+
+    def _check_head_mask(self, head_mask: Tensor | None) -> Tensor | None:
+        if head_mask is None:
+            return None
+        if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,):
+            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
+        return head_mask
+
+    @staticmethod
+    def _gate_heads(heads: Tensor, head_mask: Tensor) -> Tensor:
+        """``heads`` ``(B, H, L, ·)`` each scaled by its gate in ``head_mask`` ``(H,)``."""
+        return heads * head_mask.to(heads.dtype).view(1, -1, 1, 1)
 
     def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool):
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
@@ -307,18 +338,18 @@ class MultiHeadAttention(nn.Module):
         self, query: Tensor, key_value: Tensor | None, kv_cache: KVCache | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Q ``(B, H, L, D)`` and K, V ``(B, G, S, D)``, the cached positions included."""
-        B, L, E = query.shape
+        B, L, _ = query.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
         if key_value is None:
             # Self-attention: Q, K and V from one GEMM, then split (views, no copies).
-            q, k, v = self.in_proj(query).split([E, G * D, G * D], dim=-1)  # (B, L, E|G*D)
+            q, k, v = self.in_proj(query).split([H * D, G * D, G * D], dim=-1)  # (B, L, ·)
             k = k.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
             v = v.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)  # (B, G, S, D): the new positions appended
         else:
             w, b = self.in_proj.weight, self.in_proj.bias
-            q = F.linear(query, w[:E], None if b is None else b[:E])  # (B, L, E)
+            q = F.linear(query, w[: H * D], None if b is None else b[: H * D])  # (B, L, H*D)
             k, v = self._project_kv(key_value, kv_cache, cross=True)  # (B, G, S, D)
         return q.view(B, L, H, D).transpose(1, 2), k, v  # (B, H, L, D)
 
@@ -332,9 +363,10 @@ class MultiHeadAttention(nn.Module):
         """
         if cross and kv_cache is not None and kv_cache.size > 0:
             return kv_cache.get()
-        B, E, G, D = source.shape[0], self.embed_dim, self.num_kv_heads, self.head_dim
+        B, G, D = source.shape[0], self.num_kv_heads, self.head_dim
+        HD = self.num_heads * D  # E, or less in a layer with pruned heads
         w, b = self.in_proj.weight, self.in_proj.bias
-        k, v = F.linear(source, w[E:], None if b is None else b[E:]).split([G * D, G * D], -1)
+        k, v = F.linear(source, w[HD:], None if b is None else b[HD:]).split([G * D, G * D], -1)
         k = k.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
         v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
         return (k, v) if kv_cache is None else kv_cache.update(k, v)
@@ -394,3 +426,9 @@ class MultiHeadAttention(nn.Module):
         from multihead.attention.convert import to_kv_latent
 
         return to_kv_latent(self, kv_latent_dim)
+
+    def prune_heads(self, indices) -> MultiHeadAttention:
+        """A copy without the query heads ``indices``, see :func:`.convert.prune_heads`."""
+        from multihead.attention.convert import prune_heads
+
+        return prune_heads(self, indices)

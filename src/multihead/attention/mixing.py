@@ -47,12 +47,26 @@ class HeadMixing(nn.Module):
         is_causal: bool,
         kv_cache: KVCache | None,
         need_weights: bool,
+        head_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``."""
+        """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``.
+
+        ``head_mask`` ``(H,)`` scales each head's output after :meth:`attend` (for talking
+        heads, after the mixed weights multiply V); a mixing that replaces :meth:`mix`
+        refuses it, since the heads it mixes after the gate have no output of their own.
+        """
         B, L, E = query.shape
+        if head_mask is not None and type(self).mix is not HeadMixing.mix:
+            raise ValueError(
+                f"head_mask is undefined for head_mixing={self.name!r}: it mixes the heads "
+                "after the gate, so a head has no contribution of its own to scale; use "
+                "a layer without a mixing, or talking_heads"
+            )
         q, k, v = layer._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
         mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
+        if head_mask is not None:
+            heads = layer._gate_heads(heads, head_mask)
         heads = self.mix(heads.transpose(1, 2))  # (B, L, H, D)
         out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
         return (out, weights) if need_weights else out

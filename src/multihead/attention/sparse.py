@@ -155,9 +155,13 @@ class SparseHeads(nn.Linear):
         is_causal: bool,
         kv_cache: KVCache | None,
         need_weights: bool,
+        head_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The layer's forward with sparse heads: shared heads densely, then only the
         routed (token, head) pairs the gate selects.
+
+        ``head_mask`` ``(H,)`` scales each head's contribution: the shared heads' outputs,
+        and each routed pair's on top of its routing weight.
 
         The routed heads' queries are projected for the selected pairs only (``M`` rows per
         head, ``M`` the most pairs any head got in the batch, ``B * L * k / R`` for a
@@ -228,11 +232,15 @@ class SparseHeads(nn.Linear):
         routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
         slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
         pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
+        if head_mask is not None:
+            pair_gate = pair_gate * head_mask[Hs:].to(pair_gate.dtype).unsqueeze(-1)  # (R, M)
         y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R, M, E)
         out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
         if Hs:
             shared, shared_weights = attend_heads(q_shared, 0, Hs, None)  # (B, Hs, L, D)
+            if head_mask is not None:
+                shared = layer._gate_heads(shared, head_mask[:Hs])
             shared = shared.transpose(1, 2).reshape(B, L, Hs * D)  # (B, L, Hs*D)
             out = out + shared @ w_o[:, :Hs].reshape(E, Hs * D).T
         if layer.out_proj.bias is not None:
