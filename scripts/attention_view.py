@@ -7,12 +7,13 @@ decoder fed the model's greedy translation (:mod:`multihead.analysis.views`).
 
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 from omegaconf import DictConfig
 
 from multihead.analysis.views import bertviz_pages, sentence_maps
 from multihead.checkpoints import load_trained_model, search_settings, write_atomically
-from multihead.cli import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="attention_view")

@@ -11,6 +11,8 @@ import csv
 import io
 from pathlib import Path
 
+from multihead.cli import exit_on_user_error
+
 import hydra
 import matplotlib.pyplot as plt
 from omegaconf import DictConfig
@@ -28,7 +30,6 @@ from multihead.analysis.importance import (
     token_counts,
 )
 from multihead.checkpoints import load_trained_model, search_settings, write_atomically
-from multihead.cli import exit_on_user_error
 from multihead.data import load_parallel_dataset
 
 LABELS = {
