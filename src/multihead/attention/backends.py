@@ -65,15 +65,19 @@ def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
     """``F.scaled_dot_product_attention``; PyTorch picks the kernel."""
+    # Under torch.compile with dynamic shapes these comparisons of sizes are SymBools, which
+    # SDPA refuses and bool() leaves symbolic; a branch makes them Python bools (guarded).
+    is_causal = True if mask.kernel_causal(q.shape[2], k.shape[2]) else False
+    grouped = True if k.shape[1] != q.shape[1] else False
     return F.scaled_dot_product_attention(
         q,
         k,
         v,
         attn_mask=mask.tensor,
         dropout_p=dropout_p,
-        is_causal=mask.kernel_causal(q.shape[2], k.shape[2]),
+        is_causal=is_causal,
         scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        enable_gqa=grouped,
     )
 
 

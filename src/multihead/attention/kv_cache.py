@@ -1,9 +1,11 @@
-"""A static key/value cache for incremental decoding.
+"""A key/value cache for incremental decoding.
 
 Keys and values are stored with ``num_kv_heads`` heads, not ``num_heads``: with GQA or
 MQA the cache really is ``num_heads / num_kv_heads`` times smaller. The buffers are
-allocated once at full length and written by index (as in gpt-fast), so their shapes
-never change between decoding steps.
+allocated once at full length and written in place. By default the cache returns the
+filled positions, a slice that grows by a step each call; ``static=True`` returns the
+whole buffers and keeps the position in a tensor (as gpt-fast), so that no shape changes
+between decoding steps and ``torch.compile`` compiles the step once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ class KVCache:
         head_dim: ``D``.
         device, dtype: where and how to store. The dtype should match the projections'
             output dtype (e.g. ``torch.bfloat16`` under bf16 autocast).
+        static: the mode for ``torch.compile`` (see below).
+
+    The default mode tracks the filled length in the Python int :attr:`size` and returns
+    the ``(B, G, size, D)`` filled slices. That suits eager decoding and beam search, but
+    under ``torch.compile`` each step's new shape recompiles the step.
+
+    ``static=True`` is gpt-fast's cache. The filled length is the 0-dim tensor
+    :attr:`position`, new keys and values are written at it with ``index_copy_``, and
+    :meth:`update` and :meth:`get` return the whole ``(B, G, max_len, D)`` buffers. The
+    layer hides the positions not written yet (and, for causal attention, those after each
+    query) with :meth:`hidden_keys`, so every decoding step has the same shapes and a
+    compiled step runs again without recompiling. A ``key_padding_mask`` must then cover
+    all ``max_len`` positions. :attr:`size` is ``max_len`` once anything is written.
+    Writing past ``max_len`` raises in eager mode (an index error) but is not checked
+    otherwise: checking would read the position back from the device at every step.
 
     Example:
         >>> import torch
@@ -43,6 +60,7 @@ class KVCache:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        static: bool = False,
     ) -> None:
         if batch_size < 1 or max_len < 1:
             raise ValueError(
@@ -51,7 +69,10 @@ class KVCache:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.size = 0  # positions filled so far
+        self.size = 0  # positions filled so far; max_len once written when static
+        self.static = static
+        # Static mode: positions filled so far, a tensor so the step's graph does not change.
+        self.position = torch.zeros((), dtype=torch.long, device=device) if static else None
 
     @property
     def max_len(self) -> int:
@@ -67,7 +88,13 @@ class KVCache:
         return per_position * self.size
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``(B, G, L, D)`` keys/values; return all filled ``(B, G, size, D)``."""
+        """Append ``(B, G, L, D)`` keys/values; return all filled ``(B, G, size, D)``.
+
+        Static: write them at :attr:`position` and return the ``(B, G, max_len, D)``
+        buffers.
+        """
+        if self.static:
+            return self._update_static(k, v)
         L = k.shape[2]
         if self.size + L > self.max_len:
             raise ValueError(
@@ -81,8 +108,28 @@ class KVCache:
         self.size += L
         return self.get()
 
+    def _update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if k.shape[0] != self.batch_size:
+            raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
+        index = self.position + torch.arange(k.shape[2], device=self.position.device)  # (L,)
+        self.k.index_copy_(2, index, k)
+        self.v.index_copy_(2, index, v)
+        self.position += k.shape[2]
+        self.size = self.max_len  # a constant: reading a count here would recompile the step
+        return self.k, self.v
+
+    def hidden_keys(self, q_len: int, is_causal: bool) -> Tensor:
+        """Static mode: bool ``(L, max_len)``, True for the keys the newest ``L`` queries
+        must not see: those not written yet and, if ``is_causal``, those after each query."""
+        keys = torch.arange(self.max_len, device=self.position.device)  # (max_len,)
+        if not is_causal:
+            return (keys >= self.position).expand(q_len, self.max_len)
+        # The queries are positions position - L .. position - 1.
+        rows = self.position - q_len + torch.arange(q_len, device=keys.device)[:, None]  # (L, 1)
+        return keys > rows  # (L, max_len)
+
     def get(self) -> tuple[Tensor, Tensor]:
-        """The filled keys and values, ``(B, G, size, D)`` each."""
+        """The filled keys and values, ``(B, G, size, D)`` each (static: all of them)."""
         return self.k[:, :, : self.size], self.v[:, :, : self.size]
 
     def select(self, index: Tensor) -> None:
@@ -104,3 +151,5 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""
         self.size = 0
+        if self.position is not None:
+            self.position.zero_()

@@ -231,11 +231,14 @@ class MultiHeadAttention(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        static: bool = False,
     ) -> KVCache:
         """An empty :class:`KVCache` for this layer (``num_kv_heads`` heads).
 
         ``device`` defaults to the parameters' device; ``dtype`` to the autocast dtype
-        when autocast is on, else the parameters' dtype.
+        when autocast is on, else the parameters' dtype. ``static=True`` makes the cache
+        whose shapes never change, for decoding under ``torch.compile`` (see
+        :class:`KVCache`).
         """
         weight = self.in_proj.weight
         device = weight.device if device is None else torch.device(device)
@@ -243,7 +246,13 @@ class MultiHeadAttention(nn.Module):
             autocast = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return KVCache(
-            batch_size, max_len, self.num_kv_heads, self.head_dim, device=device, dtype=dtype
+            batch_size,
+            max_len,
+            self.num_kv_heads,
+            self.head_dim,
+            device=device,
+            dtype=dtype,
+            static=static,
         )
 
     # ------------------------------------------------------------------ forward
@@ -287,7 +296,7 @@ class MultiHeadAttention(nn.Module):
                 is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights,
             )  # fmt: skip
         q, k, v = self._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal)
+        mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
         heads, weights = self._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
         out = self.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # heads concatenated
         return (out, weights) if need_weights else out
@@ -349,9 +358,21 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
         is_causal: bool,
+        kv_cache: KVCache | None = None,
     ) -> AttentionMask:
         """The caller's masks for queries ``q`` ``(B, ·, L, D)`` and keys ``k`` ``(B, G, S, D)``,
-        in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`)."""
+        in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`).
+
+        With a static ``kv_cache`` the keys are its whole buffers: the positions it hides
+        (:meth:`KVCache.hidden_keys`) join ``attn_mask``, causality included.
+        """
+        if kv_cache is not None and kv_cache.static:
+            hidden = kv_cache.hidden_keys(q.shape[2], is_causal)  # (L, S), True = masked out
+            if attn_mask is None or attn_mask.dtype == torch.bool:
+                attn_mask = hidden if attn_mask is None else attn_mask | hidden
+            else:
+                attn_mask = attn_mask.masked_fill(hidden, float("-inf"))
+            is_causal = False
         return build_attention_mask(
             key_padding_mask=key_padding_mask,
             attn_mask=attn_mask,
@@ -374,9 +395,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, self.scale)
         else:
-            if (q.device, q.dtype) not in self._checked:
-                check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
-                self._checked.add((q.device, q.dtype))
+            self._check_backend_once(q)
             out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)
         if mask.empty_rows is not None:
             # Rows with no key to attend to: zeros, not the mean of unmasked values.
@@ -384,6 +403,16 @@ class MultiHeadAttention(nn.Module):
             if weights is not None:
                 weights = weights.masked_fill(mask.empty_rows, 0.0)
         return out, weights
+
+    def _check_backend_once(self, q: Tensor) -> None:
+        """Check the backend on the first call on ``q``'s device and dtype."""
+        if torch.compiler.is_compiling():
+            # Checked while tracing: Python only, nothing in the graph. Adding to _checked
+            # here would fail the compiled code's guard on the set and recompile next call.
+            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
+        elif (q.device, q.dtype) not in self._checked:
+            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
+            self._checked.add((q.device, q.dtype))
 
     # ------------------------------------------------------------------ conversions
     @classmethod

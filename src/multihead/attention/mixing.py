@@ -51,7 +51,7 @@ class HeadMixing(nn.Module):
         """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``."""
         B, L, E = query.shape
         q, k, v = layer._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal)
+        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
         heads = self.mix(heads.transpose(1, 2))  # (B, L, H, D)
         out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)

@@ -177,7 +177,7 @@ class SparseHeads(nn.Linear):
         source = query if key_value is None else key_value
         k, v = layer._project_kv(source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
         S = k.shape[2]
-        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal)
+        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal, kv_cache)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             head_mask = mask.for_heads(first, count, slots, L, S)
