@@ -27,18 +27,22 @@ class KVCache:
         static: the mode for ``torch.compile`` (see below).
 
     The default mode tracks the filled length in the Python int :attr:`size` and returns
-    the ``(B, G, size, D)`` filled slices. That suits eager decoding and beam search, but
-    under ``torch.compile`` each step's new shape recompiles the step.
+    the filled ``(B, G, size, D)`` slices: the mode for eager decoding and beam search
+    (:meth:`select`). Under ``torch.compile`` their length changes every step, so the step
+    recompiles: every step with ``dynamic=False``, until dynamo's recompile limit; once
+    more by default, for symbolic lengths.
 
-    ``static=True`` is gpt-fast's cache. The filled length is the 0-dim tensor
-    :attr:`position`, new keys and values are written at it with ``index_copy_``, and
-    :meth:`update` and :meth:`get` return the whole ``(B, G, max_len, D)`` buffers. The
-    layer hides the positions not written yet (and, for causal attention, those after each
-    query) with :meth:`hidden_keys`, so every decoding step has the same shapes and a
-    compiled step runs again without recompiling. A ``key_padding_mask`` must then cover
-    all ``max_len`` positions. :attr:`size` is ``max_len`` once anything is written.
-    Writing past ``max_len`` raises in eager mode (an index error) but is not checked
-    otherwise: checking would read the position back from the device at every step.
+    ``static=True`` is gpt-fast's cache, for compiled decoding. The filled length is the
+    0-dim tensor :attr:`position`; new keys and values are written at it with
+    ``index_copy_``; :meth:`update` and :meth:`get` return the whole ``(B, G, max_len, D)``
+    buffers. The layer masks the positions not written yet (and, for causal attention,
+    those after each query) with :meth:`hidden_keys`. Every step of one query length has
+    the same shapes, so a compiled step runs again without recompiling (after the first
+    decoding step: a prefill of another length, or cross-attention's first projection of
+    the memory, is a graph of its own). A ``key_padding_mask`` then covers all ``max_len``
+    positions, and :attr:`size` is ``max_len`` once anything is written. Writing past
+    ``max_len`` raises an ``IndexError`` in eager mode; compiled code does not check it,
+    which would read the position back from the device at every step.
 
     Example:
         >>> import torch
@@ -47,6 +51,15 @@ class KVCache:
         >>> cache = attn.make_kv_cache(batch_size=1, max_len=8)
         >>> x = torch.randn(1, 5, 16)
         >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
+        True
+
+    The static cache attends over all ``max_len`` positions at every step:
+
+        >>> cache = attn.make_kv_cache(batch_size=1, max_len=8, static=True)
+        >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        >>> cache.get()[0].shape, int(cache.position)
+        (torch.Size([1, 2, 8, 4]), 5)
         >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
         True
     """
