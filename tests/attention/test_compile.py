@@ -52,7 +52,7 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "flash"])  # flash: SDPA pinned, CPU kernel
 @pytest.mark.parametrize("call", CALLS)
 def test_compiled_call_is_one_graph_and_compiles_once(backend, call):
     torch.manual_seed(0)

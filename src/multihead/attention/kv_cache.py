@@ -96,7 +96,8 @@ class KVCache:
         return self.k.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held by the filled part of the cache (keys and values)."""
+        """Bytes held by the filled part of the cache (keys and values); static: the whole
+        buffers once anything is written."""
         per_position = self.k[:, :, 0].numel() * self.k.element_size() * 2
         return per_position * self.size
 
