@@ -108,3 +108,46 @@ def test_cache_bytes_select_reset_and_overflow():
         cache.update(torch.zeros(2, 1, 3, E // H), torch.zeros(2, 1, 3, E // H))
     cache.reset()
     assert cache.size == 0 and cache.get()[0].shape[2] == 0
+
+
+@pytest.mark.parametrize(
+    "design",
+    [
+        {"backend": "math"},
+        {"backend": "sdpa"},
+        {"top_k_heads": 2, "num_shared_heads": 1},
+        {"head_mixing": "talking_heads", "backend": "math"},
+        {"head_mixing": "group_mlp"},
+    ],
+)
+def test_static_cache_decoding_equals_full_pass(design):
+    # The static cache returns all max_len positions; the layer hides the ones not written
+    # yet and, for causal attention, the ones after each query. Chunks of 3, 2, 1, 1.
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, 2, **design).eval()
+    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, -2:] = True
+    self_cache = layer.make_kv_cache(B, L + 3, static=True)  # 3 positions never written
+    cross_cache = layer.make_kv_cache(B, S, static=True)
+    with torch.no_grad():
+        steps = []
+        for chunk in (x[:, :3], x[:, 3:5], x[:, 5:6], x[:, 6:]):
+            h = layer(chunk, is_causal=True, kv_cache=self_cache)
+            steps.append(layer(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
+        full = layer(layer(x, is_causal=True), memory, key_padding_mask=pad)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    assert int(self_cache.position) == L and int(cross_cache.position) == S
+    assert self_cache.get()[0].shape[2] == L + 3
+
+
+def test_static_cache_overflow_and_reset():
+    cache = KVCache(1, 3, 1, E // H, static=True)
+    k = torch.randn(1, 1, 3, E // H)
+    cache.update(k, k)
+    with pytest.raises(IndexError, match=r"index 3 is out of bounds"):
+        cache.update(k[:, :, :1], k[:, :, :1])
+    cache.reset()
+    assert cache.size == 0 and int(cache.position) == 0
+    cache.update(k[:, :, :1], 2 * k[:, :, :1])
+    torch.testing.assert_close(cache.get()[1][:, :, 0], 2 * k[:, :, 0])

@@ -10,6 +10,11 @@ Every backend is a function ``kernel(q, k, v, mask, dropout_p, scale) -> out`` w
 A backend is chosen by name and never swapped behind the user's back: if the named
 kernel cannot run the inputs it is given, :class:`BackendUnavailableError` says why and
 lists the backends that can.
+
+Under ``torch.compile(fullgraph=True)`` on the CPU, the layer with ``math``, ``sdpa`` or
+``flash`` compiles to one graph, and with ``math`` or ``sdpa`` it exports
+(``tests/attention/test_compile.py``). ``flex`` and ``flash_attn`` say in their docstrings
+what stops them; ``efficient`` and ``cudnn`` need CUDA and were not compiled here.
 """
 
 from __future__ import annotations
@@ -65,15 +70,19 @@ def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
     """``F.scaled_dot_product_attention``; PyTorch picks the kernel."""
+    # Under torch.compile with dynamic shapes these comparisons of sizes are SymBools, which
+    # SDPA refuses and bool() leaves symbolic; a branch makes them Python bools (guarded).
+    is_causal = True if mask.kernel_causal(q.shape[2], k.shape[2]) else False
+    grouped = True if k.shape[1] != q.shape[1] else False
     return F.scaled_dot_product_attention(
         q,
         k,
         v,
         attn_mask=mask.tensor,
         dropout_p=dropout_p,
-        is_causal=mask.kernel_causal(q.shape[2], k.shape[2]),
+        is_causal=is_causal,
         scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        enable_gqa=grouped,
     )
 
 
@@ -139,7 +148,14 @@ _compiled_flex: Callable | None = None
 def flex_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
-    """FlexAttention: compiled on CUDA; eager elsewhere (unfused, forward only)."""
+    """FlexAttention: compiled on CUDA; eager elsewhere (unfused, forward only).
+
+    Inside ``torch.compile(fullgraph=True)`` on the CPU (torch 2.13) it traces without a
+    graph break (``backend="aot_eager"``), but inductor fails to lower it with a boolean
+    mask such as a ``key_padding_mask`` (``LoweringException: ValueError: not enough values
+    to unpack``); unmasked and causal calls compile. Not tried inside a compiled model on
+    CUDA, where this function compiles FlexAttention itself.
+    """
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
@@ -212,7 +228,12 @@ def _causal_block_mask(q_len: int, kv_len: int, device: torch.device):
 def flash_attn_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
 ) -> Tensor:
-    """The flash-attn package; padded keys go through its varlen kernel."""
+    """The flash-attn package; padded keys go through its varlen kernel.
+
+    With a ``key_padding_mask`` it reads the longest key length back to the host for the
+    kernel's grid (``int(seqlens_k.max())``): a graph break under ``torch.compile``, so
+    ``fullgraph=True`` fails there. (From the code: flash-attn needs CUDA, not tried here.)
+    """
     if mask.has_attn_mask:
         raise BackendUnavailableError(
             "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "

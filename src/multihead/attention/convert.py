@@ -9,14 +9,20 @@ them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from multihead.attention.latent import LatentKV
-from multihead.attention.layer import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from multihead.attention.layer import MultiHeadAttention
 
 
-def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
+def from_torch(
+    module: nn.MultiheadAttention, backend: str = "sdpa", *, cls: type | None = None
+) -> MultiHeadAttention:
     """An equivalent layer with ``module``'s weights.
 
     The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
@@ -33,7 +39,9 @@ def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHea
     if module.bias_k is not None or module.add_zero_attn:
         raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
     weight = module.in_proj_weight
-    layer = MultiHeadAttention(
+    if cls is None:
+        from multihead.attention.layer import MultiHeadAttention as cls
+    layer = cls(
         module.embed_dim,
         module.num_heads,
         dropout=module.dropout,
@@ -68,7 +76,7 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
             f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
         )
     weight = layer.in_proj.weight
-    new = MultiHeadAttention(
+    new = type(layer)(
         E,
         layer.num_heads,
         num_kv_heads,
@@ -132,7 +140,7 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
         )
     _check_unpruned(layer, "with_kv_latent")
     E = layer.embed_dim
-    new = MultiHeadAttention(
+    new = type(layer)(
         E,
         layer.num_heads,
         dropout=layer.dropout,
@@ -177,7 +185,7 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
             "computes: it has no MHA equivalent"
         )
     E = layer.embed_dim
-    new = MultiHeadAttention(
+    new = type(layer)(
         E,
         layer.num_heads,
         dropout=layer.dropout,
@@ -243,7 +251,7 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
 
     in_rows = torch.cat([rows(keep), E + rows(keep_kv), E + G * D + rows(keep_kv)])
     in_rows = in_rows.to(layer.in_proj.weight.device)
-    new = MultiHeadAttention(
+    new = type(layer)(
         E,
         H,
         G,
@@ -267,3 +275,24 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     if layer.head_mask is not None:
         new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
     return new.train(layer.training)
+
+
+class HeadConversions:
+    """The conversions above as methods of :class:`~multihead.attention.MultiHeadAttention`."""
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, backend: str = "sdpa"):
+        """An equivalent layer with ``module``'s weights, see :func:`from_torch`."""
+        return from_torch(module, backend, cls=cls)
+
+    def with_kv_heads(self, num_kv_heads: int):
+        """A copy with ``num_kv_heads`` mean-pooled K/V heads, see :func:`pool_kv_heads`."""
+        return pool_kv_heads(self, num_kv_heads)
+
+    def with_kv_latent(self, kv_latent_dim: int):
+        """An MLA copy with a ``kv_latent_dim`` latent, see :func:`to_kv_latent`."""
+        return to_kv_latent(self, kv_latent_dim)
+
+    def prune_heads(self, indices):
+        """A copy without the query heads ``indices``, see :func:`prune_heads`."""
+        return prune_heads(self, indices)

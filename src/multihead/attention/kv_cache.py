@@ -1,9 +1,11 @@
-"""A static key/value cache for incremental decoding.
+"""A key/value cache for incremental decoding.
 
 Keys and values are stored with ``num_kv_heads`` heads, not ``num_heads``: with GQA or
 MQA the cache really is ``num_heads / num_kv_heads`` times smaller. The buffers are
-allocated once at full length and written by index (as in gpt-fast), so their shapes
-never change between decoding steps.
+allocated once at full length and written in place. By default the cache returns the
+filled positions, a slice that grows by a step each call; ``static=True`` returns the
+whole buffers and keeps the position in a tensor (as gpt-fast), so that no shape changes
+between decoding steps and ``torch.compile`` compiles the step once.
 """
 
 from __future__ import annotations
@@ -22,8 +24,27 @@ class KVCache:
         head_dim: ``D``.
         device, dtype: where and how to store. The dtype should match the projections'
             output dtype (e.g. ``torch.bfloat16`` under bf16 autocast).
+        static: the mode for ``torch.compile`` (see below).
         share_kv: keys and values are one tensor, stored once: multi-head latent attention
             caches its latent ``(B, 1, max_len, r)``, which serves as both.
+
+    The default mode tracks the filled length in the Python int :attr:`size` and returns
+    the filled ``(B, G, size, D)`` slices: the mode for eager decoding and beam search
+    (:meth:`select`). Under ``torch.compile`` their length changes every step, so the step
+    recompiles: every step with ``dynamic=False``, until dynamo's recompile limit; once
+    more by default, for symbolic lengths.
+
+    ``static=True`` is gpt-fast's cache, for compiled decoding. The filled length is the
+    0-dim tensor :attr:`position`; new keys and values are written at it with
+    ``index_copy_``; :meth:`update` and :meth:`get` return the whole ``(B, G, max_len, D)``
+    buffers. The layer masks the positions not written yet (and, for causal attention,
+    those after each query) with :meth:`hidden_keys`. Every step of one query length has
+    the same shapes, so a compiled step runs again without recompiling (after the first
+    decoding step: a prefill of another length, or cross-attention's first projection of
+    the memory, is a graph of its own). A ``key_padding_mask`` then covers all ``max_len``
+    positions, and :attr:`size` is ``max_len`` once anything is written. Writing past
+    ``max_len`` raises an ``IndexError`` in eager mode; compiled code does not check it,
+    which would read the position back from the device at every step.
 
     Example: self-attention appends each step's position; cross-attention projects the
     memory on the first step and reads it back afterwards.
@@ -31,16 +52,25 @@ class KVCache:
         >>> import torch
         >>> from multihead import MultiHeadAttention
         >>> attn = MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2).eval()
-        >>> x, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
-        >>> pad = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
-        >>> self_cache = attn.make_kv_cache(batch_size=2, max_len=5)
-        >>> cross_cache = attn.make_kv_cache(batch_size=2, max_len=7)
+        >>> x, memory = torch.randn(1, 5, 16), torch.randn(1, 7, 16)
+        >>> pad = torch.tensor([[False] * 4 + [True] * 3])
+        >>> self_cache = attn.make_kv_cache(batch_size=1, max_len=8)
+        >>> cross_cache = attn.make_kv_cache(batch_size=1, max_len=7)
         >>> outs = []
         >>> for t in range(5):
         ...     h = attn(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
         ...     outs.append(attn(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
         >>> full = attn(attn(x, is_causal=True), memory, key_padding_mask=pad)
         >>> torch.allclose(torch.cat(outs, dim=1), full, atol=1e-5)
+        True
+
+    The static cache attends over all ``max_len`` positions at every step:
+
+        >>> cache = attn.make_kv_cache(batch_size=1, max_len=8, static=True)
+        >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        >>> cache.get()[0].shape, int(cache.position)
+        (torch.Size([1, 2, 8, 4]), 5)
+        >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
         True
     """
 
@@ -53,6 +83,7 @@ class KVCache:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        static: bool = False,
         share_kv: bool = False,
     ) -> None:
         if batch_size < 1 or max_len < 1:
@@ -60,10 +91,13 @@ class KVCache:
                 f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}"
             )
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.share_kv = share_kv
         self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.share_kv = share_kv
         self.v = self.k if share_kv else torch.zeros(shape, device=device, dtype=dtype)
-        self.size = 0  # positions filled so far
+        self.size = 0  # positions filled so far; max_len once written when static
+        self.static = static
+        # Static mode: positions filled so far, a tensor so the step's graph does not change.
+        self.position = torch.zeros((), dtype=torch.long, device=device) if static else None
 
     @property
     def max_len(self) -> int:
@@ -74,13 +108,20 @@ class KVCache:
         return self.k.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held by the filled part of the cache (keys and values, once if shared)."""
+        """Bytes held by the filled part of the cache (keys and values, once if shared);
+        static: the whole buffers once anything is written."""
         per_position = self.k[:, :, 0].numel() * self.k.element_size() * (1 if self.share_kv else 2)
         return per_position * self.size
 
     def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
         """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared); return all
-        filled ``(B, G, size, D)``."""
+        filled ``(B, G, size, D)``.
+
+        Static: write them at :attr:`position` and return the ``(B, G, max_len, D)``
+        buffers.
+        """
+        if self.static:
+            return self._update_static(k, v)
         L = k.shape[2]
         if self.size + L > self.max_len:
             raise ValueError(
@@ -95,8 +136,39 @@ class KVCache:
         self.size += L
         return self.get()
 
+    def _update_static(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
+        if k.shape[0] != self.batch_size:
+            raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
+        index = self.position + torch.arange(k.shape[2], device=self.position.device)  # (L,)
+        self.k.index_copy_(2, index, k)
+        if not self.share_kv:
+            self.v.index_copy_(2, index, v)
+        self.position += k.shape[2]
+        self.size = self.max_len  # a constant: reading a count here would recompile the step
+        return self.k, self.v
+
+    def hidden_keys(self, q_len: int, is_causal: bool) -> Tensor:
+        """Static mode: bool ``(L, max_len)``, True for the keys the newest ``L`` queries
+        must not see: those not written yet and, if ``is_causal``, those after each query."""
+        keys = torch.arange(self.max_len, device=self.position.device)  # (max_len,)
+        if not is_causal:
+            return (keys >= self.position).expand(q_len, self.max_len)
+        # The queries are positions position - L .. position - 1.
+        rows = self.position - q_len + torch.arange(q_len, device=keys.device)[:, None]  # (L, 1)
+        return keys > rows  # (L, max_len)
+
+    def hide_unwritten(
+        self, attn_mask: Tensor | None, q_len: int, is_causal: bool
+    ) -> tuple[Tensor, bool]:
+        """Static mode: ``attn_mask`` with :meth:`hidden_keys` folded in (causality too), and
+        ``is_causal`` then False: the layer's mask for the whole ``max_len`` buffers."""
+        hidden = self.hidden_keys(q_len, is_causal)  # (L, max_len), True = masked out
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            return (hidden if attn_mask is None else attn_mask | hidden), False
+        return attn_mask.masked_fill(hidden, float("-inf")), False
+
     def get(self) -> tuple[Tensor, Tensor]:
-        """The filled keys and values, ``(B, G, size, D)`` each."""
+        """The filled keys and values, ``(B, G, size, D)`` each (static: all of them)."""
         return self.k[:, :, : self.size], self.v[:, :, : self.size]
 
     def select(self, index: Tensor) -> None:
@@ -120,3 +192,5 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""
         self.size = 0
+        if self.position is not None:
+            self.position.zero_()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead.attention.gate import gate_heads
 from multihead.attention.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class LatentKV(nn.Module):
             "key_padding_mask": key_padding_mask,
             "attn_mask": attn_mask,
             "is_causal": is_causal,
+            "kv_cache": kv_cache,
         }
 
         if self.absorb and kv_cache is not None and not self.training:
@@ -168,7 +170,7 @@ class LatentKV(nn.Module):
             mask = layer._mask(q, c, **masks)
             heads, weights = layer._attend(q, c, c, mask, need_weights)  # (B, H, L, r)
             if head_mask is not None:
-                heads = layer._gate_heads(heads, head_mask)
+                heads = gate_heads(heads, head_mask)
             heads = heads.transpose(1, 2).reshape(B, L, H * r)  # latent heads concatenated
             out = F.linear(heads, w_o, layer.out_proj.bias)  # (B, L, E)
         else:
@@ -178,6 +180,6 @@ class LatentKV(nn.Module):
             mask = layer._mask(q, k, **masks)
             heads, weights = layer._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
             if head_mask is not None:
-                heads = layer._gate_heads(heads, head_mask)
+                heads = gate_heads(heads, head_mask)
             out = layer.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
         return (out, weights) if need_weights else out

@@ -14,9 +14,8 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
 
 ``forward`` is that formula as four steps, ``_project -> _mask -> _attend -> out_proj``. A
 head design is a part the layer is built with, which replaces the steps it changes: sparse
-heads (:mod:`~multihead.attention.sparse`) or a head mixing
-(:mod:`~multihead.attention.mixing`). The kernel that evaluates softmax(QK^T)V is picked by
-name from :mod:`~multihead.attention.backends`.
+heads (:mod:`~multihead.attention.sparse`), a head mixing (:mod:`~multihead.attention.mixing`)
+or latent K/V (:mod:`~multihead.attention.latent`). Kernels: :mod:`~multihead.attention.backends`.
 """
 
 from __future__ import annotations
@@ -31,7 +30,9 @@ from multihead.attention.backends import (
     default_scale,
     math_attention_with_weights,
 )
+from multihead.attention.convert import HeadConversions
 from multihead.attention.designs import build_head_design
+from multihead.attention.gate import check_head_mask, gate_heads
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.latent import LatentKV
 from multihead.attention.masks import AttentionMask, build_attention_mask
@@ -39,7 +40,7 @@ from multihead.attention.mixing import HeadMixing
 from multihead.attention.sparse import SparseHeads
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(HeadConversions, nn.Module):
     """Multi-head attention with ``num_kv_heads`` shared key/value heads.
 
     Tensors are batch-first. Boolean masks mean **True = masked out**, as in
@@ -52,25 +53,17 @@ class MultiHeadAttention(nn.Module):
             ``1`` means MQA, any other divisor of ``H`` means GQA.
         dropout: dropout on the attention weights, in training mode only.
         bias: add biases to the input and output projections.
-        backend: the attention kernel, one of ``math``, ``sdpa``, ``flash``,
-            ``efficient``, ``cudnn``, ``flex``, ``flash_attn``. ``math`` is the
-            written-out reference. A backend that cannot run the inputs raises
-            :class:`~multihead.attention.backends.BackendUnavailableError`; there is
-            no silent fallback.
+        backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
+            (``math`` is the written-out reference); one that cannot run the inputs raises
+            ``BackendUnavailableError``: there is no silent fallback.
         top_k_heads, num_shared_heads: sparse heads, see
             :class:`~multihead.attention.sparse.SparseHeads` (state_dict ``head_gate``).
         head_mixing, mixing_groups: a head mixing, ``"talking_heads"`` (``math`` backend
             only), ``"group_mlp"`` (``mixing_groups`` groups, default 2) or
             ``"head_attention"``; see :mod:`~multihead.attention.mixing` (``head_mix``).
-        kv_latent_dim, kv_latent_norm: multi-head latent attention, K/V from a latent of
-            ``kv_latent_dim`` numbers per token, see :mod:`~multihead.attention.latent`.
-            A layer has at most one head design.
+        kv_latent_dim, kv_latent_norm: multi-head latent attention (MLA), see
+            :mod:`~multihead.attention.latent`. A layer has at most one head design.
         device, dtype: for the parameters.
-
-    Shapes:
-        query ``(B, L, E)``; key_value ``(B, S, E)`` for cross-attention;
-        key_padding_mask ``(B, S)``; attn_mask broadcastable to ``(B, H, L, S)``;
-        output ``(B, L, E)``; weights ``(B, H, L, S)``.
 
     Example:
         >>> import torch
@@ -88,8 +81,7 @@ class MultiHeadAttention(nn.Module):
     self-attention call appends the new positions; cross-attention projects the memory on
     the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
 
-    ``attn.head_mask = gate`` (``(H,)``) scales each head's output before ``W^O`` on every
-    call (Michel et al., 2019; see :meth:`forward`); :meth:`prune_heads` removes heads.
+    ``attn.head_mask`` (``(H,)``) gates each head's output on every call (:meth:`forward`).
     """
 
     def __init__(
@@ -113,7 +105,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
-                f"embed_dim and num_heads must be positive, got {embed_dim} and {num_heads}"
+                f"embed_dim and num_heads must be positive, got {embed_dim}, {num_heads}"
             )
         if embed_dim % num_heads != 0:
             raise ValueError(
@@ -222,8 +214,7 @@ class MultiHeadAttention(nn.Module):
         return (1 if shared else 2) * heads * width * torch.empty((), dtype=dtype).element_size()
 
     @property
-    def _cache_layout(self) -> tuple[int, int, bool]:
-        # (heads, width, keys and values one tensor): a latent design caches its latent.
+    def _cache_layout(self) -> tuple[int, int, bool]:  # (heads, width, one tensor for K and V)
         return getattr(self.design, "cache_layout", (self.num_kv_heads, self.head_dim, False))
 
     def make_kv_cache(
@@ -233,11 +224,14 @@ class MultiHeadAttention(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        static: bool = False,
     ) -> KVCache:
         """An empty :class:`KVCache` for this layer (``num_kv_heads`` heads; a latent).
 
         ``device`` defaults to the parameters' device; ``dtype`` to the autocast dtype
-        when autocast is on, else the parameters' dtype.
+        when autocast is on, else the parameters' dtype. ``static=True`` makes the cache
+        whose shapes never change, for decoding under ``torch.compile`` (see
+        :class:`KVCache`).
         """
         weight = self.in_proj.weight
         device = weight.device if device is None else torch.device(device)
@@ -246,8 +240,9 @@ class MultiHeadAttention(nn.Module):
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         heads, width, shared = self._cache_layout
         return KVCache(
-            batch_size, max_len, heads, width, device=device, dtype=dtype, share_kv=shared
-        )
+            batch_size, max_len, heads, width, device=device, dtype=dtype, static=static,
+            share_kv=shared,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -266,8 +261,7 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             query: ``(B, L, E)``.
-            key_value: ``(B, S, E)`` memory for cross-attention; ``None`` (or ``query``
-                itself) for self-attention.
+            key_value: ``(B, S, E)`` memory for cross-attention; ``None`` for self-attention.
             key_padding_mask: ``(B, S)`` bool, True = padding.
             attn_mask: bool (True = masked out) or float (added to the scores),
                 broadcastable to ``(B, H, L, S)``.
@@ -275,21 +269,17 @@ class MultiHeadAttention(nn.Module):
                 last ``L`` of ``S`` positions and each sees the keys up to itself.
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
-                by the ``math`` path whatever the backend (a head design's own weights:
-                see its part).
-            head_mask: ``(H,)``, scales each query head's output before ``W^O`` (Michel et
-                al., 2019: 0 removes a head, a ones tensor that requires grad gives each
-                head's importance). ``None`` uses :attr:`head_mask` of the layer, ``None``
-                by default: the layer unchanged. The weights returned are not scaled.
-                Refused by ``group_mlp`` and ``head_attention``, which mix the heads after
-                the gate.
+                by the ``math`` path whatever the backend (a design's: see its part).
+            head_mask: ``(H,)``, a gate on each query head's output before ``W^O``
+                (:mod:`~multihead.attention.gate`); ``None``: the layer's :attr:`head_mask`,
+                ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
         B, L, E = self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
-        head_mask = self._check_head_mask(self.head_mask if head_mask is None else head_mask)
+        head_mask = check_head_mask(self.head_mask if head_mask is None else head_mask, self)
         if self.design is not None:
             # The one hook: a head design runs these steps itself, with its own in place of
             # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).
@@ -299,26 +289,13 @@ class MultiHeadAttention(nn.Module):
                 is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights, **gate,
             )  # fmt: skip
         q, k, v = self._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal)
+        mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
         heads, weights = self._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
         if head_mask is not None:
-            heads = self._gate_heads(heads, head_mask)
+            heads = gate_heads(heads, head_mask)
         # Heads concatenated: H * D is E, or less in a layer with pruned heads.
         out = self.out_proj(heads.transpose(1, 2).reshape(B, L, -1))
         return (out, weights) if need_weights else out
-
-    def _check_head_mask(self, head_mask: Tensor | None) -> Tensor | None:
-        if head_mask is None:
-            return None
-        if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,):
-            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
-            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
-        return head_mask
-
-    @staticmethod
-    def _gate_heads(heads: Tensor, head_mask: Tensor) -> Tensor:
-        """``heads`` ``(B, H, L, ·)`` each scaled by its gate in ``head_mask`` ``(H,)``."""
-        return heads * head_mask.to(heads.dtype).view(1, -1, 1, 1)
 
     def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool):
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
@@ -371,9 +348,15 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
         return (k, v) if kv_cache is None else kv_cache.update(k, v)
 
-    def _mask(self, q: Tensor, k: Tensor, key_padding_mask, attn_mask, is_causal) -> AttentionMask:
+    def _mask(self, q: Tensor, k: Tensor, key_padding_mask, attn_mask, is_causal, kv_cache=None):
         """The caller's masks for queries ``q`` ``(B, ·, L, D)`` and keys ``k`` ``(B, G, S, D)``,
-        in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`)."""
+        in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`).
+
+        With a static ``kv_cache`` the keys are its whole buffers: the positions it hides
+        (:meth:`KVCache.hidden_keys`) join ``attn_mask``, causality included.
+        """
+        if kv_cache is not None and kv_cache.static:
+            attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
         return build_attention_mask(
             key_padding_mask=key_padding_mask,
             attn_mask=attn_mask,
@@ -396,9 +379,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, self.scale)
         else:
-            if (q.device, q.dtype) not in self._checked:
-                check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
-                self._checked.add((q.device, q.dtype))
+            self._check_backend_once(q)
             out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)
         if mask.empty_rows is not None:
             # Rows with no key to attend to: zeros, not the mean of unmasked values.
@@ -407,28 +388,12 @@ class MultiHeadAttention(nn.Module):
                 weights = weights.masked_fill(mask.empty_rows, 0.0)
         return out, weights
 
-    # ------------------------------------------------------------------ conversions
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
-        """An equivalent layer with ``module``'s weights, see :func:`.convert.from_torch`."""
-        from multihead.attention.convert import from_torch
-
-        return from_torch(module, backend)
-
-    def with_kv_heads(self, num_kv_heads: int) -> MultiHeadAttention:
-        """A copy with ``num_kv_heads`` mean-pooled K/V heads, see :func:`.pool_kv_heads`."""
-        from multihead.attention.convert import pool_kv_heads
-
-        return pool_kv_heads(self, num_kv_heads)
-
-    def with_kv_latent(self, kv_latent_dim: int) -> MultiHeadAttention:
-        """An MLA copy with a ``kv_latent_dim`` latent, see :func:`.to_kv_latent`."""
-        from multihead.attention.convert import to_kv_latent
-
-        return to_kv_latent(self, kv_latent_dim)
-
-    def prune_heads(self, indices) -> MultiHeadAttention:
-        """A copy without the query heads ``indices``, see :func:`.convert.prune_heads`."""
-        from multihead.attention.convert import prune_heads
-
-        return prune_heads(self, indices)
+    def _check_backend_once(self, q: Tensor) -> None:
+        """Check the backend on the first call on ``q``'s device and dtype."""
+        if torch.compiler.is_compiling():
+            # Checked while tracing (Python only); adding to _checked would fail the compiled
+            # code's guard on the set and recompile the next call.
+            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
+        elif (q.device, q.dtype) not in self._checked:
+            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
+            self._checked.add((q.device, q.dtype))

@@ -164,7 +164,9 @@ def build_attention_mask(
     if attn_mask is not None:
         shape = tuple(attn_mask.shape)
         pairs = zip(shape[::-1], target[::-1], strict=False)  # aligned from the right
-        if len(shape) > 4 or any(s not in (1, t) for s, t in pairs):
+        # Not `s not in (1, t)`: torch.compile (2.13) finds `5 in (1, t)` False for a symbolic
+        # size t of 5, which automatic dynamic shapes make of a cache's length.
+        if len(shape) > 4 or any(s != 1 and s != t for s, t in pairs):
             raise ValueError(
                 f"attn_mask of shape {shape} does not broadcast to (B, H, L, S) = {target}"
             )

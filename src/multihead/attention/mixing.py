@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead.attention.gate import gate_heads
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask, apply_mask
 
@@ -63,10 +64,10 @@ class HeadMixing(nn.Module):
                 "a layer without a mixing, or talking_heads"
             )
         q, k, v = layer._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal)
+        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
         if head_mask is not None:
-            heads = layer._gate_heads(heads, head_mask)
+            heads = gate_heads(heads, head_mask)
         heads = self.mix(heads.transpose(1, 2))  # (B, L, H, D)
         out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
         return (out, weights) if need_weights else out

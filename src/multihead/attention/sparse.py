@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead.attention.gate import gate_heads
 from multihead.attention.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class SparseHeads(nn.Linear):
         source = query if key_value is None else key_value
         k, v = layer._project_kv(source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
         S = k.shape[2]
-        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal)
+        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal, kv_cache)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             head_mask = mask.for_heads(first, count, slots, L, S)
@@ -240,7 +241,7 @@ class SparseHeads(nn.Linear):
         if Hs:
             shared, shared_weights = attend_heads(q_shared, 0, Hs, None)  # (B, Hs, L, D)
             if head_mask is not None:
-                shared = layer._gate_heads(shared, head_mask[:Hs])
+                shared = gate_heads(shared, head_mask[:Hs])
             shared = shared.transpose(1, 2).reshape(B, L, Hs * D)  # (B, L, Hs*D)
             out = out + shared @ w_o[:, :Hs].reshape(E, Hs * D).T
         if layer.out_proj.bias is not None:
