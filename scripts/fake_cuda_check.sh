@@ -13,7 +13,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 venv=${FAKE_CUDA_VENV:-$repo/.fake-cuda-venv}
 
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch, pytest, multihead; assert torch.__version__ == "2.13.0" and torch.version.cuda' 2>/dev/null; then
+ready='import torch, pytest, multihead; assert torch.__version__.split("+")[0] == "2.13.0" and torch.version.cuda'
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "$ready" 2>/dev/null; then
     echo "fake_cuda_check: making $venv (torch 2.13.0, CUDA build)" >&2
     python3 -m venv "$venv"
     # `torch===2.13.0` (arbitrary equality) matches the release without a local tag, so pip
