@@ -59,11 +59,11 @@ class TranslationModule(pl.LightningModule):
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
 
-    A training step waits for the device once (twice with fp16's loss scaler, whose own
-    check of the gradients is the second): to learn whether the loss is finite. Metrics are
+    The module's part of a training step waits for the device once, to learn whether the
+    loss is finite (in fp16 the loss scaler's inf check is a second wait). Metrics are
     logged as tensors, the gradient norm is computed on the device, and the real target
-    tokens are counted on the host before the batch moves (:meth:`transfer_batch_to_device`);
-    ``tests/fake_cuda`` counts these waits.
+    tokens are counted on the host before the batch moves (:meth:`transfer_batch_to_device`).
+    ``tests/fake_cuda`` and ``tests/training/test_step_syncs.py`` count these waits.
     """
 
     def __init__(
