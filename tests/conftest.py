@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -134,3 +135,30 @@ def smoke_run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
     )
     train(cfg)
     return out
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that make the host wait for a GPU, run on the CPU.
+
+    Reading a tensor's value (``.item()``, ``bool(t)``, ``int(t)``), ``nonzero`` (also inside
+    ``x[mask]``) and ``equal`` cost nothing on the CPU, but on CUDA tensors each is a
+    host-device sync: counted on a CPU step, they are that step's syncs on a GPU, except
+    what only CUDA kernels do (tests/fake_cuda counts on fake CUDA tensors instead).
+    """
+
+    _READS = ("_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal")
+    _INDEX = ("index", "index_put", "index_put_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self._READS:
+            self.count += 1
+        elif name in self._INDEX:  # a boolean mask index is a nonzero inside the op
+            self.count += sum(
+                i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+            )
+        return func(*args, **(kwargs or {}))

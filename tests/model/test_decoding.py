@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from tiny_models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
 
 from multihead.model import beam_search, greedy_decode, max_output_lengths
+from tests.conftest import HostReads
 
 LIMITS = dict(max_len_a=1.0, max_len_b=4)
 BEAM = dict(length_penalty=1.0, **LIMITS)
@@ -238,3 +239,26 @@ def test_latent_attention_decodes_as_its_uncached_reference(absorb):
     beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, **BEAM)
     expected = [naive_beam(model, row, n, 3, 1.0) for row, n in zip(src, limits, strict=True)]
     assert beam == expected
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_a_decoding_step_reads_the_device_once(search: str) -> None:
+    """At most one host-device sync per step (issue 36, item 4), counted on the CPU."""
+    model = decoding_model()
+    src = random_src(5, 7, seed=3)
+    starts, decode = [], model.decode
+
+    def step(*args, **kwargs):
+        starts.append(counter.count)
+        return decode(*args, **kwargs)
+
+    model.decode = step
+    with HostReads() as counter:
+        if search == "greedy":
+            out = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+        else:
+            out = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, **BEAM)
+    ends = [*starts[1:], counter.count]
+    per_step = [end - start for start, end in zip(starts, ends, strict=True)]
+    assert len(out) == 5 and len(starts) >= 3
+    assert max(per_step) <= 1, per_step

@@ -108,6 +108,30 @@ def test_bad_arguments_name_the_value() -> None:
         linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, chunk_size=0)
 
 
+def test_a_count_from_the_host_finds_the_same_positions() -> None:
+    """``num_targets`` (counted on the host) replaces the read-back count, nothing else."""
+    hidden, weight, targets = inputs()
+    count = int(targets.ne(PAD).sum())
+    ref_loss, ref_nll = reference(hidden, weight, targets, 0.1)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    loss, nll = linear_cross_entropy(
+        hidden, weight, targets, ignore_index=PAD, label_smoothing=0.1, num_targets=count
+    )
+    torch.testing.assert_close((loss, nll), (ref_loss, ref_nll))
+    for grad, ref_grad in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad)
+    with pytest.raises(ValueError, match=r"num_targets must be in \[0, 21\] .* got 22"):
+        linear_cross_entropy(hidden, weight, targets, ignore_index=PAD, num_targets=22)
+
+
+def test_the_trainer_counts_targets_before_the_batch_moves() -> None:
+    module = make_module(tiny_model())
+    tgt = random_src(4, 8, seed=2, min_len=2)
+    batch = module.transfer_batch_to_device({"src": random_src(4, 9), "tgt": tgt}, "cpu", 0)
+    assert batch["num_targets"] == int(tgt[:, 1:].ne(PAD).sum())
+    assert batch["tgt"] is tgt  # the batch itself is untouched
+
+
 def test_module_loss_equals_cross_entropy_of_the_logits() -> None:
     """The training loss and its gradients (tied embedding included) as before the fusion."""
     model = tiny_model().double().train()  # dropout 0: both passes see the same network

@@ -110,13 +110,11 @@ def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
     ) -> Tensor:
         if kernel in _NO_GQA:
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        if kernel == SDPBackend.CUDNN_ATTENTION and k.shape[2] == 1:
-            # cuDNN refuses a single key (the first decoding step). Over one key the softmax
-            # is exactly 1 (a masked key makes an empty row, which the layer zeroes), so the
-            # output is V itself, under the same dropout.
-            ones = q.new_ones(q.shape[:-1] + (1,))  # (B, H, L, 1)
-            weights = F.dropout(ones, p=dropout_p) if dropout_p > 0 else ones
-            return weights * expand_kv(v, q.shape[1])  # (B, H, L, D)
+        if kernel == SDPBackend.CUDNN_ATTENTION and 1 in (q.shape[2], k.shape[2]):
+            # cuDNN refuses a sequence of length 1 (torch 2.13's sdp_utils): every decoding
+            # step's one query, the first step's one key. Such a call is one row (or one
+            # column) of scores, computed here by the written-out formula.
+            return math_attention(q, k, v, mask, dropout_p, scale)
         try:
             with sdpa_kernel([kernel]):
                 return sdpa_attention(q, k, v, mask, dropout_p, scale)

@@ -18,6 +18,10 @@ running at that length is ended with eos (its score includes eos's log-probabili
 
 The caller puts the model in eval mode (``model.eval()``); decoding runs under
 ``torch.inference_mode()``.
+
+On a GPU a step waits for the device once, to learn which sentences go on; everything else
+a step decides is computed on the device (``tests/fake_cuda`` counts the waits). Before the
+first step the length limits are read back once, and the tokens at the end.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def _topk_by_chunks(scores: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Te
 
 def _start(
     model: Transformer, src: Tensor, max_len_a: float, max_len_b: float
-) -> tuple[Tensor, int, Tensor, Tensor]:
-    """What both searches begin with: length limits, step count and the encoded source."""
+) -> tuple[Tensor, list[int], Tensor, Tensor]:
+    """What both searches begin with: the length limits on the device and on the host (one
+    read), and the encoded source."""
     max_lens = max_output_lengths(
         src,
         pad_id=model.pad_id,
@@ -81,9 +86,17 @@ def _start(
         max_len_b=max_len_b,
         max_positions=model.max_positions,
     )
-    num_steps = int(max_lens.max()) + 1  # the last step can only produce eos
     memory, src_pad_mask = model.encode(src)  # (B, S, E), (B, S)
-    return max_lens, num_steps, memory, src_pad_mask
+    return max_lens, max_lens.tolist(), memory, src_pad_mask
+
+
+def _still_running(done: Tensor) -> Tensor | None:
+    """Indices of the rows of ``done`` ``(n,)`` that are False, or None if that is all of them.
+
+    The step's one wait for the device: the number of rows left decides the next shapes.
+    """
+    keep = done.logical_not().nonzero().squeeze(1)  # (n',)
+    return None if keep.numel() == done.numel() else keep
 
 
 @torch.inference_mode()
@@ -99,7 +112,8 @@ def greedy_decode(
     """Greedy decoding of a batch, one cached step per token; the arguments and result are
     those of :func:`beam_search`."""
     B, S = src.shape
-    max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
+    max_lens, limits, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
+    num_steps = max(limits) + 1  # the last step can only produce eos
     caches = model.make_decoder_cache(B, num_steps, S)
 
     output = src.new_full((B, num_steps), eos_id)  # eos past each sentence's end
@@ -111,8 +125,8 @@ def greedy_decode(
         # A sentence that already has max_len tokens is ended here.
         done = next_tokens.eq(eos_id) | max_lens.le(step)
         output[alive, step] = next_tokens.masked_fill(done, eos_id)
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)
+        keep = _still_running(done)
+        if keep is not None:
             if keep.numel() == 0:
                 break
             caches.select(keep, keep)
@@ -168,7 +182,9 @@ def beam_search(
     B, S = src.shape
     K = beam_size
     device = src.device
-    max_lens, num_steps, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
+    max_lens, limits, memory, src_pad_mask = _start(model, src, max_len_a, max_len_b)
+    num_steps = max(limits) + 1  # the last step can only produce eos
+    first_forced_step = min(limits)  # before it, no sentence is at its length limit
     V = model.output_projection.out_features
     # At the first step every beam of a sentence would extend the same bos with the same
     # log-probabilities, and only beam 0 counts, so the first step runs on one row per
@@ -190,6 +206,7 @@ def beam_search(
     alive = torch.arange(B, device=device)  # sentence of each running group of rows
     tokens = src.new_full((B * first_rows, 1), bos_id)  # (n*k, 1)
     beam_offsets = torch.arange(K, device=device)
+    not_eos = torch.arange(V, device=device).ne(eos_id)  # (V,)
     for step in range(num_steps):
         n, k = scores.shape
         logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*k, V)
@@ -197,10 +214,8 @@ def beam_search(
         # largest of the search and allocating them again per step costs as much as the sum.
         candidates = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
         forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
-        if bool(forced.any()):
-            eos_log_prob = candidates[:, eos_id].clone()
-            candidates.view(n, k, V)[forced] = float("-inf")
-            candidates[:, eos_id] = eos_log_prob
+        if step >= first_forced_step:  # known on the host: no wait for `forced`
+            candidates.view(n, k, V).masked_fill_(forced[:, None, None] & not_eos, float("-inf"))
         candidates.add_(scores.view(-1, 1))
         candidates = candidates.view(n, k * V)
         top_scores, top_index = _topk_by_chunks(candidates, 2 * K)  # (n, 2K), best first
@@ -208,22 +223,23 @@ def beam_search(
         top_token = top_index % V
         top_eos = top_token.eq(eos_id)
 
-        # Finish eos candidates ranked in the top K, up to K finished per sentence.
+        # Finish eos candidates ranked in the top K, up to K finished per sentence. Written
+        # for every sentence (a no-op where none finishes), so that no step waits to learn
+        # whether one did.
         new_finished = top_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
-        if bool(new_finished.any()):
-            free_slots = K - num_finished  # (n,)
-            new_finished &= new_finished.cumsum(dim=1) <= free_slots[:, None]
-            num_finished += new_finished.sum(dim=1)
-            normalised = top_scores[:, :K] / (step + 1) ** length_penalty
-            normalised = normalised.masked_fill(~new_finished, float("-inf"))
-            step_best, position = normalised.max(dim=1)  # (n,)
-            better = step_best > best_score[alive]
-            if bool(better.any()):
-                ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
-                rows = torch.arange(n, device=device) * k + ended_beam  # its history row
-                best_score[alive[better]] = step_best[better]
-                # Its history is eos from column `step` on, so the eos is already there.
-                best_tokens[alive[better]] = history[rows[better]]
+        free_slots = K - num_finished  # (n,)
+        new_finished &= new_finished.cumsum(dim=1) <= free_slots[:, None]
+        num_finished += new_finished.sum(dim=1)
+        normalised = top_scores[:, :K] / (step + 1) ** length_penalty
+        normalised = normalised.masked_fill(~new_finished, float("-inf"))
+        step_best, position = normalised.max(dim=1)  # (n,)
+        previous_best = best_score[alive]  # (n,)
+        better = step_best > previous_best  # False where nothing finished (-inf)
+        ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
+        rows = torch.arange(n, device=device) * k + ended_beam  # its history row
+        best_score[alive] = torch.where(better, step_best, previous_best)
+        # Its history is eos from column `step` on, so the eos is already there.
+        best_tokens[alive] = torch.where(better[:, None], history[rows], best_tokens[alive])
 
         # The next live beams: the best K candidates that do not end in eos.
         live_scores = top_scores.masked_fill(top_eos, float("-inf"))
@@ -235,9 +251,8 @@ def beam_search(
         history[:, step] = next_tokens.view(-1)
 
         done = num_finished.ge(K) | forced  # (n,)
-        keep = None
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)  # (n',)
+        keep = _still_running(done)  # (n',) or None
+        if keep is not None:
             if keep.numel() == 0:
                 break
             keep_rows = (keep[:, None] * K + beam_offsets).view(-1)  # (n'*K,)

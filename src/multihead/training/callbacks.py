@@ -27,6 +27,8 @@ class TokenThroughput(pl.Callback):
     ``ThroughputMonitor`` counts one length per batch (``length_fn``) and assumes a fixed
     batch size; this one counts source and target tokens apart in token-bucketed batches,
     logs ``perf/*``, and keeps whole-run totals for the run summary (:meth:`summary`).
+    The tokens are counted on the batch's device and read back once per window, so a step
+    never waits for the count.
 
     Args:
         log_every_n_steps: averaging window, in optimiser steps.
@@ -41,7 +43,8 @@ class TokenThroughput(pl.Callback):
         self.peak_memory_mb = 0.0
 
     def _reset(self) -> None:
-        self._src = self._tgt = self._steps = 0
+        self._tokens: torch.Tensor | None = None  # (2,) source and target tokens of the window
+        self._steps = 0
         self._start: float | None = None
 
     def summary(self) -> dict[str, float]:
@@ -63,24 +66,27 @@ class TokenThroughput(pl.Callback):
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._src += int((batch["src"] != self.pad_id).sum())
         # The first target token (bos) is input only: count the predicted positions.
-        self._tgt += int((batch["tgt"][:, 1:] != self.pad_id).sum())
+        tokens = torch.stack(
+            [batch["src"].ne(self.pad_id).sum(), batch["tgt"][:, 1:].ne(self.pad_id).sum()]
+        )
+        self._tokens = tokens if self._tokens is None else self._tokens + tokens
         self._steps += 1
         if self._steps < self.log_every_n_steps:
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         seconds = time.perf_counter() - self._start
-        self.total_src_tokens += self._src
-        self.total_tgt_tokens += self._tgt
+        src, tgt = self._tokens.tolist()
+        self.total_src_tokens += src
+        self.total_tgt_tokens += tgt
         self.total_seconds += seconds
         self.peak_memory_mb = peak_memory_mb(pl_module.device)
         pl_module.log_dict(
             {
-                "perf/src_tokens_per_s": self._src / seconds,
-                "perf/tgt_tokens_per_s": self._tgt / seconds,
-                "perf/tokens_per_s": (self._src + self._tgt) / seconds,
+                "perf/src_tokens_per_s": src / seconds,
+                "perf/tgt_tokens_per_s": tgt / seconds,
+                "perf/tokens_per_s": (src + tgt) / seconds,
                 "perf/peak_memory_mb": self.peak_memory_mb,
             }
         )

@@ -118,6 +118,7 @@ def linear_cross_entropy(
     ignore_index: int,
     label_smoothing: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_targets: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Label-smoothed cross-entropy of the logits ``hidden @ weight.T``, chunk by chunk.
 
@@ -141,6 +142,11 @@ def linear_cross_entropy(
         ignore_index: targets equal to it (padding) count neither in the loss nor in the mean.
         label_smoothing: epsilon, in [0, 1).
         chunk_size: positions projected at a time.
+        num_targets: how many targets are not ``ignore_index``, when the caller counted
+            them on the host (the training module does, before the batch moves to the GPU).
+            Then the real positions are found without a host-device sync; otherwise finding
+            them waits for the device once, to learn their number. It must be exact: a
+            wrong count drops real targets or repeats the last position.
 
     Returns:
         ``(loss, nll)``: the label-smoothed loss and the plain negative log-likelihood (no
@@ -160,8 +166,16 @@ def linear_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if num_targets is not None and not 0 <= num_targets <= targets.numel():
+        raise ValueError(
+            f"num_targets must be in [0, {targets.numel()}] (the targets given), got {num_targets}"
+        )
     targets = targets.reshape(-1)
-    real = targets.ne(ignore_index).nonzero().squeeze(1)  # (N,) positions that count
+    counting = targets.ne(ignore_index)
+    if num_targets is None:
+        real = counting.nonzero().squeeze(1)  # (N,) positions that count
+    else:
+        real = torch.nonzero_static(counting, size=num_targets).squeeze(1)  # (N,), no sync
     states = hidden.reshape(-1, hidden.shape[-1])  # (B*T, E)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)

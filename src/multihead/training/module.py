@@ -9,7 +9,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 
 from multihead.checkpoints import FORMAT_VERSION
@@ -19,6 +18,8 @@ from multihead.training.loss import linear_cross_entropy
 
 # With on_non_finite_loss=skip, this many bad batches in a row stop the run all the same.
 MAX_SKIPPED_IN_A_ROW = 10
+# The batch key of the real target tokens, counted on the host before the batch moves.
+NUM_TARGETS = "num_targets"
 
 
 class NonFiniteLossError(ValueError):
@@ -54,6 +55,12 @@ class TranslationModule(pl.LightningModule):
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
+
+    The module's part of a training step waits for the device once, to learn whether the
+    loss is finite (in fp16 the loss scaler's inf check is a second wait). Metrics are
+    logged as tensors, the gradient norm is computed on the device, and the real target
+    tokens are counted on the host before the batch moves (:meth:`transfer_batch_to_device`).
+    ``tests/fake_cuda`` and ``tests/training/test_step_syncs.py`` count these waits.
     """
 
     def __init__(
@@ -108,6 +115,19 @@ class TranslationModule(pl.LightningModule):
         self._refs: list[str] = []
 
     # ------------------------------------------------------------------ training
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        # The last moment the batch is on the host: count its real target tokens here, so
+        # that neither the loss nor the logs wait for the device to count them.
+        if isinstance(batch, dict) and "tgt" in batch:
+            batch = {**batch, NUM_TARGETS: self._count_targets(batch["tgt"])}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def _count_targets(self, tgt: Tensor) -> int:
+        """Real tokens of a ``(B, T)`` target batch that are predicted (all but bos)."""
+        return int(tgt[:, 1:].ne(self.pad_id).sum())
+
     def _losses(self, batch: dict) -> tuple[Tensor, Tensor, int]:
         """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
 
@@ -116,7 +136,9 @@ class TranslationModule(pl.LightningModule):
         ``F.cross_entropy`` on the model's logits, without the ``(B, T, V)`` logits.
         """
         src, tgt = batch["src"], batch["tgt"]
-        ntokens = int(tgt[:, 1:].ne(self.pad_id).sum())
+        ntokens = batch.get(NUM_TARGETS)
+        if ntokens is None:  # a batch that did not come through the trainer
+            ntokens = self._count_targets(tgt)
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
         states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
         loss, nll = linear_cross_entropy(
@@ -125,6 +147,7 @@ class TranslationModule(pl.LightningModule):
             tgt_out,
             ignore_index=self.pad_id,
             label_smoothing=self.label_smoothing,
+            num_targets=ntokens,
         )
         return loss, nll, ntokens
 
@@ -147,12 +170,14 @@ class TranslationModule(pl.LightningModule):
         if aux is not None:  # sparse heads: keep the router's load balanced
             self.log("train/aux_loss", aux, batch_size=ntokens)
             loss = loss + self.aux_loss_weight * aux
-        # One all-reduce under DDP: the step's tokens, and whether any rank's loss is bad
-        # (every rank must take the same decision, or the others wait for it forever).
-        counts = torch.tensor([float(ntokens), float(not torch.isfinite(loss))], device=loss.device)
+        bad = torch.isfinite(loss.detach()).logical_not()  # (), on the device
         if self.trainer.world_size > 1:
+            # One all-reduce: whether any rank's loss is bad (every rank must take the same
+            # decision, or the others wait for it forever), and the step's tokens.
+            counts = torch.stack([bad.float(), bad.new_tensor(float(ntokens), dtype=torch.float)])
             counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
-        if counts[1] > 0:
+            bad, all_tokens = counts[0] > 0, counts[1]
+        if bad:  # the step's one wait for the device
             return self._non_finite(loss)
         self._skipped_in_a_row = 0
         self.log("train/loss", cross_entropy, prog_bar=True, batch_size=ntokens)
@@ -162,7 +187,7 @@ class TranslationModule(pl.LightningModule):
             # DDP averages the ranks' gradients. Weighting each rank's per-token mean by its
             # share of the step's tokens makes that average the mean over all tokens: the
             # gradient one process computes from the whole (global) batch.
-            loss = loss * (ntokens * self.trainer.world_size / counts[0])
+            loss = loss * (ntokens * self.trainer.world_size / all_tokens)
         return loss
 
     def _non_finite(self, loss: Tensor) -> None:
@@ -186,9 +211,10 @@ class TranslationModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping; under AMP Lightning has already unscaled the gradients here.
-        norms = grad_norm(self.model, norm_type=2)
-        if norms:  # none after a skipped batch: no gradients
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        # Computed on the device (Lightning's grad_norm reads every parameter's norm back).
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:  # none after a skipped batch
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads, norm_type=2.0))
 
     def on_fit_start(self) -> None:
         if self.on_non_finite_loss == "skip" and self.trainer.world_size > 1:
