@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import wandb
 
 from multihead.training.run import train
@@ -32,7 +33,7 @@ def test_api_key_in_netrc_means_online(monkeypatch, tmp_path) -> None:
     assert configure_wandb_mode(str(tmp_path)) == "online"
 
 
-def test_wandb_run_is_finished_named_after_heads_and_grouped(
+def test_wandb_run_is_finished_named_grouped_and_resumed(
     smoke_config, tmp_path, monkeypatch
 ) -> None:
     started = []
@@ -43,7 +44,7 @@ def test_wandb_run_is_finished_named_after_heads_and_grouped(
         return started[-1]
 
     monkeypatch.setattr(wandb, "init", recording_init)
-    cfg = smoke_config(
+    overrides = [
         "logger=wandb",
         "attention=mqa",
         "wandb_group=G",
@@ -51,8 +52,8 @@ def test_wandb_run_is_finished_named_after_heads_and_grouped(
         "trainer.val_check_interval=2",
         "summary.decode_speed=false",
         "test=false",
-    )
-    summary = train(cfg)
+    ]
+    summary = train(smoke_config(*overrides))
     assert wandb.run is None  # finished, so the next multirun job starts a new run
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -63,3 +64,9 @@ def test_wandb_run_is_finished_named_after_heads_and_grouped(
     (run,) = started
     assert (run.group, run.name) == ("G", summary["run_name"])
     assert runs[0].name.endswith(f"-{run.id}")
+
+    # A resumed job continues its wandb run: the id is stored in the checkpoint.
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["multihead"]["wandb_id"] == run.id
+    train(smoke_config(*overrides, "trainer.max_steps=4", "ckpt_path=auto"))
+    assert started[1].id == run.id
