@@ -38,14 +38,10 @@ if sys.platform == "linux" and platform.machine() == "x86_64":
 
 
 def find_multi30k() -> Path | None:
-    """``$MULTIHEAD_DATA_DIR``, else ``../shared/data/multi30k`` beside the repository."""
-    for candidate in (
-        os.environ.get("MULTIHEAD_DATA_DIR"),
-        REPO_ROOT.parent / "shared/data/multi30k",
-    ):
-        if candidate and (Path(candidate) / "train.en.gz").is_file():
-            return Path(candidate)
-    return None
+    """``$MULTIHEAD_DATA_DIR`` if set, else ``../shared/data/multi30k`` beside the repository."""
+    where = os.environ.get("MULTIHEAD_DATA_DIR")
+    candidate = Path(where) if where else REPO_ROOT.parent / "shared/data/multi30k"
+    return candidate if (candidate / "train.en.gz").is_file() else None
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -68,12 +64,21 @@ def seeded() -> None:
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
     path = find_multi30k()
-    if path is None:
-        pytest.skip(
-            "raw Multi30k not found: set MULTIHEAD_DATA_DIR or put it at "
-            f"{REPO_ROOT.parent / 'shared/data/multi30k'}"
+    if path is not None:
+        return path
+    where = os.environ.get("MULTIHEAD_DATA_DIR")
+    if where:
+        # CI sets it: there, missing data must fail every test that needs it, not skip them
+        # all and leave the run green.
+        pytest.fail(
+            f"MULTIHEAD_DATA_DIR={where} holds no raw Multi30k; expected train.en.gz and the "
+            "other {train,val,test_2016_flickr}.{en,de}.gz files there",
+            pytrace=False,
         )
-    return path
+    pytest.skip(
+        "raw Multi30k not found: set MULTIHEAD_DATA_DIR or put it at "
+        f"{REPO_ROOT.parent / 'shared/data/multi30k'}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
 
 from multihead.attention import MultiHeadAttention
@@ -126,9 +128,8 @@ def test_head_designs_reach_their_layers_and_aux_losses_sum():
 
 
 def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
-    omegaconf = pytest.importorskip("omegaconf")
-    cfg = omegaconf.OmegaConf.create({"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"})
-    override = omegaconf.OmegaConf.create({"num_kv_heads": 2})
+    cfg = OmegaConf.create({"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"})
+    override = OmegaConf.create({"num_kv_heads": 2})
     model = tiny_model(attention=cfg, decoder_self_attention=override)
     assert model.head_config["decoder_self_attention"]["kind"] == "gqa"
     assert model.head_config["encoder_self_attention"]["kind"] == "mha"
@@ -257,9 +258,7 @@ def test_constructor_is_keyword_only_with_plain_values():
 
 
 def test_hydra_instantiate_with_nested_attention_configs():
-    hydra_utils = pytest.importorskip("hydra.utils")
-    omegaconf = pytest.importorskip("omegaconf")
-    cfg = omegaconf.OmegaConf.create(
+    cfg = OmegaConf.create(
         {
             "_target_": "multihead.model.Transformer",
             "src_vocab_size": VOCAB,
@@ -275,7 +274,7 @@ def test_hydra_instantiate_with_nested_attention_configs():
             "encoder_self_attention": None,
         }
     )
-    model = hydra_utils.instantiate(cfg)
+    model = instantiate(cfg)
     assert model.head_tag == "enc-mha4_dec-gqa4kv2_cross-mha4_sdpa"
 
 

@@ -8,11 +8,14 @@ through the real scripts).
 from __future__ import annotations
 
 import errno
+import importlib.machinery
 import os
 import resource
 import shutil
 import signal
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 from multihead.cli import exit_on_user_error
@@ -20,7 +23,14 @@ from multihead.cli import exit_on_user_error
 import pytest
 import torch
 
-from multihead.checkpoints import FORMAT_VERSION, load_trained_model, write_atomically
+from multihead.checkpoints import (
+    FORMAT_VERSION,
+    load_trained_model,
+    read_checkpoint,
+    save_new,
+    write_atomically,
+)
+from multihead.checkpoints.averaging import average_checkpoints, checkpoints_to_average
 from multihead.evaluation import evaluate_checkpoint
 from multihead.training.run import train
 from tests.training.test_configs import run_script
@@ -62,17 +72,26 @@ def test_bad_config_values(smoke_config, capsys, override, message) -> None:
     assert message in line, line
 
 
-def test_a_backend_that_cannot_run_here_says_why(smoke_config, capsys) -> None:
-    pytest.importorskip("torch")
-    try:
-        import flash_attn  # noqa: F401
-
-        pytest.skip("the flash-attn package is installed here")
-    except ImportError:
-        pass
+@pytest.mark.parametrize(
+    "installed, why",
+    [
+        (False, "the flash-attn package is not installed"),
+        (True, "flash-attn needs CUDA and fp16/bf16 (got cpu/torch.float32)"),
+    ],
+)
+def test_a_backend_that_cannot_run_here_says_why(
+    smoke_config, capsys, monkeypatch, installed, why
+) -> None:
+    """Whether or not flash-attn is installed here, it cannot run on the CPU in fp32."""
+    if installed:  # what importlib finds for an installed package
+        module = types.ModuleType("flash_attn")
+        module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    else:  # importlib.util.find_spec then answers None, as for a package that is absent
+        module = None
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
     cfg = smoke_config("attention.backend=flash_attn", "trainer.max_steps=2")
     line = fails_in_one_line(train, capsys, cfg)
-    assert "'flash_attn'" in line and "math" in line, line  # why, and which backends can
+    assert "'flash_attn'" in line and why in line and "math" in line, line  # why; which can
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -195,21 +214,30 @@ def test_a_full_disk_leaves_the_old_file_and_no_partial_one(tmp_path) -> None:
 
 
 def test_script_on_a_full_disk_fails_in_one_line(smoke_run_dir, tmp_path) -> None:
-    """average_checkpoints.py with a 64 KiB file-size limit: the checkpoint cannot be written."""
+    """average_checkpoints.py with a 64 KiB file-size limit: the checkpoint cannot be written.
+    The control, the script's steps without the limit, writes it."""
 
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failing write, not a killed process
 
-    out = tmp_path / "avg.ckpt"
+    full, control = tmp_path / "full", tmp_path / "control"
+    full.mkdir()
+    ckpt_dir = smoke_run_dir / "checkpoints"
     result = run_script(
         "average_checkpoints.py",
-        f"ckpt_dir={smoke_run_dir / 'checkpoints'}",
+        f"ckpt_dir={ckpt_dir}",
         "last=2",
-        f"out={out}",
+        f"out={full / 'avg.ckpt'}",
         preexec_fn=limit_file_size,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert list(tmp_path.iterdir()) == []  # no partial file, no temporary file
+    line = result.stderr.strip().splitlines()[-1]  # error: [Errno 27] cannot write ...
+    assert line.startswith("error: ["), line
+    assert line.endswith(f"] cannot write {full / 'avg.ckpt'}: File too large"), line
+    assert list(full.iterdir()) == []  # no partial file, no temporary file
+
+    save_new(average_checkpoints(checkpoints_to_average(ckpt_dir, 2, None)), control / "a.ckpt")
+    assert (control / "a.ckpt").stat().st_size > 64 * 1024
+    read_checkpoint(control / "a.ckpt")

@@ -1,20 +1,29 @@
-"""DDP on CPU (gloo, 2 processes): it trains, it matches one process, its BLEU is corpus BLEU.
+"""DDP on CPU (gloo, 2 processes): it trains, it matches one process, its BLEU is corpus BLEU,
+and a NaN loss on one rank stops both.
 
 One 2-process run and one single-process run with twice the token budget, both without
 dropout: the DDP sampler packs global batches of ``max_tokens * 2`` and splits each between
-the ranks, so step i sees the same sentences in both runs.
+the ranks, so step i sees the same sentences in both runs. The evaluation splits have 63
+sentences, so the ranks decode 32 and 31 of them.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
-from multihead.evaluation import evaluate_checkpoint
+from multihead.evaluation import corpus_scores, evaluate_checkpoint
+from multihead.model import Transformer
+from multihead.training import TranslationModule
+from multihead.training.module import NonFiniteLossError
 from tests.training.test_configs import run_script
 
 COMMON = [
@@ -25,13 +34,14 @@ COMMON = [
     "module.bleu_every_n_val=1",
     "test_ckpt=last",
     "summary.limit=8",
+    "data.val_limit=63",
+    "data.test_limit=63",
 ]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, multi30k_dir) -> dict[str, Path]:
+def runs(tmp_path_factory, multi30k_dir, cache_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ddp")
-    cache = root / "cache"
     out = {}
     for name, extra in (
         ("ddp", ["trainer=ddp_cpu", "data.max_tokens=1024", "logger=wandb_csv"]),
@@ -43,7 +53,7 @@ def runs(tmp_path_factory, multi30k_dir) -> dict[str, Path]:
             *COMMON,
             *extra,
             f"data.local_dir={multi30k_dir}",
-            f"paths.cache_dir={cache}",
+            f"paths.cache_dir={cache_dir}",
             f"hydra.run.dir={out[name]}",
         )
         assert result.returncode == 0, result.stderr[-3000:]
@@ -85,15 +95,99 @@ def test_two_half_batches_follow_one_whole_batch(runs) -> None:
 
 
 def test_test_scores_are_corpus_scores_of_all_ranks(runs, multi30k_dir, tmp_path) -> None:
-    """The DDP run's test BLEU and chrF equal one process scoring the same checkpoint."""
+    """The DDP run's test BLEU and chrF equal one process scoring the same checkpoint, and
+    differ from the score of one rank's share alone (what a rank would log ungathered)."""
     summary = json.loads((runs["ddp"] / "summary.json").read_text())
     alone = evaluate_checkpoint(
         summary["test/ckpt"],
         tmp_path,
         split="test",
         beam_size=1,
-        limit=64,  # the smoke budget's test_limit
+        limit=63,  # data.test_limit
         local_dir=str(multi30k_dir),
     )
+    assert alone["sentences"] == 63
+    assert summary["test/chrf"] > 0
     assert summary["test/chrf"] == pytest.approx(alone["chrf"], abs=1e-4)
     assert summary["test/bleu"] == pytest.approx(alone["bleu"], abs=1e-4)
+    # Rank 0 decodes sentences 0, 2, 4, ... (the data module's shard).
+    hypotheses = (tmp_path / "hypotheses.test.txt").read_text().split("\n")[:63]
+    with gzip.open(multi30k_dir / "test_2016_flickr.de.gz", "rt") as f:
+        references = f.read().split("\n")[:63]
+    whole = corpus_scores(hypotheses, references)
+    assert whole.chrf == pytest.approx(alone["chrf"], abs=1e-4)  # the files are what was scored
+    rank0 = corpus_scores(hypotheses[::2], references[::2])
+    assert rank0.chrf != pytest.approx(summary["test/chrf"], abs=1e-4)
+
+
+def one_rank_step(rank: int, init_file: str, results) -> None:
+    """Rank ``rank`` of 2 (gloo) takes one training step whose loss is NaN on rank 1 only."""
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=20),  # a rank left waiting for the other fails, not hangs
+    )
+    try:
+        torch.manual_seed(0)
+        model = Transformer(
+            src_vocab_size=20,
+            tgt_vocab_size=20,
+            d_model=16,
+            ffn_dim=32,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dropout=0.0,
+            max_positions=16,
+            pad_id=0,
+            attention={"num_heads": 2},
+        )
+        module = TranslationModule(
+            model,
+            SimpleNamespace(pad_id=0),
+            optimizer=torch.optim.Adam,
+            beam_size=1,
+            length_penalty=1.0,
+            max_len_a=1.0,
+            max_len_b=1.0,
+        )
+        # What training_step reads of the trainer; the reduce is Lightning's own DDP one.
+        module.trainer = SimpleNamespace(world_size=2, global_step=2, strategy=DDPStrategy())
+        loss = TranslationModule.loss
+        if rank == 1:
+            module.loss = lambda batch: (loss(module, batch)[0] * float("nan"), 6)
+        batch = {"src": torch.randint(3, 20, (2, 5)), "tgt": torch.randint(3, 20, (2, 4))}
+        try:
+            module.training_step(batch, 0)
+            outcome = "went on"
+        except NonFiniteLossError as err:
+            outcome = str(err)
+        except Exception as err:  # went on: to self.log, which needs a real trainer, or to a
+            outcome = f"went on: {type(err).__name__}: {err}"  # collective, until gloo's timeout
+        results.put((rank, outcome))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_stops_every_rank(tmp_path) -> None:
+    """Every rank learns of rank 1's NaN from the step's all-reduce, and stops with the error.
+    Without it rank 0 would go on and wait for rank 1 in the next collective."""
+    context = torch.multiprocessing.get_context("fork")  # the ranks share this import
+    results = context.Queue()
+    ranks = [
+        context.Process(target=one_rank_step, args=(rank, str(tmp_path / "init"), results))
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        outcome = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            process.kill()
+    assert outcome[1].startswith("non-finite training loss (nan) at step 2;"), outcome
+    assert outcome[0].startswith("non-finite training loss (") and "at step 2;" in outcome[0], (
+        outcome
+    )

@@ -52,8 +52,8 @@ def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
     run_dirs = [list((job / "wandb").glob("offline-run-*")) for job in jobs]
     assert [len(runs) for runs in run_dirs] == [1, 1]
     assert run_dirs[0][0].name != run_dirs[1][0].name
-    # wandb offline keeps the run's group only in its binary log, so read the group each job
-    # gave WandbLogger from the resolved hyperparameters Lightning wrote beside it (CSV logger).
+    # Each job was given the sweep's group. (wandb offline keeps a run's group only in its
+    # binary log, a private format; test_wandb.py reads it from wandb's Run object.)
     for job in jobs:
         hparams = yaml.safe_load((job / "csv" / "hparams.yaml").read_text())
         assert hparams["logger"]["wandb"]["group"] == "G"

@@ -37,7 +37,10 @@ def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
     assert jobs == EXPECTED
 
 
-@pytest.mark.slow  # nine training jobs; the 2-job submitit sweep covers multiruns by default
+# Nine training jobs (seven took 269 s on the shared 2-core machine, 2026-11-25, `python -m
+# pytest -m slow tests/training/test_sweep.py`), too long for CI; the 2-job submitit sweep
+# covers multiruns.
+@pytest.mark.slow
 def test_compare_heads_smoke_multirun(tmp_path: Path, multi30k_dir: Path) -> None:
     result = run_script(
         "train.py",

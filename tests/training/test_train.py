@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import shutil
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
+from multihead.training import TranslationModule
 from multihead.training.run import train
+from tests.conftest import compose_config
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -102,8 +107,14 @@ def test_final_weights_are_saved_as_last_and_step(smoke_config, tmp_path: Path) 
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
-    """Every tensor of the model, optimiser and scheduler, the step and the sampler position."""
-    assert a["global_step"] == b["global_step"]
+    """Every tensor of the model, optimiser and scheduler, the step, the epoch, the loops'
+    progress counters and the sampler position.
+
+    Not the module's count of validation runs (``multihead.val_runs``): a step checkpoint is
+    written just before its step's validation and holds the count before it, which a resume
+    does not repeat (docs/reliability.md, "Known gaps").
+    """
+    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"])
     assert a["state_dict"].keys() == b["state_dict"].keys()
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
@@ -113,27 +124,161 @@ def assert_same_training_state(a: dict, b: dict) -> None:
             for name, value in state.items():
                 assert torch.equal(value, opt_b["state"][i][name]), (i, name)
     assert a["lr_schedulers"] == b["lr_schedulers"]
+    assert a["loops"] == b["loops"]
     assert a["TranslationDataModule"] == b["TranslationDataModule"]  # the sampler position
 
 
-def test_resume_is_bit_exact(smoke_config, tmp_path: Path) -> None:
-    """N steps straight == N/2 steps, a stop, a resume from the checkpoint, N/2 more."""
-    common = ["trainer.max_steps=20", "trainer.val_check_interval=10", "test=false"]
-    common += ["summary.decode_speed=false"]
-    train(smoke_config(*common, f"paths.output_dir={tmp_path / 'straight'}"))
-    straight_rng = torch.get_rng_state()
+def callback_states(ckpt: dict, run_dir: Path) -> dict:
+    """The callbacks' states, with the run directory written as ``RUN`` and tensors as lists.
 
-    half = tmp_path / "half" / "checkpoints" / "step10.ckpt"
-    train(smoke_config(*common, "trainer.max_steps=10", f"paths.output_dir={tmp_path / 'half'}"))
-    train(smoke_config(*common, f"ckpt_path={half}", f"paths.output_dir={tmp_path / 'resumed'}"))
-    assert torch.equal(torch.get_rng_state(), straight_rng)
+    The wall clock's minutes are left out: they measure this machine, not the training.
+    """
 
-    a, b = (
-        torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)
-        for run in ("straight", "resumed")
+    def plain(value):
+        if isinstance(value, dict):
+            return {plain(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, str):
+            return value.replace(str(run_dir), "RUN")
+        return value
+
+    states = plain(ckpt["callbacks"])
+    for key, state in states.items():
+        if key.startswith("WallClock"):
+            del state["elapsed_min"]
+    return states
+
+
+# step{N}.ckpt; step{N}-v1.ckpt, the name Lightning gives a second file of the same step; and
+# the temporary file a write of either goes through (.step{N}.ckpt.<random>.tmp).
+STEP_FILE = re.compile(r"\.?step(\d+)(-v\d+)?\.ckpt(\..+\.tmp)?")
+
+
+def listing(ckpt_dir: Path) -> dict[str, tuple[int, int]]:
+    """Each file in ``ckpt_dir``: its inode and modification time, which any rewrite changes."""
+    found = {}
+    for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # renamed or removed meanwhile, by a run that is writing
+            continue
+        found[path.name] = (stat.st_ino, stat.st_mtime_ns)
+    return found
+
+
+def written_steps(before: dict, after: dict) -> list[int]:
+    """The steps whose checkpoint files were written (or begun) between two listings."""
+    return sorted(
+        int(match[1])
+        for name, stamp in after.items()
+        if before.get(name) != stamp and (match := STEP_FILE.fullmatch(name))
     )
-    assert a["global_step"] == 20
-    assert_same_training_state(a, b)
+
+
+def assert_resumed_from(step: int, before: dict, after: dict) -> None:
+    """The launch between the two listings restored ``step`` > 0: it wrote no checkpoint of
+    that step or an earlier one, as a run that started over (or further back) would."""
+    assert step > 0, "there was no checkpoint to resume from"
+    again = [n for n in written_steps(before, after) if n <= step]
+    assert not again, f"a checkpoint of step {again[0]} was written again: no resume at {step}"
+
+
+@pytest.fixture
+def trained_steps(monkeypatch) -> list[int]:
+    """The ``global_step`` at the start of every training batch of the runs in this test."""
+    steps: list[int] = []
+    start = TranslationModule.on_train_batch_start
+
+    def recording(self, batch, batch_idx):
+        steps.append(self.global_step)
+        return start(self, batch, batch_idx)
+
+    monkeypatch.setattr(TranslationModule, "on_train_batch_start", recording)
+    return steps
+
+
+HALF = ["trainer.max_steps=10", "trainer.val_check_interval=10", "test=false"]
+HALF += ["summary.decode_speed=false"]
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory, multi30k_dir, cache_dir) -> tuple[Path, Path]:
+    """Two copies of a run stopped after 10 of the smoke run's 20 steps (``smoke_run_dir``
+    trains the same 20 steps without a stop): one to resume, one to break resuming on."""
+    run = tmp_path_factory.mktemp("stopped")
+    train(
+        compose_config(
+            "train",
+            [
+                "experiment=smoke",
+                "logger=csv",
+                f"data.local_dir={multi30k_dir}",
+                f"paths.output_dir={run}",
+                f"paths.cache_dir={cache_dir}",
+                *HALF,
+            ],
+        )
+    )
+    copy = tmp_path_factory.mktemp("stopped_copy") / "run"
+    shutil.copytree(run, copy)  # with the files' times, which the resume orders them by
+    return run, copy
+
+
+def resume_stopped_run(smoke_config, run: Path, trained_steps: list[int]) -> dict:
+    """Relaunch the stopped run in its directory from step10.ckpt to step 20; check that it
+    resumed at step 10, and return its last checkpoint.
+
+    (Not from last.ckpt, which ``ckpt_path=auto`` would take: written at the end of ``fit``,
+    it makes Lightning count one more epoch and logged step; docs/reliability.md.)
+    """
+    before = listing(run / "checkpoints")
+    trained_steps.clear()
+    resume = f"ckpt_path={run / 'checkpoints' / 'step10.ckpt'}"
+    train(smoke_config(*HALF, "trainer.max_steps=20", resume, f"paths.output_dir={run}"))
+    assert trained_steps == list(range(10, 20)), f"trained steps {trained_steps}, not 10..19"
+    assert_resumed_from(10, before, listing(run / "checkpoints"))
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+
+
+def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_steps) -> None:
+    """20 steps straight (``smoke_run_dir``) == 10 steps, a stop, a resume, 10 more.
+
+    Dropout is reseeded from the step at every step and the sampler is deterministic, so a
+    relaunch that ignored its checkpoint and trained 20 steps from scratch would end with
+    the same weights: the resumed run must also train only steps 10..19 and leave the
+    checkpoints of steps <= 10 as they were.
+    """
+    run = stopped_runs[0]
+    resumed = resume_stopped_run(smoke_config, run, trained_steps)
+    straight = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert straight["global_step"] == 20
+    assert_same_training_state(straight, resumed)
+    # Equal here because BLEU rose from step 10 to 20: step10.ckpt holds checkpoint_best's
+    # state from before step 10's validation (docs/reliability.md, "Known gaps").
+    assert callback_states(straight, smoke_run_dir) == callback_states(resumed, run)
+
+
+def test_resume_checks_fail_when_resume_is_dropped(
+    smoke_config, stopped_runs, trained_steps, monkeypatch
+) -> None:
+    """A mutation check: with the checkpoint dropped before ``Trainer.fit`` (a relaunch that
+    starts over), the checks of ``test_resume_is_bit_exact`` and of ``test_kill.py`` fail."""
+    fit = pl.Trainer.fit
+
+    def fit_from_scratch(self, *args, ckpt_path=None, **kwargs):
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit_from_scratch)
+    run = stopped_runs[1]
+    before = listing(run / "checkpoints")
+    with pytest.raises(AssertionError, match=r"trained steps \[0, 1, 2,"):
+        resume_stopped_run(smoke_config, run, trained_steps)
+    # test_kill.py's check on each relaunch
+    with pytest.raises(AssertionError, match="a checkpoint of step 10 was written again"):
+        assert_resumed_from(10, before, listing(run / "checkpoints"))
 
 
 def test_wall_clock_logs_minutes_and_checkpoints_at_marks(smoke_config, tmp_path: Path) -> None:

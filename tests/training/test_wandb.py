@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
+import torch
+import wandb
 
 from multihead.training.run import train
 from multihead.wandb_setup import configure_wandb_mode, has_wandb_api_key
@@ -32,19 +33,40 @@ def test_api_key_in_netrc_means_online(monkeypatch, tmp_path) -> None:
     assert configure_wandb_mode(str(tmp_path)) == "online"
 
 
-def test_wandb_run_is_finished_and_named_after_heads(smoke_config, tmp_path) -> None:
-    wandb = pytest.importorskip("wandb")
-    cfg = smoke_config(
+def test_wandb_run_is_finished_named_grouped_and_resumed(
+    smoke_config, tmp_path, monkeypatch
+) -> None:
+    started = []
+    init = wandb.init
+
+    def recording_init(*args, **kwargs):
+        started.append(init(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(wandb, "init", recording_init)
+    overrides = [
         "logger=wandb",
         "attention=mqa",
+        "wandb_group=G",
         "trainer.max_steps=2",
         "trainer.val_check_interval=2",
         "summary.decode_speed=false",
         "test=false",
-    )
-    summary = train(cfg)
+    ]
+    summary = train(smoke_config(*overrides))
     assert wandb.run is None  # finished, so the next multirun job starts a new run
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # Named after the built model: every kind of sublayer is MQA with 4 query heads.
     assert summary["run_name"] == "enc-mqa4_dec-mqa4_cross-mqa4_sdpa"
+    # What wandb itself holds for the run. Offline, wandb 0.31 writes the group only into
+    # its binary log (run-*.wandb, a private format), so ask wandb's Run object.
+    (run,) = started
+    assert (run.group, run.name) == ("G", summary["run_name"])
+    assert runs[0].name.endswith(f"-{run.id}")
+
+    # A resumed job continues its wandb run: the id is stored in the checkpoint.
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["multihead"]["wandb_id"] == run.id
+    train(smoke_config(*overrides, "trainer.max_steps=4", "ckpt_path=auto"))
+    assert started[1].id == run.id
