@@ -1,7 +1,5 @@
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
 
 from multihead.attention import MultiHeadAttention
@@ -127,18 +125,6 @@ def test_head_designs_reach_their_layers_and_aux_losses_sum():
     assert mixed.head_config["encoder_self_attention"]["tag"] == "mha4-talking_heads"
 
 
-def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():
-    cfg = OmegaConf.create({"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"})
-    override = OmegaConf.create({"num_kv_heads": 2})
-    model = tiny_model(attention=cfg, decoder_self_attention=override)
-    assert model.head_config["decoder_self_attention"]["kind"] == "gqa"
-    assert model.head_config["encoder_self_attention"]["kind"] == "mha"
-    with pytest.raises(ValueError, match=r"\['heads'\] in cross_attention"):
-        tiny_model(cross_attention={"heads": 2})
-    with pytest.raises(TypeError, match="attention must be a mapping"):
-        tiny_model(attention=4)
-
-
 def test_parameter_and_cache_counts():
     model = tiny_model(decoder_self_attention={"num_kv_heads": 1})
 
@@ -255,27 +241,6 @@ def test_attention_maps_shapes_and_normalisation():
 def test_constructor_is_keyword_only_with_plain_values():
     with pytest.raises(TypeError):
         Transformer(VOCAB, VOCAB)  # type: ignore[misc]
-
-
-def test_hydra_instantiate_with_nested_attention_configs():
-    cfg = OmegaConf.create(
-        {
-            "_target_": "multihead.model.Transformer",
-            "src_vocab_size": VOCAB,
-            "tgt_vocab_size": VOCAB,
-            "d_model": 32,
-            "ffn_dim": 64,
-            "num_encoder_layers": 1,
-            "num_decoder_layers": 1,
-            "dropout": 0.1,
-            "max_positions": 64,
-            "attention": {"num_heads": 4, "num_kv_heads": None, "backend": "sdpa"},
-            "decoder_self_attention": {"num_kv_heads": 2},
-            "encoder_self_attention": None,
-        }
-    )
-    model = instantiate(cfg)
-    assert model.head_tag == "enc-mha4_dec-gqa4kv2_cross-mha4_sdpa"
 
 
 def test_flash_on_a_padded_sublayer_refuses_when_the_model_is_built():
