@@ -121,9 +121,18 @@ def smoke_config(tmp_path: Path, multi30k_dir: Path, cache_dir: Path):
 @pytest.fixture(scope="session")
 def smoke_run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
     """The smoke experiment trained for 20 steps: checkpoints at steps 10 and 20, and last."""
+    return train_smoke_run(tmp_path_factory.mktemp("smoke_run"), multi30k_dir, cache_dir)
+
+
+def train_smoke_run(out: Path, multi30k_dir: Path, cache_dir: Path) -> Path:
+    """Train the smoke experiment for 20 steps into ``out`` (as :func:`smoke_run_dir`).
+
+    The resume and kill tests train their own uninterrupted run with this, next to the runs
+    they compare it with: the session's run is trained earlier, among other tests, and a
+    bit-exact comparison must not depend on what ran in between.
+    """
     from multihead.training.run import train
 
-    out = tmp_path_factory.mktemp("smoke_run")
     cfg = compose_config(
         "train",
         [

@@ -173,7 +173,8 @@ def one_rank_step(rank: int, init_file: str, results) -> None:
 def test_a_nan_on_one_rank_stops_every_rank(tmp_path) -> None:
     """Every rank learns of rank 1's NaN from the step's all-reduce, and stops with the error.
     Without it rank 0 would go on and wait for rank 1 in the next collective."""
-    context = torch.multiprocessing.get_context("fork")  # the ranks share this import
+    # spawn, not fork: a fork after earlier tests started OpenMP threads can deadlock.
+    context = torch.multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [
         context.Process(target=one_rank_step, args=(rank, str(tmp_path / "init"), results))

@@ -45,7 +45,7 @@ def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
     jobs = sorted(p for p in tmp_path.iterdir() if p.name.isdigit())
     assert [p.name for p in jobs] == ["0", "1"]
     summaries = [json.loads((job / "summary.json").read_text()) for job in jobs]
-    assert [s["variant"] for s in summaries] == ["mha", "mqa"]
+    assert [s["kind"] for s in summaries] == ["mha", "mqa"]
     # Each job ran its test stage (after 4 steps the score itself means nothing).
     assert all(isinstance(s["test/bleu"], float) for s in summaries)
 

@@ -14,7 +14,7 @@ import torch
 
 from multihead.training import TranslationModule
 from multihead.training.run import train
-from tests.conftest import compose_config
+from tests.conftest import compose_config, train_smoke_run
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -243,8 +243,14 @@ def resume_stopped_run(smoke_config, run: Path, trained_steps: list[int]) -> dic
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
 
 
-def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_steps) -> None:
-    """20 steps straight (``smoke_run_dir``) == 10 steps, a stop, a resume, 10 more.
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
+    """The uninterrupted 20-step run, trained beside the runs it is compared with."""
+    return train_smoke_run(tmp_path_factory.mktemp("straight"), multi30k_dir, cache_dir)
+
+
+def test_resume_is_bit_exact(smoke_config, straight_run, stopped_runs, trained_steps) -> None:
+    """20 steps straight (``straight_run``) == 10 steps, a stop, a resume, 10 more.
 
     Dropout is reseeded from the step at every step and the sampler is deterministic, so a
     relaunch that ignored its checkpoint and trained 20 steps from scratch would end with
@@ -253,12 +259,12 @@ def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_
     """
     run = stopped_runs[0]
     resumed = resume_stopped_run(smoke_config, run, trained_steps)
-    straight = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    straight = torch.load(straight_run / "checkpoints" / "last.ckpt", weights_only=False)
     assert straight["global_step"] == 20
     assert_same_training_state(straight, resumed)
     # Equal here because BLEU rose from step 10 to 20: step10.ckpt holds checkpoint_best's
     # state from before step 10's validation (docs/reliability.md, "Known gaps").
-    assert callback_states(straight, smoke_run_dir) == callback_states(resumed, run)
+    assert callback_states(straight, straight_run) == callback_states(resumed, run)
 
 
 def test_resume_checks_fail_when_resume_is_dropped(
