@@ -44,10 +44,13 @@ def find_multi30k() -> Path | None:
     return candidate if (candidate / "train.en.gz").is_file() else None
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     # Test models are tiny: intra-op threads only add overhead, and when the two cores are
     # shared with other jobs OpenMP threads wait on each other (tests ran ~50x slower).
+    # Set before every test, not once: making a ctranslate2.Translator sets the process's
+    # OpenMP thread count to 2 here, and a training run in the same process then summed in
+    # another order than the 1-thread runs it was compared with bit for bit (test_kill in CI).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

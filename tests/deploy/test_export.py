@@ -98,6 +98,15 @@ def trained(tok, tmp_path_factory):
     return _trained(tok, tmp_path_factory.mktemp("trained"), 2)
 
 
+def test_loading_an_engine_keeps_torchs_thread_count(trained):
+    """ctranslate2.Translator sets the process's OpenMP thread count; the engine puts torch's
+    back (a training run after it would otherwise sum in another order)."""
+    _, out = trained
+    torch.set_num_threads(7)  # neither 1 nor a core count CTranslate2 would choose here
+    CTranslate2Engine(out)
+    assert torch.get_num_threads() == 7
+
+
 @pytest.fixture(scope="module")
 def trained_mla(tok, tmp_path_factory):
     return _trained(tok, tmp_path_factory.mktemp("trained_mla"), 3)

@@ -27,6 +27,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from multihead.data import Tokenizer
 from multihead.deploy.export import SETTINGS_FILE, TOKENIZER_FILE, import_ctranslate2
 
@@ -60,9 +62,14 @@ class CTranslate2Engine:
             )
         self.settings = json.loads(settings_path.read_text(encoding="utf-8"))
         self.tokenizer = Tokenizer.load(model_dir / TOKENIZER_FILE)
+        # Making a Translator sets the process's OpenMP thread count (torch's too) to its own
+        # choice; torch's is put back, so loading an engine does not change how, or how
+        # reproducibly (reduction order), torch computes in the same process afterwards.
+        torch_threads = torch.get_num_threads()
         self.translator = ctranslate2.Translator(
             str(model_dir), device="cpu", compute_type=compute_type, intra_threads=threads
         )
+        torch.set_num_threads(torch_threads)
         # The exported vocabulary lists the token string of every id, in id order.
         vocabulary_path = model_dir / "shared_vocabulary.json"
         self.vocabulary = json.loads(vocabulary_path.read_text(encoding="utf-8"))
