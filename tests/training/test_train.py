@@ -31,6 +31,13 @@ def test_fast_dev_run(smoke_config, attention: str, tmp_path: Path) -> None:
     assert (tmp_path / "tokenizer.json").is_file()
 
 
+def test_trains_without_a_logger(smoke_config, tmp_path: Path) -> None:
+    # logger=none: the learning-rate monitor, which only writes to loggers, is left out.
+    metrics = train(smoke_config("logger=none", "+trainer.fast_dev_run=true"))
+    assert math.isfinite(metrics["train/loss"])
+    assert not (tmp_path / "csv").exists() and not (tmp_path / "wandb").exists()
+
+
 def test_smoke_run_writes_checkpoints_and_metrics(smoke_config, tmp_path: Path) -> None:
     cfg = smoke_config("attention=gqa", "attention.num_heads=4", "attention.num_kv_heads=2")
     metrics = train(cfg)

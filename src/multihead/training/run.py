@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
@@ -145,6 +145,18 @@ def build_loggers(cfg: DictConfig, model, wandb_id: str | None) -> list:
     return loggers
 
 
+def build_callbacks(cfg: DictConfig, loggers: list) -> list:
+    """The configured callbacks; ``callbacks.NAME=null`` leaves one out.
+
+    Without a logger (``logger=none``) the learning-rate monitor is left out too: it only
+    writes to loggers, and Lightning refuses to start it without one.
+    """
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not loggers:
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    return callbacks
+
+
 def test_checkpoint(trainer: pl.Trainer, setting: str) -> str:
     """The checkpoint that ``test_ckpt`` names: ``best``, ``last``, ``avg<N>`` or a path.
 
@@ -214,8 +226,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     summary = model_summary(model)
     log.info("model: %s", summary)
 
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = build_loggers(cfg, model, wandb_id)
+    callbacks = build_callbacks(cfg, loggers)
     precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     if precision["float32_matmul_precision"] is not None:
         torch.set_float32_matmul_precision(precision["float32_matmul_precision"])
