@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,17 +43,15 @@ def find_multi30k() -> Path | None:
     return candidate if (candidate / "train.en.gz").is_file() else None
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
     # Test models are tiny: intra-op threads only add overhead, and when the two cores are
     # shared with other jobs OpenMP threads wait on each other (tests ran ~50x slower).
-    # Set before every test, not once: making a ctranslate2.Translator sets the process's
-    # OpenMP thread count to 2 here, and a training run in the same process then summed in
-    # another order than the 1-thread runs it was compared with bit for bit (test_kill in CI).
-    threads = torch.get_num_threads()
+    # Set before every test and before its fixtures, module-scoped ones included: making a
+    # ctranslate2.Translator sets the process's OpenMP thread count to its own choice, and a
+    # run trained after that summed in another order than the 1-thread run it was compared
+    # with bit for bit (test_kill and test_resume_is_bit_exact in CI).
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
