@@ -4,6 +4,7 @@
     python scripts/benchmark_decoding.py CKPT --ctranslate2 --threads 2   # + CT2 fp32, int8
     python scripts/benchmark_decoding.py CKPT --engines ct2-fp32 --threads 2   # one engine
     python scripts/benchmark_decoding.py MLA_CKPT --engines ours ours-expanded   # absorption
+    python scripts/benchmark_decoding.py CKPT --alternate 2 --engines ours ct2-fp32 --threads 2
 
 Translates the test split with greedy search and beam search (KV cache on) for every
 checkpoint and engine, on the same sentences, threads, beam size, length penalty and batches
@@ -15,12 +16,23 @@ output words per second (fairer than sentences/s between models whose outputs di
 length), cased BLEU, and for CT2 the share of outputs identical to ours. ``ours expanded``
 decodes an MLA checkpoint with its K/V re-expanded from the cached latent at every step
 instead of absorbed (what absorption buys); it is skipped for checkpoints without MLA.
+
+``--alternate N`` is the fair protocol between engines: each engine runs in a process of its
+own (two OpenMP runtimes in one process slow each other), the processes alternate for ``N``
+rounds, and each round's row gives the ratio to our decoder in that round and how many
+outputs equal ours. Every table starts with the host's CPU: decode speed depends on it (and
+CTranslate2 picks its GEMM library by CPU vendor).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +47,96 @@ from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, translate
 
 ENGINES = ("ours", "ours expanded", "ct2 fp32", "ct2 int8")
+
+
+def host_report() -> str:
+    """The CPU the figures come from, the vector ISA torch's kernels use, and the GEMM
+    library CTranslate2 picks (src/cpu/backend.cc: Intel MKL on GenuineIntel CPUs, oneDNN on
+    others, unless ``CT2_USE_MKL`` says otherwise)."""
+    info = {}
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    vendor = info.get("vendor_id", "unknown vendor")
+    flags = set(info.get("flags", "").split())
+    avx512 = sorted(f for f in flags if f.startswith("avx512"))
+    use_mkl = os.environ.get("CT2_USE_MKL", "")
+    mkl = use_mkl.lower() in ("1", "true", "on") if use_mkl else vendor == "GenuineIntel"
+    has_avx512 = f"yes ({' '.join(avx512)})" if avx512 else "no"
+    return (
+        f"cpu: {name} ({vendor}, {os.cpu_count()} logical cores), AVX2 "
+        f"{'yes' if 'avx2' in flags else 'no'}, AVX-512 {has_avx512}; "
+        f"torch kernels: {torch.backends.cpu.get_cpu_capability()}; "
+        f"CTranslate2 fp32 GEMM: {'Intel MKL' if mkl else 'oneDNN'}"
+    )
+
+
+def alternate(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Each engine in its own process, alternating for ``args.alternate`` rounds.
+
+    With ``--against TREE`` our decoder also runs from another source tree (``TREE/src``, e.g.
+    a ``git worktree`` of the commit before a change), labelled ``ours TREE``.
+    """
+    common = [*args.checkpoints, "--split", args.split, "--beam-size", str(args.beam_size)]
+    common += ["--length-penalty", str(args.length_penalty), "--batch-size", str(args.batch_size)]
+    common += ["--repeats", str(args.repeats)]
+    for option, value in (("--local-dir", args.local_dir), ("--limit", args.limit)):
+        if value is not None:
+            common += [option, str(value)]
+    if args.threads is not None:
+        common += ["--threads", str(args.threads)]
+    jobs = [(name, name, None) for name in names]  # (label, engine, PYTHONPATH)
+    if args.against:
+        jobs.append((f"ours {args.against}", "ours", str(Path(args.against, "src").resolve())))
+    runs = {}  # (round, label) -> the child's JSON
+    with tempfile.TemporaryDirectory(prefix="benchmark_decoding.") as tmp:
+        for r in range(args.alternate):
+            for label, engine, pythonpath in jobs:
+                out = Path(tmp) / f"{r}_{len(runs)}.json"
+                env = dict(os.environ)
+                if pythonpath:
+                    env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
+                cmd = [sys.executable, __file__, *common, "--engines", engine.replace(" ", "-")]
+                subprocess.run(
+                    [*cmd, "--json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL
+                )
+                runs[r, label] = json.loads(out.read_text())
+    first = runs[0, jobs[0][0]]
+    print(host_report())
+    print(
+        f"torch {torch.__version__}, {first['threads']} threads, {first['sentences']} "
+        f"{args.split} sentences, batches of {args.batch_size} sorted by length, length "
+        f"penalty {args.length_penalty}, median of {args.repeats} per process, engines "
+        f"alternating in processes of their own, {args.alternate} rounds"
+    )
+    searches = first["searches"]
+    cols = " | ".join(f"{n} sent/s | {n} × ours | {n} BLEU | {n} same as ours" for n in searches)
+    print(f"| checkpoint | round | engine | {cols} |")
+    print("|---|---|---|" + "---|---|---|---|" * len(searches))
+    for i, ckpt in enumerate(args.checkpoints):
+        for r in range(args.alternate):
+            ours = runs[r, "ours"]["results"].get(str(i)) if "ours" in names else None
+            for label, *_ in jobs:
+                results = runs[r, label]["results"].get(str(i))
+                if results is None:  # "ours expanded" on a checkpoint without MLA
+                    continue
+                cells = []
+                for search in searches:
+                    seconds = statistics.median(results[search]["seconds"])
+                    ratio = same = "n/a"
+                    if ours is not None:
+                        ratio = f"{statistics.median(ours[search]['seconds']) / seconds:.2f}"
+                        pairs = zip(
+                            results[search]["outputs"], ours[search]["outputs"], strict=True
+                        )
+                        same = f"{sum(a == b for a, b in pairs)}/{first['sentences']}"
+                    cells.append(
+                        f"{first['sentences'] / seconds:,.1f} | {ratio} | "
+                        f"{results[search]['bleu']:.2f} | {same}"
+                    )
+                print(f"| {ckpt} | {r + 1} | {label} | {' | '.join(cells)} |")
 
 
 def main() -> None:
@@ -57,11 +159,27 @@ def main() -> None:
         help="time only these (default: ours, plus both CT2 types with --ctranslate2); one "
         "engine per process avoids the two OpenMP runtimes slowing each other",
     )
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run each engine in its own process, alternating, for N rounds",
+    )
+    parser.add_argument(
+        "--against",
+        default=None,
+        metavar="TREE",
+        help="with --alternate: also time our decoder from TREE/src (a worktree of another commit)",
+    )
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # --alternate's children
     args = parser.parse_args()
 
     names = ENGINES if args.ctranslate2 else ENGINES[:2]
     if args.engines:
         names = tuple(name.replace("-", " ") for name in args.engines)
+    if args.alternate:
+        return alternate(args, names)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -128,6 +246,22 @@ def main() -> None:
                 seconds[key, name].append(time.perf_counter() - start)
     tmp.cleanup()
 
+    if args.json:
+        results = {
+            str(i): {
+                name: {
+                    "seconds": seconds[(i, engine), name],
+                    "outputs": outputs[(i, engine), name],
+                    "bleu": corpus_scores(outputs[(i, engine), name], references).bleu,
+                }
+                for name in searches
+            }
+            for (i, engine) in engines
+        }
+        summary = {"threads": threads, "sentences": len(sources), "searches": list(searches)}
+        Path(args.json).write_text(json.dumps({**summary, "results": results}))
+        return
+    print(host_report())
     print(
         f"torch {torch.__version__}, {threads} threads, {len(sources)} {args.split} sentences, "
         f"batches of {args.batch_size} sorted by length, length penalty {args.length_penalty}, "
