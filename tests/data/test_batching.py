@@ -8,6 +8,7 @@ import torch
 
 from multihead.data import (
     TokenBucketSampler,
+    batches_by_length,
     collate,
     pack_batches,
     real_token_fraction,
@@ -261,3 +262,8 @@ def test_rank_arguments_are_checked(lengths: list[int]) -> None:
         TokenBucketSampler(lengths, max_tokens=64, world_size=2, rank=-1)
     with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
         TokenBucketSampler(lengths, max_tokens=64, world_size=0)
+
+
+def test_batches_by_length_sorts_stably_and_cuts_in_order():
+    assert list(batches_by_length([3, 1, 2, 1, 5], 2)) == [[1, 3], [2, 0], [4]]
+    assert list(batches_by_length([], 4)) == []

@@ -2,6 +2,7 @@
 
 from multihead.data.batching import (
     TokenBucketSampler,
+    batches_by_length,
     collate,
     example_length,
     pack_batches,
@@ -27,6 +28,7 @@ __all__ = [
     "Tokenizer",
     "TranslationDataModule",
     "available_local_languages",
+    "batches_by_length",
     "collate",
     "content_hash",
     "example_length",

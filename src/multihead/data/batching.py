@@ -36,6 +36,14 @@ def pack_batches(order: Sequence[int], lengths: np.ndarray, max_tokens: int) -> 
     return batches
 
 
+def batches_by_length(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
+    """Indices of ``lengths`` sorted by length (stable), in consecutive groups of
+    ``batch_size``: decoding batches of similar lengths, so little is spent on padding."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for start in range(0, len(order), batch_size):
+        yield order[start : start + batch_size]
+
+
 def shard_batch(batch: Sequence[int], *, rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s share of a global batch split between ``world_size`` ranks.
 

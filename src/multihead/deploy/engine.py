@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.data import Tokenizer
+from multihead.data import Tokenizer, batches_by_length
 from multihead.deploy.export import SETTINGS_FILE, TOKENIZER_FILE, import_ctranslate2
 
 COMPUTE_TYPES = ("default", "float32", "int8", "int8_float32", "int16")
@@ -102,10 +102,8 @@ class CTranslate2Engine:
         tokens = [
             [self.vocabulary[i] for i in ids] for ids in self.tokenizer.encode_batch(sentences)
         ]
-        order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))  # as ours
         out = [""] * len(tokens)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        for chunk in batches_by_length([len(t) for t in tokens], batch_size):  # as ours
             limits = [
                 self.max_output_length(len(tokens[i]), max_len_a=max_len_a, max_len_b=max_len_b)
                 for i in chunk

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from multihead.data import Tokenizer, collate
+from multihead.data import Tokenizer, batches_by_length, collate
 from multihead.model import decode
 
 
@@ -29,10 +29,8 @@ def translate(
         raise ValueError(f"beam_size and batch_size must be >= 1, got {beam_size}, {batch_size}")
     device = next(model.parameters()).device
     ids = tokenizer.encode_batch(sentences)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths together
     out: list[str] = [""] * len(ids)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    for chunk in batches_by_length([len(x) for x in ids], batch_size):
         examples = [{"src_ids": ids[i], "tgt_ids": [], "src": "", "tgt": ""} for i in chunk]
         src = collate(
             examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
