@@ -5,6 +5,7 @@
     python scripts/benchmark_decoding.py CKPT --engines ct2-fp32 --threads 2   # one engine
     python scripts/benchmark_decoding.py MLA_CKPT --engines ours ours-expanded   # absorption
     python scripts/benchmark_decoding.py CKPT --alternate 2 --engines ours ct2-fp32 --threads 2
+    python scripts/benchmark_decoding.py CKPT --profile --limit 256 --threads 2  # where time goes
 
 Translates the test split with greedy search and beam search (KV cache on) for every
 checkpoint and engine, on the same sentences, threads, beam size, length penalty and batches
@@ -22,6 +23,9 @@ own (two OpenMP runtimes in one process slow each other), the processes alternat
 rounds, and each round's row gives the ratio to our decoder in that round and how many
 outputs equal ours. Every table starts with the host's CPU: decode speed depends on it (and
 CTranslate2 picks its GEMM library by CPU vendor).
+
+``--profile`` times our decoder once under ``torch.profiler`` instead and prints where a
+search spends its time, op by op, grouped by what a decoding step does.
 """
 
 from __future__ import annotations
@@ -71,6 +75,63 @@ def host_report() -> str:
         f"torch kernels: {torch.backends.cpu.get_cpu_capability()}; "
         f"CTranslate2 fp32 GEMM: {'Intel MKL' if mkl else 'oneDNN'}"
     )
+
+
+# What a decoding step does, by the ops that do it (self time; the rest is "other ops").
+STEP_PARTS = {
+    "output projection (E -> V)": ("mkldnn::_linear_pointwise", "aten::mm"),
+    "other projections (Q/K/V, out, FFN)": ("aten::addmm",),
+    "attention over the cache": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::bmm",
+        "aten::_softmax",
+    ),
+    "cache writes, beam reorder, layout copies": (
+        "aten::index_select",
+        "aten::copy_",
+        "aten::index",
+        "aten::index_put_",
+        "aten::cat",
+    ),
+    "log-softmax, scores, top-k": (
+        "aten::_log_softmax",
+        "aten::topk",
+        "aten::amax",
+        "aten::max",
+        "aten::gather",
+        "aten::add_",
+        "aten::masked_fill_",
+    ),
+    "layer norm, residuals, activation": (
+        "aten::native_layer_norm",
+        "aten::add",
+        "aten::clamp_min",
+    ),
+}
+
+
+def profile_searches(translate_fn, sources, searches) -> None:
+    """Print, per search, the share of wall time in each part of a step (STEP_PARTS)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, beam in searches.items():
+        translate_fn(sources[:32], beam)  # warm up
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            translate_fn(sources, beam)
+        wall = time.perf_counter() - start
+        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        print(f"\n{name}: {len(sources)} sentences, {wall:.2f} s under the profiler")
+        print("| part of a step | ops | share of wall time |\n|---|---|---:|")
+        total = 0.0
+        for part, ops in STEP_PARTS.items():
+            seconds = sum(self_us.get(op, 0.0) for op in ops) / 1e6
+            total += seconds
+            print(f"| {part} | {', '.join(o.split('::')[1] for o in ops)} | {seconds / wall:.1%} |")
+        ops_total = sum(self_us.values()) / 1e6
+        print(f"| other ops | | {(ops_total - total) / wall:.1%} |")
+        print(f"| outside ops (Python, dispatch, profiler) | | {(wall - ops_total) / wall:.1%} |")
 
 
 def alternate(args: argparse.Namespace, names: tuple[str, ...]) -> None:
@@ -172,6 +233,9 @@ def main() -> None:
         metavar="TREE",
         help="with --alternate: also time our decoder from TREE/src (a worktree of another commit)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile our decoder instead of timing engines"
+    )
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # --alternate's children
     args = parser.parse_args()
 
@@ -193,6 +257,19 @@ def main() -> None:
     )[args.split]
     sources, references = split["src"][: args.limit], split["tgt"][: args.limit]
     searches = {"greedy": 1, f"beam{args.beam_size}": args.beam_size}
+    if args.profile:
+        t = translators[0]
+        settings = search_settings(t.config, length_penalty=args.length_penalty)
+        options = dict(batch_size=args.batch_size, **settings)
+        print(host_report())
+        print(f"torch {torch.__version__}, {threads} threads, {args.checkpoints[0]}")
+        with torch.inference_mode():
+            profile_searches(
+                lambda s, beam: translate(t.model, t.tokenizer, s, beam_size=beam, **options),
+                sources,
+                searches,
+            )
+        return
 
     # engines[(checkpoint index, engine name)] = function(sentences, beam) -> outputs
     engines = {}

@@ -339,32 +339,56 @@ def test_translate_cli_with_ctranslate2(ckpt, tmp_path):
     assert wrong.stderr.strip() == "error: engine=torch needs ckpt=PATH"
 
 
-def _benchmark_rows(ckpt: Path, multi30k_dir: Path, *engines: str) -> dict[str, list[str]]:
-    """Run benchmark_decoding.py on 6 test sentences; its table rows by engine name."""
+def _benchmark(ckpt: Path, multi30k_dir: Path, *options: str) -> tuple[str, list[list[str]]]:
+    """Run benchmark_decoding.py on 6 test sentences: its output and its table's rows."""
     script = str(ROOT / "scripts" / "benchmark_decoding.py")
     args = [str(ckpt), "--local-dir", str(multi30k_dir), "--limit", "6", "--repeats", "1"]
     result = subprocess.run(
-        [sys.executable, script, *args, "--threads", "1", "--engines", *engines],
+        [sys.executable, script, *args, "--threads", "1", *options],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(f"| {ckpt} |")]
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    return {row[1]: row for row in rows}
+    return result.stdout, [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
 
 
 def test_benchmark_decoding_one_engine_per_process(trained, multi30k_dir, tmp_path):
     # The recipe's checkpoints name their dataset; the toy one does not.
     state = torch.load(trained[0], weights_only=False)
     state["multihead"]["config"]["data"]["name"] = "multi30k"
-    torch.save(state, tmp_path / "model.ckpt")
+    ckpt = tmp_path / "model.ckpt"
+    torch.save(state, ckpt)
 
-    both = _benchmark_rows(tmp_path / "model.ckpt", multi30k_dir, "ours", "ct2-fp32")
+    out, rows = _benchmark(ckpt, multi30k_dir, "--engines", "ours", "ct2-fp32")
+    both = {row[1]: row for row in rows}
     assert sorted(both) == ["ct2 fp32", "ours"]
+    assert out.startswith("cpu: ") and "CTranslate2 fp32 GEMM: " in out.splitlines()[0]
     # Columns: ..., greedy sent/s, ratio, words/s, BLEU, same as ours, beam the same.
     assert both["ct2 fp32"][8] == "6/6"  # greedy is cut to our per-sentence limits: identical
     assert float(both["ct2 fp32"][4].replace(",", "")) > 0
-    alone = _benchmark_rows(tmp_path / "model.ckpt", multi30k_dir, "ct2-fp32")
-    assert sorted(alone) == ["ct2 fp32"]
-    assert alone["ct2 fp32"][8] == "n/a" and alone["ct2 fp32"][13] == "n/a"
+    # --alternate: each engine in its own process, two rounds; the identity with ours is
+    # counted across processes. Columns: checkpoint, round, engine, then per search
+    # sent/s, ratio, BLEU, same as ours.
+    _, rows = _benchmark(ckpt, multi30k_dir, "--alternate", "2", "--engines", "ours", "ct2-fp32")
+    assert [(row[1], row[2]) for row in rows] == [
+        ("1", "ours"),
+        ("1", "ct2 fp32"),
+        ("2", "ours"),
+        ("2", "ct2 fp32"),
+    ]
+    assert all(row[6] == "6/6" for row in rows)  # greedy identical in every round
+
+
+def test_benchmark_decoding_profile_accounts_for_the_wall_time(trained, multi30k_dir, tmp_path):
+    state = torch.load(trained[0], weights_only=False)
+    state["multihead"]["config"]["data"]["name"] = "multi30k"
+    ckpt = tmp_path / "model.ckpt"
+    torch.save(state, ckpt)
+    out, _ = _benchmark(ckpt, multi30k_dir, "--profile")
+    for search in ("greedy", "beam5"):
+        table = out.split(f"\n{search}: ")[1].split("\n\n")[0]
+        rows = [line.split("|") for line in table.splitlines()[3:]]
+        shares = {row[1].strip(): float(row[3].strip(" %")) for row in rows}
+        # The op names of each part are those the decoder runs: none is left at zero.
+        assert len(shares) == 8 and all(share > 0 for share in shares.values()), shares

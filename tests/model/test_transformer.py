@@ -250,3 +250,23 @@ def test_flash_on_a_padded_sublayer_refuses_when_the_model_is_built():
         tiny_model(cross_attention={"backend": "flash"})
     model = tiny_model(decoder_self_attention={"backend": "flash"})  # causal, unpadded keys
     assert model.head_config["decoder_self_attention"]["backend"] == "flash"
+
+
+def test_output_projection_at_inference_is_the_linear_map_and_follows_weight_changes():
+    """The oneDNN path (no autograd, CPU) against F.linear, after in-place weight updates and
+    a new tensor; with autograd it is nn.Linear's own (gradients flow)."""
+    from multihead.model.transformer import OutputProjection
+
+    proj = OutputProjection(16, 50, bias=False)
+    x = torch.randn(7, 1, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight))
+    with torch.no_grad():
+        proj.weight.mul_(-2.0)  # an optimiser step: same storage, new version
+    with torch.inference_mode():
+        torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight))
+    proj.weight = torch.nn.Parameter(torch.randn(50, 16))  # a new tensor
+    with torch.no_grad():
+        torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight))
+    proj(x).sum().backward()
+    assert proj.weight.grad is not None
