@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -213,33 +214,37 @@ class DecoderCache:
 
 
 class OutputProjection(nn.Linear):
-    """The projection to vocabulary logits, ``(..., E) -> (..., V)``: an ``nn.Linear`` whose
-    CPU inference runs on oneDNN with the weight reordered once.
+    """The projection to vocabulary logits, ``(..., E) -> (..., V)``: an ``nn.Linear`` that a
+    search can run on oneDNN with its weight reordered once (:meth:`packed`).
 
     At ``V`` ~ 8,000 this is the largest matmul of every decoding step. On the CPU,
     ``F.linear`` calls Intel MKL's sgemm; oneDNN on a weight kept in its own blocked layout
     ran the same product faster on an AVX2 AMD EPYC (docs/results.md, "Beam search per host").
-    The reordered copy is made on first use and again whenever the weight changes (its
-    storage or version counter: an optimiser step, a loaded state dict). Training, autograd,
-    other devices and dtypes, and ``torch.compile`` take ``nn.Linear``'s own path.
     """
 
-    _packed: tuple[tuple[int, int], Tensor] | None = None  # ((data_ptr, version), weight)
+    _packed: Tensor | None = None  # the reordered weight, inside packed() only
+
+    @contextmanager
+    def packed(self) -> Iterator[None]:
+        """Inside the block, CPU fp32 calls without autograd use a oneDNN copy of the weight.
+
+        The copy lives for the block only (one search): the weight cannot change during a
+        search, but can between two, and a fused optimiser step changes it in place without
+        bumping its version counter, so no cache could tell.
+        """
+        weight = self.weight
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            if torch.backends.mkldnn.is_available():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        try:
+            yield
+        finally:
+            self._packed = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if (
-            x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or not torch.backends.mkldnn.is_available()
-        ):
+        if self._packed is None or torch.is_grad_enabled() or x.dtype != torch.float32:
             return super().forward(x)
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
 def _attention_config(
