@@ -160,9 +160,13 @@ def alternate(args: argparse.Namespace, names: tuple[str, ...]) -> None:
                 if pythonpath:
                     env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
                 cmd = [sys.executable, __file__, *common, "--engines", engine.replace(" ", "-")]
-                subprocess.run(
-                    [*cmd, "--json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL
+                child = subprocess.run(
+                    [*cmd, "--json", str(out)], env=env, stdout=subprocess.DEVNULL
                 )
+                if child.returncode != 0:  # its own error is printed above
+                    sys.exit(
+                        f"error: engine {label!r} failed in round {r + 1} (exit {child.returncode})"
+                    )
                 runs[r, label] = json.loads(out.read_text())
     first = runs[0, jobs[0][0]]
     print(host_report())
@@ -242,6 +246,13 @@ def main() -> None:
     names = ENGINES if args.ctranslate2 else ENGINES[:2]
     if args.engines:
         names = tuple(name.replace("-", " ") for name in args.engines)
+    if args.alternate < 0:
+        parser.error(f"--alternate must be >= 1 rounds, got {args.alternate}")
+    if args.against is not None:
+        if not args.alternate:
+            parser.error("--against needs --alternate N")
+        if not (Path(args.against) / "src" / "multihead").is_dir():
+            parser.error(f"--against {args.against}: expected a source tree with src/multihead")
     if args.alternate:
         return alternate(args, names)
     if args.threads is not None:
