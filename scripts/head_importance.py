@@ -4,7 +4,8 @@ For every attention sublayer and head of a checkpoint, over a split (teacher-for
 references): Michel's importance, Voita's confidence, the positional and rare-token shares
 (:mod:`multihead.analysis.importance`). Writes ``heads.csv``, one heatmap per metric
 (``<metric>.png``: layers x heads, one panel per sublayer kind), and the pruning curve
-(``pruning.csv``, ``pruning.png``: greedy BLEU with the least important heads masked).
+(``pruning.csv``, ``pruning.png``: greedy BLEU with the least important heads masked, and
+beside it the parameters, BLEU and greedy speed of a copy with those heads pruned for real).
 """
 
 import csv
@@ -100,7 +101,13 @@ def main(cfg: DictConfig) -> None:
         fig.savefig(out / "pruning.png", dpi=110)
         plt.close(fig)
         for row in rows:
-            print(f"{row['heads_kept']:4d} heads kept  BLEU {row['bleu']:.2f}")
+            pruned = "pruning refused (a whole sublayer or part of a GQA group)"
+            if row["params_pruned"] is not None:
+                pruned = (
+                    f"pruned: {row['params_pruned']:,} params, BLEU {row['bleu_pruned']:.2f}, "
+                    f"{row['sent_per_s_pruned']:.0f} sent/s against {row['sent_per_s']:.0f}"
+                )
+            print(f"{row['heads_kept']:4d} heads kept  BLEU {row['bleu']:.2f}  {pruned}")
         print(f"pruning.csv and pruning.png written to {out}")
 
 

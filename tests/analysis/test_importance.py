@@ -138,6 +138,30 @@ def test_pruning_curve_masks_the_least_important_heads_first(tokenizer):
             half = translate(model, tokenizer, sources, beam_size=1, **search)
     assert rows[0]["bleu"] == corpus_scores(plain, refs).bleu
     assert rows[1]["bleu"] == corpus_scores(half, refs).bleu
+    # Nothing masked: the "pruned" copy is the model itself.
+    assert rows[0]["params_pruned"] == rows[0]["params"] == model.num_parameters()
+    assert (rows[0]["bleu_pruned"], rows[0]["same_as_masked"]) == (rows[0]["bleu"], len(sources))
+    # Half the heads include all four of cross-attention layer 0: not prunable, so no columns.
+    assert rows[1]["params_pruned"] is None and rows[1]["same_as_masked"] is None
+
+
+def test_pruning_curve_prunes_the_masked_heads_for_real(tokenizer):
+    model = tiny_model(tokenizer.vocab_size)  # E = 16, D = 4; MHA encoder, MQA cross
+    order = [("encoder_self", 0, 1), ("cross", 1, 2), ("decoder_self", 0, 0), ("cross", 0, 0)]
+    search = {"length_penalty": 1.0, "max_len_a": 1.0, "max_len_b": 5}
+    sources, refs = [s for s, _ in SENTENCES], [t for _, t in SENTENCES]
+    (row,) = pruning_curve(model, tokenizer, sources, refs, order, [0.5], search)
+    assert row["heads_masked"] == 2
+    with torch.inference_mode(), masked_heads(model, order[:2]):
+        masked = translate(model, tokenizer, sources, beam_size=1, **search)
+    assert row["same_as_masked"] == len(sources)
+    from multihead.evaluation.metrics import corpus_scores
+
+    assert row["bleu_pruned"] == row["bleu"] == corpus_scores(masked, refs).bleu
+    D, E = 4, 16
+    query_head, kv_head = 2 * D * E + D, 2 * D * E + 2 * D  # as in the test below
+    assert row["params_pruned"] == model.num_parameters() - (query_head + kv_head) - query_head
+    assert row["sent_per_s"] > 0 and row["sent_per_s_pruned"] > 0
 
 
 def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_dir, tmp_path):

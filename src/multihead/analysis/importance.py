@@ -26,6 +26,7 @@ heads an unselected head's row is zero, for talking heads the mixed weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -329,29 +330,59 @@ def pruning_curve(
     batch_size: int = 128,
 ) -> list[dict[str, Any]]:
     """Greedy BLEU with the first ``round(f * N)`` heads of ``order`` masked, for each
-    fraction ``f`` of the ``N`` heads: rows of ``fraction_masked``, ``heads_masked``,
-    ``heads_kept`` and ``bleu``. ``search`` is :func:`multihead.checkpoints.search_settings`."""
+    fraction ``f`` of the ``N`` heads, and the same heads pruned for real (:func:`prune_model`).
+
+    Rows of ``fraction_masked``, ``heads_masked``, ``heads_kept``, ``bleu`` and
+    ``sent_per_s`` (the masked model: all parameters), then ``params_pruned``,
+    ``bleu_pruned``, ``sent_per_s_pruned`` and ``same_as_masked`` (hypotheses identical to
+    the masked model's) for the pruned copy; those four are ``None`` where pruning refuses:
+    every head of a sublayer, or GQA heads that are not a whole group. Speeds are one timed
+    greedy pass each, as noisy as the machine. ``search`` is
+    :func:`multihead.checkpoints.search_settings`.
+    """
     from multihead.evaluation.metrics import corpus_scores
     from multihead.evaluation.translate import translate
 
     if any(not 0.0 <= f < 1.0 for f in fractions):
         raise ValueError(f"fractions must be in [0, 1), got {list(fractions)}")
+
+    def timed_translate(net: nn.Module) -> tuple[list[str], float]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hypotheses = translate(
+                net, tokenizer, list(sources), beam_size=1, batch_size=batch_size, **search
+            )
+        return hypotheses, len(sources) / (time.perf_counter() - start)
+
     rows = []
     for fraction in fractions:
         masked = list(order[: round(fraction * len(order))])
-        with masked_heads(model, masked), torch.inference_mode():
-            hypotheses = translate(
-                model, tokenizer, list(sources), beam_size=1, batch_size=batch_size, **search
-            )
-        bleu = corpus_scores(hypotheses, list(references)).bleu
-        rows.append(
-            {
-                "fraction_masked": fraction,
-                "heads_masked": len(masked),
-                "heads_kept": len(order) - len(masked),
-                "bleu": bleu,
+        with masked_heads(model, masked):
+            hypotheses, speed = timed_translate(model)
+        row = {
+            "fraction_masked": fraction,
+            "heads_masked": len(masked),
+            "heads_kept": len(order) - len(masked),
+            "bleu": corpus_scores(hypotheses, list(references)).bleu,
+            "sent_per_s": speed,
+            "params": model.num_parameters(),
+        }
+        try:
+            pruned = prune_model(model, masked)
+        except ValueError:  # heads of a GQA group, not the whole group
+            row |= dict.fromkeys(("params_pruned", "bleu_pruned", "sent_per_s_pruned"))
+            row["same_as_masked"] = None
+        else:
+            pruned_hypotheses, pruned_speed = timed_translate(pruned)
+            row |= {
+                "params_pruned": pruned.num_parameters(),
+                "bleu_pruned": corpus_scores(pruned_hypotheses, list(references)).bleu,
+                "sent_per_s_pruned": pruned_speed,
+                "same_as_masked": sum(
+                    a == b for a, b in zip(hypotheses, pruned_hypotheses, strict=True)
+                ),
             }
-        )
+        rows.append(row)
     return rows
 
 
