@@ -2,10 +2,12 @@
 
 For every attention sublayer and head of a checkpoint, over a split (teacher-forced on the
 references): Michel's importance, Voita's confidence, the positional and rare-token shares
-(:mod:`multihead.analysis.importance`). Writes ``heads.csv``, one heatmap per metric
-(``<metric>.png``: layers x heads, one panel per sublayer kind), and the pruning curve
-(``pruning.csv``, ``pruning.png``: greedy BLEU with the least important heads masked, and
-beside it the parameters, BLEU and greedy speed of a copy with those heads pruned for real).
+(:mod:`multihead.analysis.importance`), and the head's largest output similarity with another
+head of its sublayer (the ρ matrices of ``head_diversity.py``). Writes ``heads.csv``, one
+heatmap per metric (``<metric>.png``: layers x heads, one panel per sublayer kind), and the
+pruning curve (``pruning.csv``, ``pruning.png``: greedy BLEU with the least important heads
+masked, and beside it the parameters, BLEU and greedy speed of a copy with those heads pruned
+for real).
 """
 
 import csv
@@ -18,10 +20,12 @@ import hydra
 import matplotlib.pyplot as plt
 from omegaconf import DictConfig
 
+from multihead.analysis.heads import similarity_matrices
 from multihead.analysis.importance import (
     head_importance,
     head_roles,
     importance_rows,
+    max_similarity,
     normalise_per_layer,
     plot_heatmaps,
     plot_pruning_curve,
@@ -39,6 +43,7 @@ LABELS = {
     "prev_share": "weight on the previous token",
     "next_share": "weight on the next token",
     "rare_share": "weight on rare tokens",
+    "max_similarity": "largest cosine similarity with another head",
 }
 
 
@@ -77,6 +82,8 @@ def main(cfg: DictConfig) -> None:
     raw = head_importance(model, tokenizer, pairs, batch_size=cfg.batch_size)
     scores = {"importance": normalise_per_layer(raw), "importance_raw": raw}
     scores |= head_roles(model, tokenizer, pairs, rare, batch_size=cfg.batch_size)
+    similarity = similarity_matrices(model, tokenizer, pairs, batch_size=cfg.batch_size)
+    scores["max_similarity"] = max_similarity(similarity)
     out = Path(cfg.out)
     write_csv(out / "heads.csv", importance_rows(scores))
     name = Path(cfg.ckpt).parent.name

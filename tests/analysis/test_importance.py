@@ -13,6 +13,7 @@ from multihead.analysis.importance import (
     head_importance,
     head_roles,
     masked_heads,
+    max_similarity,
     normalise_per_layer,
     prune_model,
     pruning_curve,
@@ -145,6 +146,14 @@ def test_pruning_curve_masks_the_least_important_heads_first(tokenizer):
     assert rows[1]["params_pruned"] is None and rows[1]["same_as_masked"] is None
 
 
+def test_max_similarity_is_each_heads_closest_other_head():
+    matrix = torch.tensor([[1.0, 0.2, 0.5], [0.2, 1.0, -0.1], [0.5, -0.1, 1.0]])
+    single = torch.ones(1, 1)
+    out = max_similarity({"cross": [matrix, matrix.flip(0).flip(1)], "encoder_self": [single]})
+    torch.testing.assert_close(out["cross"], torch.tensor([[0.5, 0.2, 0.5], [0.5, 0.2, 0.5]]))
+    assert out["encoder_self"].isnan().all()  # one head: no other to compare with
+
+
 def test_pruning_curve_prunes_the_masked_heads_for_real(tokenizer):
     model = tiny_model(tokenizer.vocab_size)  # E = 16, D = 4; MHA encoder, MQA cross
     order = [("encoder_self", 0, 1), ("cross", 1, 2), ("decoder_self", 0, 0), ("cross", 0, 0)]
@@ -181,13 +190,21 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
     kinds = {r["sublayer"] for r in rows}
     assert kinds == {"encoder_self", "decoder_self", "cross"}
     assert {"importance", "confidence", "prev_share", "rare_share", "rare_keys"} <= set(rows[0])
+    assert all(-1.0 <= float(r["max_similarity"]) <= 1.0 for r in rows)
     for kind in kinds:  # l2-normalised per sublayer
         for layer in {r["layer"] for r in rows if r["sublayer"] == kind}:
             values = [
                 float(r["importance"]) for r in rows if (r["sublayer"], r["layer"]) == (kind, layer)
             ]  # noqa: E501
             assert sum(v * v for v in values) == pytest.approx(1.0, rel=1e-5)
-    for name in ("importance", "confidence", "prev_share", "rare_share", "pruning"):
+    for name in (
+        "importance",
+        "confidence",
+        "prev_share",
+        "rare_share",
+        "max_similarity",
+        "pruning",
+    ):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
     with open(tmp_path / "pruning.csv") as f:
         curve = list(csv.DictReader(f))

@@ -220,6 +220,25 @@ def head_roles(
     }
 
 
+def max_similarity(matrices: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+    """``{kind: (layers, H)}``: each head's largest cosine similarity with another head of
+    its sublayer, read from the ``(H, H)`` matrices of
+    :func:`~multihead.analysis.heads.similarity_matrices` (``head_diversity.py``'s ρ).
+
+    Beside the importance it tells a redundant head (its output nearly another head's) from
+    one that is different but little used. NaN with a single head.
+    """
+    out = {}
+    for kind, per_layer in matrices.items():
+        rows = []
+        for matrix in per_layer:
+            others = matrix.clone().fill_diagonal_(float("-inf"))  # (H, H), self excluded
+            best = others.amax(dim=1)  # (H,)
+            rows.append(best.masked_fill(best.isinf(), float("nan")))
+        out[kind] = torch.stack(rows)  # (layers, H)
+    return out
+
+
 def importance_rows(scores: dict[str, dict[str, Tensor]]) -> list[dict[str, Any]]:
     """One row per (kind, layer, head) with every metric of ``scores`` (``{metric: {kind:
     (layers, H)}}``), for a CSV."""
