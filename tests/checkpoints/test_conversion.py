@@ -19,8 +19,9 @@ from multihead.checkpoints.conversion import (
 )
 from multihead.evaluation import evaluate_checkpoint
 from multihead.model import Transformer, build_model
-from tests.conftest import compose_config
-from tests.training.test_configs import run_script
+
+from helpers.scripts import run_script
+from helpers.training import compose_config
 
 
 def tiny_model(backend: str = "sdpa") -> Transformer:

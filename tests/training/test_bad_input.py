@@ -33,7 +33,8 @@ from multihead.checkpoints import (
 from multihead.checkpoints.averaging import average_checkpoints, checkpoints_to_average
 from multihead.evaluation import evaluate_checkpoint
 from multihead.training.run import train
-from tests.training.test_configs import run_script
+
+from helpers.scripts import run_script
 
 
 def fails_in_one_line(fn, capsys, *args) -> str:

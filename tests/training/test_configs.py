@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,10 @@ from omegaconf import OmegaConf
 
 from multihead.model import build_model
 from multihead.training.precision import resolve_precision
-from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
+
+from helpers import CONFIG_DIR
+from helpers.scripts import run_script
+from helpers.training import compose_config
 
 
 def options(group: str) -> list[str]:
@@ -170,23 +170,6 @@ def test_precision_auto_and_errors() -> None:
     assert resolve_precision("auto", "cpu") in ("32-true", "bf16-mixed")
     with pytest.raises(ValueError, match="'fp8'.*32-true, bf16-mixed, 16-mixed"):
         resolve_precision("fp8", "cpu")
-
-
-def run_script(
-    script: str, *args: str, stdin: str | None = None, preexec_fn=None
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / script), *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        env=env,
-        cwd=REPO_ROOT,
-        timeout=300,
-        preexec_fn=preexec_fn,
-    )
 
 
 def test_config_typo_gives_hydra_error(tmp_path) -> None:

@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 
 from multihead.training.run import train
-from tests.conftest import REPO_ROOT, compose_config, train_smoke_run
-from tests.training.test_train import (
+
+from helpers import REPO_ROOT
+from helpers.training import (
     STEP_FILE,
     assert_resumed_from,
     assert_same_training_state,
+    compose_config,
     listing,
+    train_smoke_run,
 )
 
 # Loaded by every Python started with this directory on PYTHONPATH. When the file that

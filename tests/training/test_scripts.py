@@ -13,7 +13,8 @@ from multihead.analysis.learning_curve import learning_curve
 from multihead.checkpoints import load_trained_model, read_checkpoint
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.evaluation import evaluate_checkpoint
-from tests.training.test_configs import run_script
+
+from helpers.scripts import run_script
 
 
 @pytest.fixture

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -14,12 +12,15 @@ import torch
 
 from multihead.training import TranslationModule
 from multihead.training.run import train
-from tests.conftest import compose_config, train_smoke_run
 
-
-def read_metrics(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+from helpers.training import (
+    assert_resumed_from,
+    assert_same_training_state,
+    compose_config,
+    listing,
+    read_metrics,
+    train_smoke_run,
+)
 
 
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
@@ -113,28 +114,6 @@ def test_final_weights_are_saved_as_last_and_step(smoke_config, tmp_path: Path) 
         assert torch.equal(last["state_dict"][key], value), key
 
 
-def assert_same_training_state(a: dict, b: dict) -> None:
-    """Every tensor of the model, optimiser and scheduler, the step, the epoch, the loops'
-    progress counters and the sampler position.
-
-    Not the module's count of validation runs (``multihead.val_runs``): a step checkpoint is
-    written just before its step's validation and holds the count before it, which a resume
-    does not repeat (docs/reliability.md, "Known gaps").
-    """
-    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"])
-    assert a["state_dict"].keys() == b["state_dict"].keys()
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
-    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
-        assert opt_a["param_groups"] == opt_b["param_groups"]
-        for i, state in opt_a["state"].items():
-            for name, value in state.items():
-                assert torch.equal(value, opt_b["state"][i][name]), (i, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"]
-    assert a["loops"] == b["loops"]
-    assert a["TranslationDataModule"] == b["TranslationDataModule"]  # the sampler position
-
-
 def callback_states(ckpt: dict, run_dir: Path) -> dict:
     """The callbacks' states, with the run directory written as ``RUN`` and tensors as lists.
 
@@ -157,40 +136,6 @@ def callback_states(ckpt: dict, run_dir: Path) -> dict:
         if key.startswith("WallClock"):
             del state["elapsed_min"]
     return states
-
-
-# step{N}.ckpt; step{N}-v1.ckpt, the name Lightning gives a second file of the same step; and
-# the temporary file a write of either goes through (.step{N}.ckpt.<random>.tmp).
-STEP_FILE = re.compile(r"\.?step(\d+)(-v\d+)?\.ckpt(\..+\.tmp)?")
-
-
-def listing(ckpt_dir: Path) -> dict[str, tuple[int, int]]:
-    """Each file in ``ckpt_dir``: its inode and modification time, which any rewrite changes."""
-    found = {}
-    for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
-        try:
-            stat = path.stat()
-        except FileNotFoundError:  # renamed or removed meanwhile, by a run that is writing
-            continue
-        found[path.name] = (stat.st_ino, stat.st_mtime_ns)
-    return found
-
-
-def written_steps(before: dict, after: dict) -> list[int]:
-    """The steps whose checkpoint files were written (or begun) between two listings."""
-    return sorted(
-        int(match[1])
-        for name, stamp in after.items()
-        if before.get(name) != stamp and (match := STEP_FILE.fullmatch(name))
-    )
-
-
-def assert_resumed_from(step: int, before: dict, after: dict) -> None:
-    """The launch between the two listings restored ``step`` > 0: it wrote no checkpoint of
-    that step or an earlier one, as a run that started over (or further back) would."""
-    assert step > 0, "there was no checkpoint to resume from"
-    again = [n for n in written_steps(before, after) if n <= step]
-    assert not again, f"a checkpoint of step {again[0]} was written again: no resume at {step}"
 
 
 @pytest.fixture
