@@ -41,14 +41,15 @@ def run_script(
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> str:
-    """A script's user error: exit status 2, no traceback, one ``error: ...`` line on stderr
-    that holds ``message``. Returns that line."""
+    """A script's user error: exit status 2, no traceback, and one ``error: ...`` line on
+    stderr, which holds ``message`` (what a library logged before it may be there too).
+    Returns that line."""
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-    assert message in lines[0], lines[0]
-    return lines[0]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert message in errors[0], errors[0]
+    return errors[0]
 
 
 @functools.cache
