@@ -5,7 +5,7 @@ script's ``main`` has; tests/scripts/test_train_script.py runs one through the r
 value that a part checks on its own is tested with that part: the layer's heads and backend
 (tests/attention), the data module's (tests/data/test_datamodule.py), the schedule's and the
 wall clock's (tests/training), a language that the data lacks (tests/data/test_loading.py), a
-bad precision (tests/training/test_configs.py). Bad checkpoints and outputs are tested in
+bad precision (tests/training/test_precision.py). Bad checkpoints and outputs are tested in
 tests/checkpoints and tests/evaluation.
 """
 

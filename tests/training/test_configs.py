@@ -168,16 +168,6 @@ def test_multi30k_recipe_gpu_variant_composes(tmp_path) -> None:
     assert cfg.trainer.max_time == "00:01:50:00"
 
 
-def test_precision_auto_and_errors() -> None:
-    assert resolve_precision("32-true", "cpu") == "32-true"
-    assert resolve_precision("auto", "cpu") in ("32-true", "bf16-mixed")
-    with pytest.raises(
-        ValueError,
-        match=r"trainer\.precision='fp8'; expected one of .*32-true, bf16-mixed, 16-mixed",
-    ):
-        resolve_precision("fp8", "cpu")
-
-
 def test_config_typo_names_the_missing_option(tmp_path) -> None:
     with pytest.raises(MissingConfigException, match="Could not find 'attention/gqx'"):
         compose_config("train", ["attention=gqx", *base(tmp_path)])

@@ -43,6 +43,13 @@ def test_auto_picks_bf16_only_where_the_gpu_has_it_natively(
     assert resolve_precision("bf16-mixed", accelerator) == "bf16-mixed"  # asked for: kept
 
 
+def test_an_explicit_precision_is_kept_and_an_unknown_one_named() -> None:
+    assert resolve_precision("32-true", "cpu") == "32-true"
+    expected = r"trainer\.precision='fp8'; expected one of .*32-true, bf16-mixed, 16-mixed"
+    with pytest.raises(ValueError, match=expected):
+        resolve_precision("fp8", "cpu")
+
+
 def test_cpu_fp16_gets_lightnings_mixed_precision_plugin_with_a_cpu_scaler() -> None:
     args = trainer_precision("16-mixed", "cpu")
     assert args["precision"] is None
