@@ -3,7 +3,8 @@
 ``tests/conftest.py`` holds the fixtures and hooks, this package the plain helpers; no test
 imports another test module. Importing this package and :mod:`helpers.models` needs torch
 alone: tests/attention and tests/model also run where only the core is installed (.ci/run).
-:mod:`helpers.training` and :mod:`helpers.scripts` need the ``train`` extra.
+:mod:`helpers.training`, :mod:`helpers.scripts` and :mod:`helpers.ct2_models` (the export
+tests' toy checkpoints) need the ``train`` extra.
 
 pytest puts ``tests/`` on ``sys.path`` (the directory of the rootmost conftest.py), so tests
 import this as ``helpers`` from whatever directory pytest is started in.
