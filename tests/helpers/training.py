@@ -6,12 +6,15 @@ Needs the ``train`` extra (Hydra, Lightning); Hydra is imported when a config is
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch import Callback
+from torch import nn
 
 from multihead.training import TranslationModule
 
@@ -82,6 +85,46 @@ def make_module(model, **options) -> TranslationModule:
         max_len_b=10,
         **options,
     )
+
+
+class PrecisionProbe(Callback):
+    """Records what the training steps really ran, into a JSON file (a callback that a test adds
+    as ``+callbacks.probe._target_=helpers.training.PrecisionProbe``).
+
+    The dtypes of every ``nn.Linear`` output in training mode, and after each step the loss,
+    the loss scale and the number of Adam steps taken.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.dtypes: set[str] = set()
+        self.steps: list[dict] = []
+        self.handles: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for layer in pl_module.model.modules():
+            if isinstance(layer, nn.Linear):
+                self.handles.append(layer.register_forward_hook(self.record))
+
+    def record(self, layer, args, output) -> None:
+        if layer.training:
+            self.dtypes.add(str(output.dtype))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        (optimizer,) = trainer.optimizers
+        self.steps.append(
+            {
+                "loss": float(outputs["loss"]),
+                "scale": trainer.precision_plugin.scaler.get_scale(),
+                "adam_steps": sorted({int(s["step"]) for s in optimizer.state.values()}),
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        record = {"dtypes": sorted(self.dtypes), "steps": self.steps}
+        Path(self.out).write_text(json.dumps(record))
 
 
 # --------------------------------------------------------------------------- resuming
