@@ -1,7 +1,9 @@
-"""Fixtures shared by all tests: where the raw Multi30k lives, and composing real configs.
+"""Fixtures and hooks shared by all tests: the raw Multi30k, a cache, the smoke config, the
+session's smoke run. The plain helpers are in ``tests/helpers``.
 
 Only torch is imported here: tests/attention and tests/model also run where only the core
-is installed (.ci/run). Hydra, which composing configs needs, is imported when used.
+is installed (.ci/run). Hydra and Lightning, which composing configs and training need, are
+imported when used.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import REPO_ROOT, find_multi30k
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = str(REPO_ROOT / "configs")
 
 # Every test runs offline: the Hugging Face Hub is never contacted.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,13 +34,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # tests expect the same on every host; docs/results.md ("Deployment") measures both.
 if sys.platform == "linux" and platform.machine() == "x86_64":
     os.environ.setdefault("CT2_USE_MKL", "1")
-
-
-def find_multi30k() -> Path | None:
-    """``$MULTIHEAD_DATA_DIR`` if set, else ``../shared/data/multi30k`` beside the repository."""
-    where = os.environ.get("MULTIHEAD_DATA_DIR")
-    candidate = Path(where) if where else REPO_ROOT.parent / "shared/data/multi30k"
-    return candidate if (candidate / "train.en.gz").is_file() else None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -87,32 +80,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def compose_config(name: str, overrides: list[str]) -> DictConfig:
-    """Compose ``configs/<name>.yaml`` with ``overrides``, exactly as the scripts do."""
-    from multihead.cli import register_resolvers
-
-    from hydra import compose, initialize_config_dir
-
-    register_resolvers()  # as scripts/train.py does
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
-
-
 @pytest.fixture
 def smoke_config(tmp_path: Path, multi30k_dir: Path, cache_dir: Path):
     """A factory for the smoke experiment's config, writing into ``tmp_path``."""
 
+    from helpers.training import compose_config, smoke_overrides
+
     def make(*overrides: str) -> DictConfig:
         return compose_config(
-            "train",
-            [
-                "experiment=smoke",
-                "logger=csv",
-                f"data.local_dir={multi30k_dir}",
-                f"paths.output_dir={tmp_path}",
-                f"paths.cache_dir={cache_dir}",
-                *overrides,
-            ],
+            "train", [*smoke_overrides(tmp_path, multi30k_dir, cache_dir), *overrides]
         )
 
     return make
@@ -120,59 +96,12 @@ def smoke_config(tmp_path: Path, multi30k_dir: Path, cache_dir: Path):
 
 @pytest.fixture(scope="session")
 def smoke_run_dir(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
-    """The smoke experiment trained for 20 steps: checkpoints at steps 10 and 20, and last."""
+    """The smoke experiment trained for 20 steps: checkpoints at steps 10 and 20, and last.
+
+    Also the uninterrupted run that the resume and kill tests compare with bit for bit: the
+    threads are reset before every test and fixture (above), so what ran before it changes
+    nothing.
+    """
+    from helpers.training import train_smoke_run
+
     return train_smoke_run(tmp_path_factory.mktemp("smoke_run"), multi30k_dir, cache_dir)
-
-
-def train_smoke_run(out: Path, multi30k_dir: Path, cache_dir: Path) -> Path:
-    """Train the smoke experiment for 20 steps into ``out`` (as :func:`smoke_run_dir`).
-
-    The resume and kill tests train their own uninterrupted run with this, next to the runs
-    they compare it with: the session's run is trained earlier, among other tests, and a
-    bit-exact comparison must not depend on what ran in between.
-    """
-    from multihead.training.run import train
-
-    cfg = compose_config(
-        "train",
-        [
-            "experiment=smoke",
-            "logger=csv",
-            f"data.local_dir={multi30k_dir}",
-            f"paths.output_dir={out}",
-            f"paths.cache_dir={cache_dir}",
-            "trainer.max_steps=20",
-            "trainer.val_check_interval=10",
-            "test=false",
-            "summary.decode_speed=false",
-        ],
-    )
-    train(cfg)
-    return out
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that make the host wait for a GPU, run on the CPU.
-
-    Reading a tensor's value (``.item()``, ``bool(t)``, ``int(t)``), ``nonzero`` (also inside
-    ``x[mask]``) and ``equal`` cost nothing on the CPU, but on CUDA tensors each is a
-    host-device sync: counted on a CPU step, they are that step's syncs on a GPU, except
-    what only CUDA kernels do (tests/fake_cuda counts on fake CUDA tensors instead).
-    """
-
-    _READS = ("_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal")
-    _INDEX = ("index", "index_put", "index_put_")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self._READS:
-            self.count += 1
-        elif name in self._INDEX:  # a boolean mask index is a nonzero inside the op
-            self.count += sum(
-                i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
-            )
-        return func(*args, **(kwargs or {}))

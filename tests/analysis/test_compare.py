@@ -19,7 +19,8 @@ from multihead.analysis.comparison import (
     pareto_frontier,
     read_metrics_csv,
 )
-from tests.training.test_configs import run_script
+
+from helpers.scripts import run_script
 
 METRICS_CSV = """\
 epoch,lr-Adam,step,train/loss,val/bleu,val/loss

@@ -23,8 +23,9 @@ from multihead.analysis.importance import (
     token_counts,
 )
 from multihead.evaluation.translate import translate
-from tests.analysis.test_heads import SENTENCES, tiny_model
-from tests.training.test_configs import run_script
+
+from helpers.models import SENTENCES, analysis_model
+from helpers.scripts import run_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -40,7 +41,7 @@ def test_importance_matches_finite_differences(tokenizer):
     # float64 with SDPA (the math backend's softmax runs in float32, too noisy for a finite
     # difference), so the central difference is accurate to ~eps^2; two batches (2 + 1
     # pairs), so the mean of |dL/dg| over batches is checked too.
-    model = tiny_model(tokenizer.vocab_size, backend="sdpa").double()
+    model = analysis_model(tokenizer.vocab_size, backend="sdpa").double()
     raw = head_importance(model, tokenizer, SENTENCES, batch_size=2)
     assert set(raw) == {"encoder_self", "decoder_self", "cross"}
     assert all(v.shape == (2, 4) for v in raw.values())
@@ -85,7 +86,7 @@ def test_rare_tokens_by_hand(tokenizer):
 
 
 def test_roles_match_loops_over_the_maps(tokenizer):
-    model = tiny_model(tokenizer.vocab_size, backend="math")
+    model = analysis_model(tokenizer.vocab_size, backend="math")
     rare_ids = torch.zeros(tokenizer.vocab_size, dtype=torch.bool)
     rare_ids[tokenizer.encode("Hund Park Buch")] = True
     rare = {"src": rare_ids, "tgt": rare_ids}
@@ -112,7 +113,7 @@ def test_roles_match_loops_over_the_maps(tokenizer):
 
 
 def test_pruning_curve_masks_the_least_important_heads_first(tokenizer):
-    model = tiny_model(tokenizer.vocab_size)
+    model = analysis_model(tokenizer.vocab_size)
     importance = {
         "encoder_self": torch.arange(8.0).view(2, 4),
         "decoder_self": torch.arange(8.0, 16.0).view(2, 4),
@@ -213,8 +214,8 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
 
 
 def test_a_pruned_model_computes_the_masked_one_with_fewer_parameters(tokenizer):
-    # tiny_model: MHA encoder, GQA (2 groups of 2) decoder self-attention, MQA cross.
-    model = tiny_model(tokenizer.vocab_size)
+    # analysis_model: MHA encoder, GQA (2 groups of 2) decoder self-attention, MQA cross.
+    model = analysis_model(tokenizer.vocab_size)
     heads = [("encoder_self", 0, 1), ("encoder_self", 0, 3), ("encoder_self", 1, 0)]
     heads += [("decoder_self", 1, 2), ("decoder_self", 1, 3), ("cross", 0, 0), ("cross", 1, 2)]
     pruned = prune_model(model, heads)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from multihead.analysis.views import CDN, bertviz_pages, inline_scripts, sentence_maps
-from tests.analysis.test_heads import SENTENCES, tiny_model
-from tests.training.test_configs import run_script
+
+from helpers.models import SENTENCES, analysis_model
+from helpers.scripts import run_script
 
 pytest.importorskip("bertviz", reason="bertviz is the [viz] extra")
 
@@ -66,7 +67,7 @@ def drawn_text(dom: str) -> list[str]:
 
 
 def test_maps_are_the_models_for_the_sentence_and_its_translation(tokenizer):
-    model = tiny_model(tokenizer.vocab_size)
+    model = analysis_model(tokenizer.vocab_size)
     maps = sentence_maps(model, tokenizer, "A dog runs.", SEARCH)
     S, T = len(maps["encoder_tokens"]), len(maps["decoder_tokens"])
     assert maps["encoder_tokens"][-1] == "<eos>" and maps["decoder_tokens"][0] == "<bos>"
@@ -88,7 +89,7 @@ def test_inlining_needs_every_script(tmp_path):
 @needs_chromium
 @needs_js
 def test_pages_render_in_headless_chromium(tokenizer, tmp_path):
-    model = tiny_model(tokenizer.vocab_size)
+    model = analysis_model(tokenizer.vocab_size)
     maps = sentence_maps(model, tokenizer, "A dog runs in the park.", SEARCH)
     pages = bertviz_pages(maps, DEBIAN_JS)
     assert not any(url in html for html in pages.values() for url in CDN.values())

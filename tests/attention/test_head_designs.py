@@ -302,23 +302,6 @@ def test_aux_loss_is_one_for_a_uniform_gate_and_grows_with_imbalance():
     assert layer.aux_loss.item() > 1.5
 
 
-# --------------------------------------------------------------------------- decoding
-@pytest.mark.parametrize("design", DESIGNS)
-def test_incremental_decoding_equals_the_full_pass(design):
-    layer = build(design)
-    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
-    pad = masks("padding", S)["key_padding_mask"]
-    self_cache = layer.make_kv_cache(batch_size=B, max_len=L)
-    cross_cache = layer.make_kv_cache(batch_size=B, max_len=S)
-    steps = []
-    with torch.no_grad():
-        for t in range(L):
-            h = layer(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
-            steps.append(layer(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
-        full = layer(layer(x, is_causal=True), memory, key_padding_mask=pad)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
-
-
 # --------------------------------------------------------------------------- skipped compute
 @pytest.mark.parametrize("top_k", [2, 4])
 def test_sparse_heads_compute_only_the_selected_pairs(top_k):

@@ -92,24 +92,6 @@ def test_gate_scales_each_heads_output_before_w_o(design):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("design", GATED)
-def test_gated_cached_decoding_equals_the_full_pass(design):
-    # For latent attention this is the absorbed path (gating the latent heads) against
-    # the expanded one (gating the D-wide heads).
-    layer = build(GATED[design])
-    layer.head_mask = GATE
-    x, memory, pad = inputs()
-    self_cache = layer.make_kv_cache(batch_size=B, max_len=L)
-    cross_cache = layer.make_kv_cache(batch_size=B, max_len=S)
-    steps = []
-    with torch.no_grad():
-        for t in range(L):
-            h = layer(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
-            steps.append(layer(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
-        full = run(scaled_w_o(layer, GATE), x, memory, pad)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
-
-
 def test_gate_gradient_is_the_heads_contribution():
     # dL/dg_h for L = sum(out * c) is sum(c * (head_h W_O_h^T)): the head's own output term.
     layer = build({"num_kv_heads": 2})

@@ -1,5 +1,7 @@
 """Incremental decoding through the KV cache equals one full pass."""
 
+import copy
+
 import pytest
 import torch
 
@@ -8,21 +10,114 @@ from multihead import KVCache, MultiHeadAttention
 E, H = 32, 4
 B, L, S = 2, 7, 5
 BACKENDS = ["math", "sdpa", "flash"]
+GATE = torch.tensor([0.0, 1.7, -0.4, 1.0])  # a per-head gate: off, boosted, negative, kept
+
+# Every design the layer builds, as its keyword arguments. ``absorb`` (latent attention:
+# decode with the folded weights, or re-expand K and V) and ``head_mask`` (the gate above)
+# are set on the built layer.
+PLAIN = {
+    f"{backend}-{kind}": {"backend": backend, "num_kv_heads": G}
+    for backend in BACKENDS
+    for kind, G in (("mha", None), ("gqa", 2), ("mqa", 1))
+}
+DESIGNS = {
+    **PLAIN,
+    # sparse heads (MoH) and the head mixings
+    "moh-k2": {"top_k_heads": 2},
+    "moh-k1s1": {"top_k_heads": 1, "num_shared_heads": 1},
+    "moh-k2s1-gqa": {"top_k_heads": 2, "num_shared_heads": 1, "num_kv_heads": 2},
+    "moh-k1s2-mqa": {"top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 1},
+    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
+    "talking_heads-gqa": {"head_mixing": "talking_heads", "backend": "math", "num_kv_heads": 2},
+    "group_mlp": {"head_mixing": "group_mlp"},
+    "group_mlp4-mqa": {"head_mixing": "group_mlp", "mixing_groups": 4, "num_kv_heads": 1},
+    "head_attention": {"head_mixing": "head_attention"},
+    "head_attention-gqa": {"head_mixing": "head_attention", "num_kv_heads": 2},
+    # latent attention: the absorbed path against the expanded full pass, and expanded alone
+    **{
+        f"mla-{backend}-{'absorbed' if absorb else 'expanded'}": {
+            "kv_latent_dim": 12,
+            "backend": backend,
+            "absorb": absorb,
+        }
+        for backend in ("math", "sdpa")
+        for absorb in (True, False)
+    },
+    # gated heads (head_mask); for latent attention the gate on the absorbed latent heads
+    # against the gate on the expanded ones
+    "gated-mha": {"head_mask": GATE},
+    "gated-gqa": {"num_kv_heads": 2, "head_mask": GATE},
+    "gated-mqa": {"num_kv_heads": 1, "head_mask": GATE},
+    "gated-moh-k2": {"top_k_heads": 2, "head_mask": GATE},
+    "gated-moh-k1s2-gqa": {
+        "top_k_heads": 1,
+        "num_shared_heads": 2,
+        "num_kv_heads": 2,
+        "head_mask": GATE,
+    },
+    "gated-talking_heads": {"head_mixing": "talking_heads", "backend": "math", "head_mask": GATE},
+    "gated-mla": {"kv_latent_dim": 12, "head_mask": GATE},
+}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
-def test_token_by_token_self_attention_equals_causal_pass(backend, num_kv_heads):
+def build(design: str) -> MultiHeadAttention:
+    """The design's layer in eval mode, with random biases and mixings far from the identity,
+    so that each term shows."""
+    options = dict(DESIGNS[design])
+    absorb, head_mask = options.pop("absorb", None), options.pop("head_mask", None)
     torch.manual_seed(0)
-    layer = MultiHeadAttention(E, H, num_kv_heads, backend=backend).eval()
-    x = torch.randn(B, L, E)
-    cache = layer.make_kv_cache(B, L)
+    layer = MultiHeadAttention(E, H, **options).eval()
     with torch.no_grad():
-        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
-        full = layer(x, is_causal=True)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
-    assert cache.size == L
-    assert cache.k.shape == (B, num_kv_heads or H, L, E // H)  # only G heads are stored
+        for name, p in layer.named_parameters():
+            if name.endswith("bias") or name.startswith("head_mix"):
+                p.normal_(0.0, 0.5)
+    if absorb is not None:
+        layer.design.absorb = absorb
+    layer.head_mask = head_mask
+    return layer
+
+
+def full_pass_reference(layer: MultiHeadAttention) -> MultiHeadAttention:
+    """The layer whose full pass the cached one must equal: itself, or for a gated layer its
+    ungated copy with head ``h``'s columns of ``W^O`` scaled by ``gate[h]`` (the gate written
+    on the weights, as in tests/attention/test_head_mask.py)."""
+    if layer.head_mask is None:
+        return layer
+    ref = copy.deepcopy(layer)
+    ref.head_mask = None
+    with torch.no_grad():
+        ref.out_proj.weight.view(E, H, E // H).mul_(layer.head_mask.view(1, H, 1))
+    return ref
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_incremental_decoding_equals_the_full_pass(design):
+    """A decoder's use, one token at a time: causal self-attention through one cache, then
+    cross-attention to a padded memory through another, equal the two full passes."""
+    layer = build(design)
+    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, -2:] = True
+    self_cache = layer.make_kv_cache(batch_size=B, max_len=L)
+    cross_cache = layer.make_kv_cache(batch_size=B, max_len=S)
+    with torch.no_grad():
+        hidden, steps = [], []
+        for t in range(L):
+            hidden.append(layer(x[:, t : t + 1], is_causal=True, kv_cache=self_cache))
+            # After the first step a different memory must change nothing: K/V come from the
+            # cache (checked for the plain designs).
+            mem = memory if t == 0 or design not in PLAIN else torch.randn(B, S, E)
+            steps.append(layer(hidden[-1], mem, key_padding_mask=pad, kv_cache=cross_cache))
+        ref = full_pass_reference(layer)
+        full_hidden = ref(x, is_causal=True)
+        full = ref(full_hidden, memory, key_padding_mask=pad)
+    rtol = 1e-5 if design.startswith("mla-") else 1e-4
+    torch.testing.assert_close(torch.cat(hidden, dim=1), full_hidden, atol=1e-5, rtol=rtol)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=rtol)
+    if design in PLAIN:
+        assert self_cache.size == L and cross_cache.size == S
+        G = DESIGNS[design]["num_kv_heads"] or H
+        assert self_cache.k.shape == (B, G, L, E // H)  # only G heads are stored
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -37,26 +132,6 @@ def test_prefill_then_decode_equals_causal_pass(backend):
         last = layer(x[:, 6:], is_causal=True, kv_cache=cache)
         full = layer(x, is_causal=True)
     torch.testing.assert_close(torch.cat([prefix, chunk, last], 1), full, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
-def test_cross_attention_through_cache_equals_full_pass(backend, num_kv_heads):
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(E, H, num_kv_heads, backend=backend).eval()
-    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
-    pad = torch.zeros(B, S, dtype=torch.bool)
-    pad[1, -2:] = True
-    cache = layer.make_kv_cache(B, S)
-    with torch.no_grad():
-        steps = []
-        for t in range(L):
-            # After the first step a different memory must change nothing: K/V come from the cache.
-            mem = memory if t == 0 else torch.randn(B, S, E)
-            steps.append(layer(x[:, t : t + 1], mem, key_padding_mask=pad, kv_cache=cache))
-        full = layer(x, memory, key_padding_mask=pad)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
-    assert cache.size == S
 
 
 def test_cross_attention_projects_memory_once(monkeypatch):

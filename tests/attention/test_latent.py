@@ -62,22 +62,6 @@ def test_mla_equals_torch_mha_of_the_weight_products(backend):
         torch.testing.assert_close(ours.mean(1), weights, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa"])
-@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
-def test_cached_decoding_equals_the_full_pass(backend, absorb):
-    layer = mla(backend=backend)
-    layer.design.absorb = absorb
-    x, memory, pad = inputs()
-    with torch.no_grad():
-        self_cache, cross_cache = layer.make_kv_cache(B, L), layer.make_kv_cache(B, S)
-        steps = []
-        for t in range(L):
-            h = layer(x[:, t : t + 1], is_causal=True, kv_cache=self_cache)
-            steps.append(layer(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
-        full = layer(layer(x, is_causal=True), memory, key_padding_mask=pad)
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
-
-
 def test_absorbed_weights_follow_the_parameters():
     layer = mla()
     x, _, _ = inputs()

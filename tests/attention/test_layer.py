@@ -211,6 +211,12 @@ def test_embed_dim_not_divisible_by_heads():
         MultiHeadAttention(30, 4)
 
 
+@pytest.mark.parametrize("embed_dim, num_heads", [(E, 0), (0, H)])
+def test_embed_dim_and_heads_must_be_positive(embed_dim, num_heads):
+    with pytest.raises(ValueError, match=rf"must be positive, got {embed_dim}, {num_heads}"):
+        MultiHeadAttention(embed_dim, num_heads)
+
+
 def test_heads_not_divisible_by_kv_heads():
     with pytest.raises(ValueError, match=r"num_heads \(4\).*num_kv_heads \(3\)"):
         MultiHeadAttention(E, H, 3)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import re
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,9 +140,17 @@ def test_lowercase_tokenizes_lowercased_text(
         assert train[side] == raw != lowered
 
 
-def test_lowercase_must_be_a_bool(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="^data.lowercase must be a bool, got 'yes'$"):
-        TranslationDataModule(cache_dir=str(tmp_path), lowercase="yes")
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        ({"lowercase": "yes"}, "data.lowercase must be a bool, got 'yes'"),
+        ({"max_tokens": "abc"}, "data.max_tokens must be a positive integer, got 'abc'"),
+        ({"max_tokens": 0}, "data.max_tokens must be a positive integer, got 0"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path: Path, argument, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        TranslationDataModule(cache_dir=str(tmp_path), **argument)
 
 
 def test_bpe_dropout_resegments_training_batches_only(

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from ct2_models import pairs, save_checkpoint, sentences, tokenizer
 from torch import nn
 
 from multihead.checkpoints import load_trained_model
 from multihead.deploy.engine import CTranslate2Engine
 from multihead.deploy.export import ExportError, build_spec, export_ctranslate2
 from multihead.evaluation import translate
+
+from helpers.ct2_models import pairs, save_checkpoint, sentences, tokenizer
 
 # The search settings every test translates with (the recipe's length limits).
 SEARCH = dict(length_penalty=1.0, max_len_a=1.2, max_len_b=10)

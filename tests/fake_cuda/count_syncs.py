@@ -15,13 +15,22 @@ import torch
 from multihead.model import beam_search, greedy_decode
 from multihead.training.callbacks import TokenThroughput
 from tests.fake_cuda import harness
-from tests.fake_cuda.harness import BOS, CUDA, EOS, Answers, FakeCuda, autocast, padded
-from tests.fake_cuda.test_training import _module, _step
+from tests.fake_cuda.harness import (
+    BOS,
+    CUDA,
+    EOS,
+    Answers,
+    FakeCuda,
+    autocast,
+    one_step,
+    padded,
+    training_module,
+)
 
 
 def training_step(precision: str) -> str:
     fake = FakeCuda(Answers(integer=20))
-    module = _module(fake)
+    module = training_module(fake)
     monitor = TokenThroughput(log_every_n_steps=100)
     monitor.on_train_start(None, module)
     gradients = 0
@@ -40,9 +49,9 @@ def training_step(precision: str) -> str:
     with fake:
         optimizer = module.configure_optimizers()["optimizer"]
         scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-        _step(fake, module, optimizer, scaler, monitor, precision)  # makes Adam's state
+        one_step(fake, module, optimizer, scaler, monitor, precision)  # makes Adam's state
         with fake.counting() as syncs:
-            _step(fake, module, optimizer, scaler, monitor, precision)
+            one_step(fake, module, optimizer, scaler, monitor, precision)
     extra = f" + {gradients} in grad_norm" if gradients else ""
     return f"training step {precision}: {len(syncs)}{extra} {dict(Counter(s.site for s in syncs))}"
 

@@ -40,6 +40,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead.model import Transformer
+from multihead.training import TranslationModule
 
 CUDA = torch.device("cuda", 0)
 SRC = str(Path(__file__).resolve().parents[2] / "src" / "multihead")
@@ -430,3 +431,50 @@ def trainer(world_size: int = 1) -> SimpleNamespace:
 
 def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
+
+
+def training_module(fake: FakeCuda, **kwargs) -> TranslationModule:
+    """The module around :func:`model_on_cpu` on the fake device, as the trainer leaves it."""
+    module = TranslationModule(
+        fake.model(model_on_cpu()),
+        tokenizer(),
+        adam,
+        beam_size=1,
+        length_penalty=1.0,
+        max_len_a=1.0,
+        max_len_b=4,
+        **kwargs,
+    )
+    module._trainer = trainer()
+    module._device = CUDA  # what the trainer's move to the device records
+    module.logged = {}
+    module.log = lambda name, value, **kw: module.logged.__setitem__(name, value)
+    return module.train()
+
+
+def host_batch() -> dict:
+    """A collated batch as the loader gives it: on the host."""
+    return {"src": padded((4, 9), "cpu"), "tgt": padded((4, 7), "cpu"), "real_token_fraction": 0.9}
+
+
+def one_step(fake, module, optimizer, scaler, monitor, precision) -> torch.Tensor | None:
+    """One training step as Lightning runs it, with synthetic gradients for backward."""
+    monitor.on_train_batch_start(None, module, None, 0)
+    batch = module.transfer_batch_to_device(host_batch(), CUDA, 0)
+    with autocast(AUTOCAST[precision]):
+        loss = module.training_step(batch, 0)
+    if loss is not None:
+        synthetic_grads(module)
+        if scaler is not None:
+            scaler.scale(loss)  # backward would run on this
+            scaler.unscale_(optimizer)
+        module.on_before_optimizer_step(optimizer)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    monitor.on_train_batch_end(None, module, loss, batch, 0)
+    return loss

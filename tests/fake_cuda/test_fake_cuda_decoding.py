@@ -7,9 +7,7 @@ import itertools
 
 import pytest
 import torch
-
-from multihead.model import beam_search, greedy_decode
-from tests.fake_cuda.harness import (
+from harness import (
     BOS,
     CUDA,
     EOS,
@@ -20,6 +18,8 @@ from tests.fake_cuda.harness import (
     model_on_cpu,
     padded,
 )
+
+from multihead.model import beam_search, greedy_decode
 
 pytestmark = pytest.mark.fake_cuda
 # The most a decoding step may wait for the device (issue 36, item 4).

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import CUDA, Answers, FakeCuda, autocast, model_on_cpu, padded
 
 from multihead.model.transformer import FeedForward
-from tests.fake_cuda.harness import CUDA, Answers, FakeCuda, autocast, model_on_cpu, padded
 
 pytestmark = pytest.mark.fake_cuda
 

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from multihead.attention import MultiHeadAttention
-from multihead.attention.backends import BACKENDS, BackendUnavailableError
-from multihead.attention.masks import AttentionMask
-from tests.fake_cuda.harness import (
+from harness import (
     AUTOCAST,
     CUDA,
     DESIGNS,
@@ -20,6 +16,10 @@ from tests.fake_cuda.harness import (
     model_on_cpu,
     padded,
 )
+
+from multihead.attention import MultiHeadAttention
+from multihead.attention.backends import BACKENDS, BackendUnavailableError
+from multihead.attention.masks import AttentionMask
 
 pytestmark = pytest.mark.fake_cuda
 

@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from multihead.training import TranslationModule
-from multihead.training.callbacks import TokenThroughput
-from multihead.training.loss import _LinearCrossEntropy, linear_cross_entropy
-from multihead.training.module import NonFiniteLossError
-from tests.fake_cuda.harness import (
+from harness import (
     AUTOCAST,
     CUDA,
     PAD,
     Answers,
     FakeCuda,
-    adam,
     autocast,
-    model_on_cpu,
+    host_batch,
+    one_step,
     padded,
-    synthetic_grads,
-    tokenizer,
-    trainer,
+    training_module,
 )
+
+from multihead.training.callbacks import TokenThroughput
+from multihead.training.loss import _LinearCrossEntropy, linear_cross_entropy
+from multihead.training.module import NonFiniteLossError
 
 pytestmark = pytest.mark.fake_cuda
 # The most a training step may wait for the device (issue 36, item 4).
@@ -60,57 +57,11 @@ def test_fused_loss_and_its_gradients(precision: str, num_targets: int | None) -
     assert rest == [None] * 5
 
 
-def _module(fake: FakeCuda, **kwargs) -> TranslationModule:
-    module = TranslationModule(
-        fake.model(model_on_cpu()),
-        tokenizer(),
-        adam,
-        beam_size=1,
-        length_penalty=1.0,
-        max_len_a=1.0,
-        max_len_b=4,
-        **kwargs,
-    )
-    module._trainer = trainer()
-    module._device = CUDA  # what the trainer's move to the device records
-    module.logged = {}
-    module.log = lambda name, value, **kw: module.logged.__setitem__(name, value)
-    return module.train()
-
-
-def _host_batch() -> dict:
-    """A collated batch as the loader gives it: on the host."""
-    return {"src": padded((4, 9), "cpu"), "tgt": padded((4, 7), "cpu"), "real_token_fraction": 0.9}
-
-
-def _step(fake, module, optimizer, scaler, monitor, precision) -> torch.Tensor | None:
-    """One training step as Lightning runs it, with synthetic gradients for backward."""
-    monitor.on_train_batch_start(None, module, None, 0)
-    batch = module.transfer_batch_to_device(_host_batch(), CUDA, 0)
-    with autocast(AUTOCAST[precision]):
-        loss = module.training_step(batch, 0)
-    if loss is not None:
-        synthetic_grads(module)
-        if scaler is not None:
-            scaler.scale(loss)  # backward would run on this
-            scaler.unscale_(optimizer)
-        module.on_before_optimizer_step(optimizer)
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
-    monitor.on_train_batch_end(None, module, loss, batch, 0)
-    return loss
-
-
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 def test_training_step_waits_for_the_device_at_most_twice(precision: str) -> None:
     # The host counts the real targets (no sync: a CPU tensor); here that count reads 20.
     fake = FakeCuda(Answers(integer=20))
-    module = _module(fake)
+    module = training_module(fake)
     monitor = TokenThroughput(log_every_n_steps=3)
     monitor.on_train_start(None, module)
     with fake:
@@ -119,7 +70,7 @@ def test_training_step_waits_for_the_device_at_most_twice(precision: str) -> Non
         per_step = []
         for _ in range(3):
             with fake.counting() as syncs:
-                loss = _step(fake, module, optimizer, scaler, monitor, precision)
+                loss = one_step(fake, module, optimizer, scaler, monitor, precision)
             per_step.append(syncs)
     assert loss is not None and loss.device == CUDA
     # Metrics are logged as device tensors, not read back.
@@ -141,11 +92,11 @@ def test_training_step_waits_for_the_device_at_most_twice(precision: str) -> Non
 @pytest.mark.parametrize("found_inf", [0.0, 1.0])
 def test_grad_scaler_steps_or_skips(found_inf: float) -> None:
     fake = FakeCuda(Answers(integer=20, real=found_inf))
-    module = _module(fake)
+    module = training_module(fake)
     with fake:
         optimizer = module.configure_optimizers()["optimizer"]
         scaler = torch.amp.GradScaler("cuda")
-        _step(fake, module, optimizer, scaler, TokenThroughput(10), "fp16")
+        one_step(fake, module, optimizer, scaler, TokenThroughput(10), "fp16")
     # GradScaler skips the optimizer step when it found an inf: no Adam state then.
     assert (len(optimizer.state) > 0) == (found_inf == 0.0)
 
@@ -154,9 +105,9 @@ def test_grad_scaler_steps_or_skips(found_inf: float) -> None:
 def test_non_finite_loss_is_caught_on_the_device(on_non_finite_loss: str) -> None:
     """Both sides of the finite check: the answer True says the loss is NaN."""
     fake = FakeCuda(Answers(integer=20, flag=True))
-    module = _module(fake, on_non_finite_loss=on_non_finite_loss)
+    module = training_module(fake, on_non_finite_loss=on_non_finite_loss)
     with fake:
-        batch = module.transfer_batch_to_device(_host_batch(), CUDA, 0)
+        batch = module.transfer_batch_to_device(host_batch(), CUDA, 0)
         if on_non_finite_loss == "stop":
             with pytest.raises(NonFiniteLossError, match="at step 0"):
                 module.training_step(batch, 0)

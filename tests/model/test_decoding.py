@@ -3,10 +3,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
 
 from multihead.model import beam_search, greedy_decode, max_output_lengths
-from tests.conftest import HostReads
+
+from helpers import HostReads
+from helpers.models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
 
 LIMITS = dict(max_len_a=1.0, max_len_b=4)
 BEAM = dict(length_penalty=1.0, **LIMITS)

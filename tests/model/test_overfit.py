@@ -1,7 +1,8 @@
 import torch
-from tiny_models import BOS, EOS, PAD, tiny_model
 
 from multihead.model import beam_search, greedy_decode
+
+from helpers.models import BOS, EOS, PAD, tiny_model
 
 
 def test_tiny_model_memorises_one_pair():

@@ -1,9 +1,10 @@
 import pytest
 import torch
-from tiny_models import BOS, PAD, VOCAB, random_src, tiny_model
 
 from multihead.attention import MultiHeadAttention
 from multihead.model import Transformer
+
+from helpers.models import BOS, PAD, VOCAB, random_src, tiny_model
 
 VARIANTS = {"mha": None, "gqa": 2, "mqa": 1}
 

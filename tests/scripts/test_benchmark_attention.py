@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 
 def load_script():

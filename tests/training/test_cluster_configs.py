@@ -16,7 +16,9 @@ from omegaconf import OmegaConf
 
 from multihead.model import DecoderLayer, EncoderLayer, build_model
 from multihead.training.precision import resolve_precision
-from tests.conftest import CONFIG_DIR, REPO_ROOT, compose_config
+
+from helpers import CONFIG_DIR, REPO_ROOT
+from helpers.training import compose_config
 
 CUDA = torch.cuda.is_available()
 

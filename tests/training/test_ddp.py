@@ -24,7 +24,8 @@ from multihead.evaluation import corpus_scores, evaluate_checkpoint
 from multihead.model import Transformer
 from multihead.training import TranslationModule
 from multihead.training.module import NonFiniteLossError
-from tests.training.test_configs import run_script
+
+from helpers.scripts import run_script
 
 COMMON = [
     "experiment=smoke",

@@ -11,7 +11,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from omegaconf import OmegaConf
 
 from multihead.training import run
-from tests.model.tiny_models import tiny_model
+
+from helpers.models import tiny_model
 
 SENTENCES = [f"sentence {i}" for i in range(10)]
 

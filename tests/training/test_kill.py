@@ -1,5 +1,5 @@
 """A run killed with SIGKILL at several moments resumes each time from the step it had
-reached and ends with exactly the weights of an uninterrupted run (``straight_dir``).
+reached and ends with exactly the weights of an uninterrupted run (``smoke_run_dir``).
 
 Two kills land half-way through a checkpoint write: one of a new step file, and one while
 ``last.ckpt`` of an earlier launch is overwritten, which is where a torn write loses data.
@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 
 from multihead.training.run import train
-from tests.conftest import REPO_ROOT, compose_config, train_smoke_run
-from tests.training.test_train import (
+
+from helpers import REPO_ROOT
+from helpers.training import (
     STEP_FILE,
     assert_resumed_from,
     assert_same_training_state,
+    compose_config,
     listing,
 )
 
@@ -55,7 +57,7 @@ def save(obj, f, *args, **kwargs):
 torch.save = save
 """
 
-# The smoke run's settings (straight_dir, the uninterrupted run), saving every 2 steps.
+# The smoke run's settings (smoke_run_dir, the uninterrupted run), saving every 2 steps.
 ARGS = [
     "experiment=smoke",
     "logger=csv",
@@ -139,7 +141,9 @@ def assert_every_checkpoint_loads(ckpts: Path) -> None:
         torch.load(path, weights_only=False)
 
 
-def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, multi30k_dir, cache_dir) -> None:
+def test_killed_run_resumes_to_the_uninterrupted_weights(
+    tmp_path, multi30k_dir, cache_dir, smoke_run_dir
+) -> None:
     site, run = tmp_path / "site", tmp_path / "run"
     site.mkdir()
     (site / "sitecustomize.py").write_text(KILL_DURING_WRITE)
@@ -183,9 +187,8 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, multi30k_dir,
     )
     assert_resumed_from(14, before, listing(ckpts))
 
-    # The uninterrupted run, trained here beside the killed one (not the session's run).
-    straight_dir = train_smoke_run(tmp_path / "straight", multi30k_dir, cache_dir)
-    straight = torch.load(straight_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    # The uninterrupted run: the session's smoke run, the same 20 steps.
+    straight = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     resumed = torch.load(ckpts / "last.ckpt", weights_only=False)
     assert straight["global_step"] == 20
     assert_same_training_state(straight, resumed)

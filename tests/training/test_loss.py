@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._ops import ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multihead.training import TranslationModule
 from multihead.training.loss import linear_cross_entropy
-from tests.model.tiny_models import PAD, VOCAB, random_src, tiny_model
+
+from helpers.models import PAD, VOCAB, random_src, tiny_model
+from helpers.training import make_module
 
 aten = ops.aten
-
-
-def make_module(model, **options) -> TranslationModule:
-    """The module around ``model`` with the recipe's loss and search settings."""
-    return TranslationModule(
-        model,
-        SimpleNamespace(pad_id=PAD),
-        optimizer=torch.optim.Adam,
-        label_smoothing=0.1,
-        beam_size=1,
-        length_penalty=1.0,
-        max_len_a=1.2,
-        max_len_b=10,
-        **options,
-    )
 
 
 def reference(hidden, weight, targets, label_smoothing):

@@ -44,6 +44,8 @@ def test_inverse_sqrt_warmup_values() -> None:
     assert lrs[399] == pytest.approx(math.sqrt(100 / 399))
     with pytest.raises(ValueError, match="warmup_steps must be >= 1, got 0"):
         InverseSqrtWarmup(optimizer, warmup_steps=0)
+    with pytest.raises(ValueError, match="cooldown_steps must be >= 0, got -1"):
+        InverseSqrtWarmup(optimizer, warmup_steps=1, cooldown_steps=-1, total_steps=10)
 
 
 def test_inverse_sqrt_cooldown_anneals_to_zero_at_total_steps() -> None:

@@ -5,7 +5,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.model.tiny_models import VOCAB, tiny_model
+from helpers.models import VOCAB, tiny_model
 
 
 def test_attention_config_accepts_dictconfig_and_rejects_unknown_keys():

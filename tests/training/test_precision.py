@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import nn
 
 from multihead.training.precision import resolve_precision, trainer_precision
 from multihead.training.run import train
@@ -41,6 +39,13 @@ def test_auto_picks_bf16_only_where_the_gpu_has_it_natively(
     assert resolve_precision("auto", accelerator) == expected
     assert resolve_precision("auto", "cpu") == "32-true"
     assert resolve_precision("bf16-mixed", accelerator) == "bf16-mixed"  # asked for: kept
+
+
+def test_an_explicit_precision_is_kept_and_an_unknown_one_named() -> None:
+    assert resolve_precision("32-true", "cpu") == "32-true"
+    expected = r"trainer\.precision='fp8'; expected one of .*32-true, bf16-mixed, 16-mixed"
+    with pytest.raises(ValueError, match=expected):
+        resolve_precision("fp8", "cpu")
 
 
 def test_cpu_fp16_gets_lightnings_mixed_precision_plugin_with_a_cpu_scaler() -> None:
@@ -79,45 +84,6 @@ def test_fp32_on_a_gpu_uses_tf32_and_the_cpu_never_does(monkeypatch) -> None:
     assert trainer_precision("auto", "cpu") == cpu  # even where a GPU is present
 
 
-class PrecisionProbe(Callback):
-    """Records what the training steps really ran, into a JSON file.
-
-    The dtypes of every ``nn.Linear`` output in training mode, and after each step the loss,
-    the loss scale and the number of Adam steps taken.
-    """
-
-    def __init__(self, out: str) -> None:
-        self.out = out
-        self.dtypes: set[str] = set()
-        self.steps: list[dict] = []
-        self.handles: list = []
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        for layer in pl_module.model.modules():
-            if isinstance(layer, nn.Linear):
-                self.handles.append(layer.register_forward_hook(self.record))
-
-    def record(self, layer, args, output) -> None:
-        if layer.training:
-            self.dtypes.add(str(output.dtype))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        (optimizer,) = trainer.optimizers
-        self.steps.append(
-            {
-                "loss": float(outputs["loss"]),
-                "scale": trainer.precision_plugin.scaler.get_scale(),
-                "adam_steps": sorted({int(s["step"]) for s in optimizer.state.values()}),
-            }
-        )
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        for handle in self.handles:
-            handle.remove()
-        record = {"dtypes": sorted(self.dtypes), "steps": self.steps}
-        Path(self.out).write_text(json.dumps(record))
-
-
 def test_cpu_16_mixed_trains_in_fp16_with_a_loss_scale(smoke_config, tmp_path) -> None:
     probe = tmp_path / "probe.json"
     cfg = smoke_config(
@@ -126,7 +92,7 @@ def test_cpu_16_mixed_trains_in_fp16_with_a_loss_scale(smoke_config, tmp_path) -
         "trainer.val_check_interval=4",
         "test=false",
         "summary.limit=4",
-        "+callbacks.probe._target_=tests.training.test_precision.PrecisionProbe",
+        "+callbacks.probe._target_=helpers.training.PrecisionProbe",
         f"+callbacks.probe.out={probe}",
     )
     summary = train(cfg)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from multihead.training.callbacks import TokenThroughput
-from tests.conftest import HostReads
-from tests.model.tiny_models import random_src, tiny_model
-from tests.training.test_loss import make_module
+
+from helpers import HostReads
+from helpers.models import random_src, tiny_model
+from helpers.training import make_module
 
 
 @pytest.mark.parametrize("finite", [True, False])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.training.test_configs import run_script
+from helpers.scripts import run_script
 
 pytest.importorskip(
     "hydra_plugins.hydra_submitit_launcher", reason="needs hydra-submitit-launcher (.[cluster])"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import CONFIG_DIR
-from tests.training.test_configs import run_script
+from helpers import CONFIG_DIR
+from helpers.scripts import run_script
 
 EXPECTED = {  # (num_heads, num_kv_heads, kv_latent_dim) of every job
     (8, 8, None),

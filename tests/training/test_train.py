@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -14,33 +12,34 @@ import torch
 
 from multihead.training import TranslationModule
 from multihead.training.run import train
-from tests.conftest import compose_config, train_smoke_run
+
+from helpers.training import (
+    assert_resumed_from,
+    assert_same_training_state,
+    compose_config,
+    listing,
+    read_metrics,
+)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
-def test_fast_dev_run(smoke_config, attention: str, tmp_path: Path) -> None:
-    cfg = smoke_config(f"attention={attention}", "+trainer.fast_dev_run=true")
+@pytest.mark.parametrize("attention, logger", [("mha", "csv"), ("mqa", "none")])
+def test_fast_dev_run(smoke_config, attention: str, logger: str, tmp_path: Path) -> None:
+    # GQA trains in test_smoke_run_writes_checkpoints_and_metrics. logger=none: the
+    # learning-rate monitor, which only writes to loggers, is left out.
+    cfg = smoke_config(f"attention={attention}", f"logger={logger}", "+trainer.fast_dev_run=true")
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"])
     assert math.isfinite(metrics["test/bleu"])
     assert (tmp_path / "tokenizer.json").is_file()
-
-
-def test_trains_without_a_logger(smoke_config, tmp_path: Path) -> None:
-    # logger=none: the learning-rate monitor, which only writes to loggers, is left out.
-    metrics = train(smoke_config("logger=none", "+trainer.fast_dev_run=true"))
-    assert math.isfinite(metrics["train/loss"])
-    assert not (tmp_path / "csv").exists() and not (tmp_path / "wandb").exists()
+    if logger == "none":
+        assert not (tmp_path / "csv").exists() and not (tmp_path / "wandb").exists()
 
 
 def test_smoke_run_writes_checkpoints_and_metrics(smoke_config, tmp_path: Path) -> None:
     cfg = smoke_config("attention=gqa", "attention.num_heads=4", "attention.num_kv_heads=2")
     metrics = train(cfg)
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["test/bleu"])
+    assert (tmp_path / "tokenizer.json").is_file()
     ckpts = {p.name for p in (tmp_path / "checkpoints").iterdir()}
     assert "last.ckpt" in ckpts and "step20.ckpt" in ckpts and "step40.ckpt" in ckpts
     assert any(name.startswith("best-") for name in ckpts)
@@ -67,30 +66,8 @@ def test_smoke_run_writes_checkpoints_and_metrics(smoke_config, tmp_path: Path) 
 
 @pytest.mark.parametrize("setting", ["last", "avg2"])
 def test_test_ckpt_names_the_tested_checkpoint(smoke_config, tmp_path: Path, setting) -> None:
-    cfg = smoke_config(
-        "trainer.max_steps=20",
-        "trainer.val_check_interval=10",
-        f"test_ckpt={setting}",
-        "module.test_beam_size=2",
-        "summary.decode_speed=false",
-    )
-    summary = train(cfg)
-    tested = Path(summary["test/ckpt"])
-    assert tested == tmp_path / "checkpoints" / f"{setting}.ckpt" and tested.is_file()
-    assert summary["test/beam_size"] == 2
-    if setting == "avg2":
-        a, b = (
-            torch.load(tmp_path / "checkpoints" / f"step{n}.ckpt", weights_only=False)
-            for n in (10, 20)
-        )
-        avg = torch.load(tested, weights_only=False)
-        key = "model.encoder_layers.0.self_attn.in_proj.weight"
-        expected = (a["state_dict"][key] + b["state_dict"][key]) / 2
-        torch.testing.assert_close(avg["state_dict"][key], expected)
-
-
-def test_final_weights_are_saved_as_last_and_step(smoke_config, tmp_path: Path) -> None:
-    """A run that stops between every-N-steps saves still leaves its final weights on disk.
+    """25 steps, saved every 10: the run stops between saves, and still leaves its final
+    weights on disk as last.ckpt and step25.ckpt.
 
     Lightning 2.6 only refreshes a ModelCheckpoint's last.ckpt when that callback saves a
     top-k file, so last.ckpt used to be the best-BLEU checkpoint; RecentCheckpoints writes
@@ -99,40 +76,28 @@ def test_final_weights_are_saved_as_last_and_step(smoke_config, tmp_path: Path) 
     cfg = smoke_config(
         "trainer.max_steps=25",
         "trainer.val_check_interval=10",
-        "test=false",
+        f"test_ckpt={setting}",
+        "module.test_beam_size=2",
         "summary.decode_speed=false",
     )
-    train(cfg)
+    summary = train(cfg)
     ckpt_dir = tmp_path / "checkpoints"
+    tested = Path(summary["test/ckpt"])
+    assert tested == ckpt_dir / f"{setting}.ckpt" and tested.is_file()
+    assert summary["test/beam_size"] == 2
     steps = sorted(int(p.stem[4:]) for p in ckpt_dir.glob("step*.ckpt"))
-    assert steps[-1] == 25, steps
-    last = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
-    final = torch.load(ckpt_dir / "step25.ckpt", weights_only=False)
-    assert last["global_step"] == final["global_step"] == 25
-    for key, value in final["state_dict"].items():
-        assert torch.equal(last["state_dict"][key], value), key
-
-
-def assert_same_training_state(a: dict, b: dict) -> None:
-    """Every tensor of the model, optimiser and scheduler, the step, the epoch, the loops'
-    progress counters and the sampler position.
-
-    Not the module's count of validation runs (``multihead.val_runs``): a step checkpoint is
-    written just before its step's validation and holds the count before it, which a resume
-    does not repeat (docs/reliability.md, "Known gaps").
-    """
-    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"])
-    assert a["state_dict"].keys() == b["state_dict"].keys()
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
-    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
-        assert opt_a["param_groups"] == opt_b["param_groups"]
-        for i, state in opt_a["state"].items():
-            for name, value in state.items():
-                assert torch.equal(value, opt_b["state"][i][name]), (i, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"]
-    assert a["loops"] == b["loops"]
-    assert a["TranslationDataModule"] == b["TranslationDataModule"]  # the sampler position
+    assert steps[-2:] == [20, 25], steps
+    a, b = (torch.load(ckpt_dir / f"step{n}.ckpt", weights_only=False) for n in (20, 25))
+    if setting == "avg2":
+        avg = torch.load(tested, weights_only=False)
+        key = "model.encoder_layers.0.self_attn.in_proj.weight"
+        expected = (a["state_dict"][key] + b["state_dict"][key]) / 2
+        torch.testing.assert_close(avg["state_dict"][key], expected)
+    else:
+        last = torch.load(tested, weights_only=False)
+        assert last["global_step"] == b["global_step"] == 25
+        for key, value in b["state_dict"].items():
+            assert torch.equal(last["state_dict"][key], value), key
 
 
 def callback_states(ckpt: dict, run_dir: Path) -> dict:
@@ -157,40 +122,6 @@ def callback_states(ckpt: dict, run_dir: Path) -> dict:
         if key.startswith("WallClock"):
             del state["elapsed_min"]
     return states
-
-
-# step{N}.ckpt; step{N}-v1.ckpt, the name Lightning gives a second file of the same step; and
-# the temporary file a write of either goes through (.step{N}.ckpt.<random>.tmp).
-STEP_FILE = re.compile(r"\.?step(\d+)(-v\d+)?\.ckpt(\..+\.tmp)?")
-
-
-def listing(ckpt_dir: Path) -> dict[str, tuple[int, int]]:
-    """Each file in ``ckpt_dir``: its inode and modification time, which any rewrite changes."""
-    found = {}
-    for path in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
-        try:
-            stat = path.stat()
-        except FileNotFoundError:  # renamed or removed meanwhile, by a run that is writing
-            continue
-        found[path.name] = (stat.st_ino, stat.st_mtime_ns)
-    return found
-
-
-def written_steps(before: dict, after: dict) -> list[int]:
-    """The steps whose checkpoint files were written (or begun) between two listings."""
-    return sorted(
-        int(match[1])
-        for name, stamp in after.items()
-        if before.get(name) != stamp and (match := STEP_FILE.fullmatch(name))
-    )
-
-
-def assert_resumed_from(step: int, before: dict, after: dict) -> None:
-    """The launch between the two listings restored ``step`` > 0: it wrote no checkpoint of
-    that step or an earlier one, as a run that started over (or further back) would."""
-    assert step > 0, "there was no checkpoint to resume from"
-    again = [n for n in written_steps(before, after) if n <= step]
-    assert not again, f"a checkpoint of step {again[0]} was written again: no resume at {step}"
 
 
 @pytest.fixture
@@ -250,14 +181,9 @@ def resume_stopped_run(smoke_config, run: Path, trained_steps: list[int]) -> dic
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
-    """The uninterrupted 20-step run, trained beside the runs it is compared with."""
-    return train_smoke_run(tmp_path_factory.mktemp("straight"), multi30k_dir, cache_dir)
-
-
-def test_resume_is_bit_exact(smoke_config, straight_run, stopped_runs, trained_steps) -> None:
-    """20 steps straight (``straight_run``) == 10 steps, a stop, a resume, 10 more.
+def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_steps) -> None:
+    """20 steps straight (the session's ``smoke_run_dir``) == 10 steps, a stop, a resume, 10
+    more.
 
     Dropout is reseeded from the step at every step and the sampler is deterministic, so a
     relaunch that ignored its checkpoint and trained 20 steps from scratch would end with
@@ -266,12 +192,12 @@ def test_resume_is_bit_exact(smoke_config, straight_run, stopped_runs, trained_s
     """
     run = stopped_runs[0]
     resumed = resume_stopped_run(smoke_config, run, trained_steps)
-    straight = torch.load(straight_run / "checkpoints" / "last.ckpt", weights_only=False)
+    straight = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert straight["global_step"] == 20
     assert_same_training_state(straight, resumed)
     # Equal here because BLEU rose from step 10 to 20: step10.ckpt holds checkpoint_best's
     # state from before step 10's validation (docs/reliability.md, "Known gaps").
-    assert callback_states(straight, straight_run) == callback_states(resumed, run)
+    assert callback_states(straight, smoke_run_dir) == callback_states(resumed, run)
 
 
 def test_resume_checks_fail_when_resume_is_dropped(

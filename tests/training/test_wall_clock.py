@@ -45,3 +45,8 @@ def test_one_slow_step_past_two_marks_saves_once() -> None:
     trainer, saved = fake_trainer()
     clock.on_train_batch_end(trainer, None, None, None, 0)
     assert saved == ["d/minute015-step7.ckpt"] and clock.marks == [60]
+
+
+def test_marks_must_be_minutes_after_the_start(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"save_at_minutes must be minutes > 0, got \[0\]"):
+        WallClock(save_at_minutes=[0], dirpath=str(tmp_path))

@@ -1,4 +1,8 @@
-"""Tiny models and inputs shared by the model tests (d_model 32, 2 + 2 layers, CPU)."""
+"""Tiny models and inputs shared by the tests (CPU; torch and the core alone).
+
+:func:`tiny_model` (d_model 32, 2 + 2 layers) is the model tests' model; :func:`analysis_model`
+(d_model 16, GQA and MQA sublayers) is the analysis tests', with :data:`SENTENCES`.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +56,31 @@ def random_src(batch: int, max_len: int, seed: int = 0, min_len: int = 1) -> tor
     lengths[0] = max_len  # at least one row without padding
     src[torch.arange(max_len)[None, :] >= lengths[:, None]] = PAD
     return src
+
+
+SENTENCES = [
+    ("A dog runs in the park.", "Ein Hund rennt im Park."),
+    ("Two men are talking.", "Zwei Männer unterhalten sich."),
+    ("A girl reads a book.", "Ein Mädchen liest ein Buch."),
+]
+
+
+def analysis_model(
+    vocab_size: int, backend: str = "sdpa", layers: int = 2, head_mixing: str | None = None
+) -> Transformer:
+    """A tiny eval-mode Transformer for the analysis tests: 4 query heads, 2 K/V heads in the
+    decoder's self-attention and 1 in cross-attention."""
+    torch.manual_seed(0)
+    return Transformer(
+        src_vocab_size=vocab_size,
+        tgt_vocab_size=vocab_size,
+        d_model=16,
+        ffn_dim=32,
+        num_encoder_layers=layers,
+        num_decoder_layers=layers,
+        dropout=0.1,
+        max_positions=1024,
+        attention={"num_heads": 4, "backend": backend, "head_mixing": head_mixing},
+        decoder_self_attention={"num_kv_heads": 2},
+        cross_attention={"num_kv_heads": 1},
+    ).eval()

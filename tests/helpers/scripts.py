@@ -1,0 +1,90 @@
+"""Running the scripts: in a subprocess, or their ``main`` in this process.
+
+A subprocess imports torch, Lightning and Hydra again (seconds on 2 cores), so each script
+has one subprocess test that proves its one-line error wrapper is wired (the message on
+stderr in one line, exit status 2, no traceback); the other cases call the same ``main`` in
+this process through :func:`script_main`, or the function that raises, through
+:func:`fails_in_one_line`. Needs the ``train`` extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from helpers import REPO_ROOT
+from helpers.training import compose_config
+
+
+def run_script(
+    script: str, *args: str, stdin: str | None = None, preexec_fn=None
+) -> subprocess.CompletedProcess:
+    """``python scripts/<script> ARGS`` offline, from the repository root."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=300,
+        preexec_fn=preexec_fn,
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> str:
+    """A script's user error: exit status 2, no traceback, and one ``error: ...`` line on
+    stderr, which holds ``message`` (what a library logged before it may be there too).
+    Returns that line."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert message in errors[0], errors[0]
+    return errors[0]
+
+
+@functools.cache
+def _load(script: str):
+    path = REPO_ROOT / "scripts" / script
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_module(script: str):
+    """``scripts/<script>`` imported as a module (its ``main`` not run)."""
+    return _load(script)
+
+
+def script_main(script: str, config: str, *overrides: str):
+    """Run ``scripts/<script>``'s ``main`` in this process on ``configs/<config>.yaml`` with
+    ``overrides``: ``hydra.main`` hands a given config straight to the function it wraps, so
+    this is the script past Hydra's command-line parsing, its error wrapper included."""
+    return script_module(script).main(compose_config(config, list(overrides)))
+
+
+def fails_in_one_line(fn: Callable, capsys: pytest.CaptureFixture, *args, **kwargs) -> str:
+    """Run ``fn`` as a script's ``main`` runs (inside ``exit_on_user_error``); return its one
+    ``error: ...`` line, after checking the exit status 2 and that stderr holds nothing else.
+
+    ``fn`` may be :func:`script_main` itself: the script's own wrapper exits first.
+    """
+    from multihead.cli import exit_on_user_error
+
+    capsys.readouterr()  # what came before
+    with pytest.raises(SystemExit) as stop:
+        exit_on_user_error(fn)(*args, **kwargs)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]

@@ -1,0 +1,34 @@
+"""scripts/evaluate.py: prints BLEU and writes the hypotheses into Hydra's run directory;
+a user error ends the process with one line. Scoring itself is tested in
+tests/evaluation/test_scoring.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from helpers.scripts import assert_one_error_line, run_script, script_module
+from helpers.training import compose_config
+
+
+def test_evaluate_prints_bleu(smoke_run_dir, tmp_path, multi30k_dir, monkeypatch, capsys) -> None:
+    script = script_module("evaluate.py")
+    run = SimpleNamespace(runtime=SimpleNamespace(output_dir=str(tmp_path)))
+    monkeypatch.setattr(script, "HydraConfig", SimpleNamespace(get=lambda: run))
+    cfg = compose_config(
+        "evaluate",
+        [
+            f"ckpt={smoke_run_dir / 'checkpoints' / 'last.ckpt'}",
+            "limit=5",
+            "beam_size=1",
+            f"data.local_dir={multi30k_dir}",
+        ],
+    )
+    script.main(cfg)
+    assert "BLEU" in capsys.readouterr().out
+    assert len((tmp_path / "hypotheses.test.txt").read_text().splitlines()) == 5
+
+
+def test_an_error_is_one_line_in_a_process(tmp_path) -> None:
+    result = run_script("evaluate.py", "ckpt=/nonexistent/x.ckpt", f"hydra.run.dir={tmp_path}")
+    line = assert_one_error_line(result, "checkpoint not found: /nonexistent/x.ckpt")
+    assert result.stderr.strip().splitlines()[-1] == line

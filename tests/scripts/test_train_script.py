@@ -1,0 +1,24 @@
+"""scripts/train.py: a bad config value ends the process with one line.
+
+The other bad values are tested where they are raised, in this process
+(tests/training/test_bad_input.py and the tests of each part); training itself in
+tests/training.
+"""
+
+from __future__ import annotations
+
+from helpers.scripts import assert_one_error_line, run_script
+
+
+def test_a_bad_config_value_fails_in_one_line(tmp_path, multi30k_dir) -> None:
+    """The layer's error, raised while the model is built, through the script's wrapper."""
+    result = run_script(
+        "train.py",
+        "experiment=smoke",
+        "logger=csv",
+        f"data.local_dir={multi30k_dir}",
+        f"paths.log_dir={tmp_path}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        "attention.num_kv_heads=3",
+    )
+    assert_one_error_line(result, "num_heads (4) must be divisible by num_kv_heads (3)")
