@@ -156,7 +156,7 @@ def test_max_similarity_is_each_heads_closest_other_head():
 
 
 def test_pruning_curve_prunes_the_masked_heads_for_real(tokenizer):
-    model = tiny_model(tokenizer.vocab_size)  # E = 16, D = 4; MHA encoder, MQA cross
+    model = analysis_model(tokenizer.vocab_size)  # E = 16, D = 4; MHA encoder, MQA cross
     order = [("encoder_self", 0, 1), ("cross", 1, 2), ("decoder_self", 0, 0), ("cross", 0, 0)]
     search = {"length_penalty": 1.0, "max_len_a": 1.0, "max_len_b": 5}
     sources, refs = [s for s, _ in SENTENCES], [t for _, t in SENTENCES]
