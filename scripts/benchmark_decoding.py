@@ -143,7 +143,8 @@ def alternate(args: argparse.Namespace, names: tuple[str, ...]) -> None:
     common = [*args.checkpoints, "--split", args.split, "--beam-size", str(args.beam_size)]
     common += ["--length-penalty", str(args.length_penalty), "--batch-size", str(args.batch_size)]
     common += ["--repeats", str(args.repeats)]
-    for option, value in (("--local-dir", args.local_dir), ("--limit", args.limit)):
+    options = {"--local-dir": args.local_dir, "--limit": args.limit, "--backend": args.backend}
+    for option, value in options.items():
         if value is not None:
             common += [option, str(value)]
     if args.threads is not None:
@@ -232,6 +233,11 @@ def main() -> None:
         help="run each engine in its own process, alternating, for N rounds",
     )
     parser.add_argument(
+        "--backend",
+        default=None,
+        help="run our decoder's attention with this backend instead of the trained one",
+    )
+    parser.add_argument(
         "--against",
         default=None,
         metavar="TREE",
@@ -258,7 +264,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    translators = [load_trained_model(path) for path in args.checkpoints]
+    translators = [load_trained_model(path, backend=args.backend) for path in args.checkpoints]
     data_cfg = translators[0].config["data"]
     split = load_parallel_dataset(
         name=data_cfg["name"],

@@ -75,7 +75,7 @@ def script_main(script: str, config: str, *overrides: str):
 
 def fails_in_one_line(fn: Callable, capsys: pytest.CaptureFixture, *args, **kwargs) -> str:
     """Run ``fn`` as a script's ``main`` runs (inside ``exit_on_user_error``); return its one
-    ``error: ...`` line, after checking the exit status 2 and that stderr holds nothing else.
+    ``error: ...`` line, after checking the exit status 2 and that it is stderr's last line.
 
     ``fn`` may be :func:`script_main` itself: the script's own wrapper exits first.
     """
@@ -86,5 +86,7 @@ def fails_in_one_line(fn: Callable, capsys: pytest.CaptureFixture, *args, **kwar
         exit_on_user_error(fn)(*args, **kwargs)
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    # One error line, the last thing written (a progress bar may have drawn before it).
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and err[-1] == errors[0], err
+    return errors[0]
