@@ -66,18 +66,9 @@ class CTranslate2Engine:
         # choice; torch's is put back, so loading an engine does not change how, or how
         # reproducibly (reduction order), torch computes in the same process afterwards.
         torch_threads = torch.get_num_threads()
-        import os
-
-        self.workers = int(os.environ.get("MULTIHEAD_WORKERS", "1"))
-        if self.workers > 1:
-            self.translator = ctranslate2.Translator(
-                str(model_dir), device="cpu", compute_type=compute_type, intra_threads=1,
-                inter_threads=self.workers,
-            )
-        else:
-            self.translator = ctranslate2.Translator(
-                str(model_dir), device="cpu", compute_type=compute_type, intra_threads=threads
-            )
+        self.translator = ctranslate2.Translator(
+            str(model_dir), device="cpu", compute_type=compute_type, intra_threads=threads
+        )
         torch.set_num_threads(torch_threads)
         # The exported vocabulary lists the token string of every id, in id order.
         vocabulary_path = model_dir / "shared_vocabulary.json"
@@ -112,7 +103,6 @@ class CTranslate2Engine:
             [self.vocabulary[i] for i in ids] for ids in self.tokenizer.encode_batch(sentences)
         ]
         out = [""] * len(tokens)
-        jobs = []
         for chunk in batches_by_length([len(t) for t in tokens], batch_size):  # as ours
             limits = [
                 self.max_output_length(len(tokens[i]), max_len_a=max_len_a, max_len_b=max_len_b)
@@ -126,11 +116,8 @@ class CTranslate2Engine:
                 min_decoding_length=0,
                 max_input_length=0,
                 return_end_token=True,
-                asynchronous=True,
             )
-            jobs.append((chunk, limits, results))
-        for chunk, limits, results in jobs:
-            results = [r.result() for r in results]
+            # Ids cut at each sentence's limit; decode_batch cuts them at eos, as ours.
             hyp_ids = [
                 [self._ids[t] for t in result.hypotheses[0]][:limit]
                 for result, limit in zip(results, limits, strict=True)

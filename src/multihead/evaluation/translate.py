@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
 from torch import nn
 
 from multihead.data import Tokenizer, batches_by_length, collate
@@ -34,16 +30,12 @@ def translate(
     device = next(model.parameters()).device
     ids = tokenizer.encode_batch(sentences)
     out: list[str] = [""] * len(ids)
-    workers = int(os.environ.get("MULTIHEAD_WORKERS", "1"))
-
-    def run(chunk):
-        if workers > 1:
-            torch.set_num_threads(1)
+    for chunk in batches_by_length([len(x) for x in ids], batch_size):
         examples = [{"src_ids": ids[i], "tgt_ids": [], "src": "", "tgt": ""} for i in chunk]
         src = collate(
             examples, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id
         )["src"].to(device)  # (B, S), ids + eos
-        return decode(
+        hyp_ids = decode(
             model,
             src,
             bos_id=tokenizer.bos_id,
@@ -53,19 +45,6 @@ def translate(
             max_len_a=max_len_a,
             max_len_b=max_len_b,
         )
-
-    chunks = list(batches_by_length([len(x) for x in ids], batch_size))
-    if workers > 1:
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                results = list(pool.map(run, chunks))
-        finally:
-            torch.set_num_threads(before)
-    else:
-        results = [run(c) for c in chunks]
-    for chunk, hyp_ids in zip(chunks, results, strict=True):
         for i, hyp in zip(chunk, tokenizer.decode_batch(hyp_ids), strict=True):
             out[i] = hyp
     return out
