@@ -214,21 +214,17 @@ def beam_search(
             logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*k, V)
             # Log-probabilities plus each beam's score, in place: the (n*k, V) buffers are the
             # largest of the search and allocating them again per step costs as much as the sum.
-            log_probs = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
-            # A sentence's best 2K extensions are among its rows' own best 2K, so each row is
-            # ranked alone and its beam's score added to 2K numbers only, not to all V.
-            row_lp, row_token = _topk_by_chunks(log_probs, 2 * K)  # (n*k, 2K)
+            candidates = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
             forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
             if step >= first_forced_step:  # known on the host: no wait for `forced`
-                forced_rows = forced.repeat_interleave(k)[:, None]  # (n*k, 1)
-                eos_lp = log_probs[:, eos_id : eos_id + 1]  # (n*k, 1)
-                row_lp = torch.where(forced_rows, float("-inf"), row_lp)
-                row_lp[:, :1] = torch.where(forced_rows, eos_lp, row_lp[:, :1])
-                row_token[:, :1] = torch.where(forced_rows, eos_id, row_token[:, :1])
-            row_scores = (row_lp + scores.view(-1, 1)).view(n, k * 2 * K)  # (n, k*2K)
-            top_scores, top_index = row_scores.topk(2 * K, dim=1)  # (n, 2K), best first
-            top_beam = top_index // (2 * K)  # (n, 2K) the row each candidate extends
-            top_token = row_token.view(n, k * 2 * K).gather(1, top_index)
+                candidates.view(n, k, V).masked_fill_(
+                    forced[:, None, None] & not_eos, float("-inf")
+                )
+            candidates.add_(scores.view(-1, 1))
+            candidates = candidates.view(n, k * V)
+            top_scores, top_index = _topk_by_chunks(candidates, 2 * K)  # (n, 2K), best first
+            top_beam = top_index // V  # (n, 2K) the row each candidate extends
+            top_token = top_index % V
             top_eos = top_token.eq(eos_id)
 
             # Finish eos candidates ranked in the top K, up to K finished per sentence. Written
