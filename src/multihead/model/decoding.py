@@ -271,31 +271,6 @@ def beam_search(
     return _to_lists(best_tokens, eos_id)
 
 
-import contextlib
-
-
-@contextlib.contextmanager
-def _onednn_linears():
-    """Throwaway lever: every fp32 CPU F.linear without grad on oneDNN, weights reordered once."""
-    original = F.linear
-    packed = {}
-
-    def linear(x, weight, bias=None):
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
-            return original(x, weight, bias)
-        key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
-        w = packed.get(key)
-        if w is None:
-            w = packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-    F.linear = linear
-    try:
-        yield
-    finally:
-        F.linear = original
-
-
 def decode(
     model: Transformer,
     src: Tensor,
@@ -310,7 +285,6 @@ def decode(
     """Greedy decoding for ``beam_size=1`` (what beam search gives then, faster), else beam
     search; the arguments are those of :func:`beam_search`."""
     limits = dict(bos_id=bos_id, eos_id=eos_id, max_len_a=max_len_a, max_len_b=max_len_b)
-    with _onednn_linears():
-        if beam_size == 1:
-            return greedy_decode(model, src, **limits)
-        return beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty, **limits)
+    if beam_size == 1:
+        return greedy_decode(model, src, **limits)
+    return beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty, **limits)
