@@ -285,7 +285,6 @@ def decode(
     """Greedy decoding for ``beam_size=1`` (what beam search gives then, faster), else beam
     search; the arguments are those of :func:`beam_search`."""
     limits = dict(bos_id=bos_id, eos_id=eos_id, max_len_a=max_len_a, max_len_b=max_len_b)
-    torch.set_flush_denormal(True)
     if beam_size == 1:
         return greedy_decode(model, src, **limits)
     return beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty, **limits)
