@@ -7,6 +7,8 @@ import torch
 
 from multihead import KVCache, MultiHeadAttention
 
+from helpers.models import HEAD_DESIGNS
+
 E, H = 32, 4
 B, L, S = 2, 7, 5
 BACKENDS = ["math", "sdpa", "flash"]
@@ -22,17 +24,7 @@ PLAIN = {
 }
 DESIGNS = {
     **PLAIN,
-    # sparse heads (MoH) and the head mixings
-    "moh-k2": {"top_k_heads": 2},
-    "moh-k1s1": {"top_k_heads": 1, "num_shared_heads": 1},
-    "moh-k2s1-gqa": {"top_k_heads": 2, "num_shared_heads": 1, "num_kv_heads": 2},
-    "moh-k1s2-mqa": {"top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 1},
-    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
-    "talking_heads-gqa": {"head_mixing": "talking_heads", "backend": "math", "num_kv_heads": 2},
-    "group_mlp": {"head_mixing": "group_mlp"},
-    "group_mlp4-mqa": {"head_mixing": "group_mlp", "mixing_groups": 4, "num_kv_heads": 1},
-    "head_attention": {"head_mixing": "head_attention"},
-    "head_attention-gqa": {"head_mixing": "head_attention", "num_kv_heads": 2},
+    **HEAD_DESIGNS,  # sparse heads (MoH) and the head mixings
     # latent attention: the absorbed path against the expanded full pass, and expanded alone
     **{
         f"mla-{backend}-{'absorbed' if absorb else 'expanded'}": {

@@ -15,6 +15,21 @@ from multihead.model import Transformer
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 40
 
+# The head designs beyond MHA/GQA/MQA, as MultiHeadAttention keyword arguments: sparse heads
+# (MoH) and the mixings, alone and with grouped K/V heads.
+HEAD_DESIGNS = {
+    "moh-k2": {"top_k_heads": 2},
+    "moh-k1s1": {"top_k_heads": 1, "num_shared_heads": 1},
+    "moh-k2s1-gqa": {"top_k_heads": 2, "num_shared_heads": 1, "num_kv_heads": 2},
+    "moh-k1s2-mqa": {"top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 1},
+    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
+    "talking_heads-gqa": {"head_mixing": "talking_heads", "backend": "math", "num_kv_heads": 2},
+    "group_mlp": {"head_mixing": "group_mlp"},
+    "group_mlp4-mqa": {"head_mixing": "group_mlp", "mixing_groups": 4, "num_kv_heads": 1},
+    "head_attention": {"head_mixing": "head_attention"},
+    "head_attention-gqa": {"head_mixing": "head_attention", "num_kv_heads": 2},
+}
+
 
 def tiny_model(seed: int = 0, **overrides: Any) -> Transformer:
     """A tiny eval-mode Transformer without dropout, so outputs are deterministic."""
