@@ -123,15 +123,18 @@ def profile_searches(translate_fn, sources, searches) -> None:
         wall = time.perf_counter() - start
         self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
         print(f"\n{name}: {len(sources)} sentences, {wall:.2f} s under the profiler")
-        print("| part of a step | ops | share of wall time |\n|---|---|---:|")
+        print("| part of a step | ops | ms | share of wall time |\n|---|---|---:|---:|")
         total = 0.0
         for part, ops in STEP_PARTS.items():
             seconds = sum(self_us.get(op, 0.0) for op in ops) / 1e6
             total += seconds
-            print(f"| {part} | {', '.join(o.split('::')[1] for o in ops)} | {seconds / wall:.1%} |")
+            names = ", ".join(o.split("::")[1] for o in ops)
+            print(f"| {part} | {names} | {seconds * 1e3:.2f} | {seconds / wall:.1%} |")
         ops_total = sum(self_us.values()) / 1e6
-        print(f"| other ops | | {(ops_total - total) / wall:.1%} |")
-        print(f"| outside ops (Python, dispatch, profiler) | | {(wall - ops_total) / wall:.1%} |")
+        other, outside = ops_total - total, wall - ops_total
+        print(f"| other ops | | {other * 1e3:.2f} | {other / wall:.1%} |")
+        outside_name = "outside ops (Python, dispatch, profiler)"
+        print(f"| {outside_name} | | {outside * 1e3:.2f} | {outside / wall:.1%} |")
 
 
 def alternate(args: argparse.Namespace, names: tuple[str, ...]) -> None:

@@ -390,6 +390,8 @@ def test_benchmark_decoding_profile_accounts_for_the_wall_time(trained, multi30k
     for search in ("greedy", "beam5"):
         table = out.split(f"\n{search}: ")[1].split("\n\n")[0]
         rows = [line.split("|") for line in table.splitlines()[3:]]
-        shares = {row[1].strip(): float(row[3].strip(" %")) for row in rows}
+        # Milliseconds, not the rounded share: on a loaded machine the wall time grows and a
+        # small part's share can round to 0.0%.
+        ms = {row[1].strip(): float(row[3]) for row in rows}
         # The op names of each part are those the decoder runs: none is left at zero.
-        assert len(shares) == 8 and all(share > 0 for share in shares.values()), shares
+        assert len(ms) == 8 and all(t > 0 for t in ms.values()), ms

@@ -44,7 +44,9 @@ def test_overfit_64_pairs(multi30k_dir) -> None:
         max_len_b=10,
     )
     optimizer = module.optimizer_factory(module.parameters())
-    for _ in range(300):
+    # 120 full-batch steps: the loss passes 0.05 near step 80 and greedy output is exact
+    # by then (at lr 3e-3); the thresholds below are the ones 300 steps were held to.
+    for _ in range(120):
         loss, _ = module.loss(batch)
         optimizer.zero_grad()
         loss.backward()
