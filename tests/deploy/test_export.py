@@ -18,6 +18,7 @@ from multihead.deploy.export import ExportError, build_spec, export_ctranslate2
 from multihead.evaluation import translate
 
 from helpers.ct2_models import pairs, save_checkpoint, sentences, tokenizer
+from helpers.scripts import fails_in_one_line, script_main
 
 # The search settings every test translates with (the recipe's length limits).
 SEARCH = dict(length_penalty=1.0, max_len_a=1.2, max_len_b=10)
@@ -295,31 +296,31 @@ def _export_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path):
+def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, capsys):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    # One process each: the other refusals are tested on export_ctranslate2 itself.
-    cases = {
-        (f"ckpt={ckpt}", f"out={busy}"): "is not empty",
-        (f"ckpt={ckpt}", "format=onnx", f"out={tmp_path / 'x'}"): "unknown format 'onnx'",
-    }
-    for args, message in cases.items():
-        result = _export_cli(*args)
-        assert result.returncode == 2, (args, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    # The one process: the wrapper as a shell sees it. The other refusals run in this process
+    # (below) or on export_ctranslate2 itself.
+    result = _export_cli(f"ckpt={ckpt}", f"out={busy}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "is not empty" in lines[0]
+    args = (f"ckpt={ckpt}", "format=onnx", f"out={tmp_path / 'x'}")
+    line = fails_in_one_line(script_main, capsys, "export.py", "export", *args)
+    assert "unknown format 'onnx'" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
 
 
 def test_cli_exports(ckpt, tmp_path):
-    result = _export_cli(f"ckpt={ckpt}", "format=ctranslate2", f"out={tmp_path / 'model'}")
-    assert result.returncode == 0, result.stderr
+    script_main(
+        "export.py", "export", f"ckpt={ckpt}", "format=ctranslate2", f"out={tmp_path / 'model'}"
+    )
     names = {p.name for p in (tmp_path / "model").iterdir()}
     assert {"model.bin", "config.json", "shared_vocabulary.json", "README.md"} <= names
 
 
-def test_translate_cli_with_ctranslate2(ckpt, tmp_path):
+def test_translate_cli_with_ctranslate2(ckpt, tmp_path, capsys):
     out = export_ctranslate2(ckpt=ckpt, out=tmp_path / "ct2")
     source = sentences(5, seed=8)
     (tmp_path / "in.txt").write_text("\n".join(source) + "\n")
@@ -335,9 +336,10 @@ def test_translate_cli_with_ctranslate2(ckpt, tmp_path):
     # One translation per "\n"-terminated line; splitlines() would also split on the \x0b
     # or \x1c an untrained model can emit.
     assert result.stdout.split("\n") == [*expected, ""]
-    wrong = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
-    assert wrong.returncode == 2
-    assert wrong.stderr.strip() == "error: engine=torch needs ckpt=PATH"
+    # Its error path in this process (tests/scripts/test_translate_script.py runs one in a
+    # process of its own).
+    line = fails_in_one_line(script_main, capsys, "translate.py", "translate", *args)
+    assert line == "error: engine=torch needs ckpt=PATH"
 
 
 def _benchmark(ckpt: Path, multi30k_dir: Path, *options: str) -> tuple[str, list[list[str]]]:
