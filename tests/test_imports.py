@@ -9,6 +9,8 @@ those inside functions) is read from the source with :mod:`ast`, without importi
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,16 @@ def test_the_real_package_imports_downwards(importer: str, imported: str) -> Non
     sources = (PACKAGE / importer).rglob("*.py")
     found = {part(m) for path in sources for _, m in multihead_imports(path, PACKAGE)}
     assert imported in found
+
+
+def test_using_a_checkpoint_does_not_import_lightning() -> None:
+    """Evaluating, translating, exporting and analysing import neither Lightning nor, through
+    it, ``torch._dynamo`` (seconds per script start); only training does."""
+    code = (
+        "import sys, multihead.cli, multihead.checkpoints, multihead.evaluation, "
+        "multihead.deploy, multihead.analysis, multihead.data\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -50,7 +50,13 @@ require_train_extra()
 from hydra.errors import InstantiationException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from multihead.training.precision import resolve_precision  # noqa: E402
+
+def _full_precision(precision: str, accelerator: str) -> bool:
+    # Imported when a training config is resolved: Lightning (seconds to import) is not
+    # needed to evaluate, translate or export.
+    from multihead.training.precision import resolve_precision
+
+    return resolve_precision(precision, accelerator) == "32-true"
 
 
 def register_resolvers() -> None:
@@ -60,10 +66,7 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("path_name"):
         OmegaConf.register_new_resolver("path_name", lambda path: Path(str(path)).name)
     if not OmegaConf.has_resolver("full_precision"):
-        OmegaConf.register_new_resolver(
-            "full_precision",
-            lambda precision, accelerator: resolve_precision(precision, accelerator) == "32-true",
-        )
+        OmegaConf.register_new_resolver("full_precision", _full_precision)
 
 
 # Errors caused by what the user gave us (config values, files, checkpoints, input) or by

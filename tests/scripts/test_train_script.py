@@ -10,15 +10,17 @@ from __future__ import annotations
 from helpers.scripts import assert_one_error_line, run_script
 
 
-def test_a_bad_config_value_fails_in_one_line(tmp_path, multi30k_dir) -> None:
-    """The layer's error, raised while the model is built, through the script's wrapper."""
+def test_a_bad_config_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
+    """The layer's error, raised while the model is built, through the script's wrapper.
+
+    The model is built after the data, so the session's cache spares training a tokenizer."""
     result = run_script(
         "train.py",
         "experiment=smoke",
         "logger=csv",
         f"data.local_dir={multi30k_dir}",
         f"paths.log_dir={tmp_path}",
-        f"paths.cache_dir={tmp_path / 'cache'}",
+        f"paths.cache_dir={cache_dir}",
         "attention.num_kv_heads=3",
     )
     assert_one_error_line(result, "num_heads (4) must be divisible by num_kv_heads (3)")

@@ -24,8 +24,10 @@ from multihead.evaluation import corpus_scores, evaluate_checkpoint
 from multihead.model import Transformer
 from multihead.training import TranslationModule
 from multihead.training.module import NonFiniteLossError
+from multihead.training.run import train
 
 from helpers.scripts import run_script
+from helpers.training import compose_config
 
 COMMON = [
     "experiment=smoke",
@@ -42,22 +44,23 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, multi30k_dir, cache_dir) -> dict[str, Path]:
+    """The DDP run (2 ranks, half batches) in a process of its own, as a user starts it; the
+    single-process run it is compared with (whole batches) in this one."""
     root = tmp_path_factory.mktemp("ddp")
-    out = {}
-    for name, extra in (
-        ("ddp", ["trainer=ddp_cpu", "data.max_tokens=1024", "logger=wandb_csv"]),
-        ("single", ["data.max_tokens=2048", "logger=csv"]),
-    ):
-        out[name] = root / name
-        result = run_script(
-            "train.py",
-            *COMMON,
-            *extra,
-            f"data.local_dir={multi30k_dir}",
-            f"paths.cache_dir={cache_dir}",
-            f"hydra.run.dir={out[name]}",
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+    out = {"ddp": root / "ddp", "single": root / "single"}
+    data = [f"data.local_dir={multi30k_dir}", f"paths.cache_dir={cache_dir}"]
+    result = run_script(
+        "train.py",
+        *COMMON,
+        "trainer=ddp_cpu",
+        "data.max_tokens=1024",
+        "logger=wandb_csv",
+        *data,
+        f"hydra.run.dir={out['ddp']}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = [*COMMON, "data.max_tokens=2048", "logger=csv", *data]
+    train(compose_config("train", [*single, f"paths.output_dir={out['single']}"]))
     return out
 
 

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from multihead.data import Tokenizer
@@ -159,22 +157,3 @@ def save_new(obj: dict, out: str | Path) -> Path:
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new out= path")
     return write_atomically(out, lambda f: torch.save(obj, f))
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Every checkpoint is the old file or the complete new one, never a torn one.
-
-    Lightning's own writer stages the file through an fsspec transaction whose temporary
-    file lives in the system temp directory; when that is another filesystem than the run
-    directory (a node-local ``/tmp``, a shared run directory), the final move is a copy that
-    a kill can interrupt, and nothing is fsynced. This writer uses :func:`write_atomically`:
-    a temporary file in the checkpoint's own directory, flushed and fsynced, then renamed
-    over the target.
-    """
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options}")
-        write_atomically(os.fspath(path), lambda f: torch.save(checkpoint, f))

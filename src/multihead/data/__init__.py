@@ -1,4 +1,11 @@
-"""Data for translation: corpus loading, joint BPE tokenizer, token batching, DataModule."""
+"""Data for translation: corpus loading, joint BPE tokenizer, token batching, DataModule.
+
+``TranslationDataModule`` is imported when first asked for: it is a Lightning DataModule, and
+importing Lightning (and through it ``torch._dynamo``) costs seconds that evaluating,
+translating or exporting a checkpoint does not need.
+"""
+
+from typing import TYPE_CHECKING
 
 from multihead.data.batching import (
     TokenBucketSampler,
@@ -9,7 +16,6 @@ from multihead.data.batching import (
     real_token_fraction,
     shard_batch,
 )
-from multihead.data.datamodule import TranslationDataModule
 from multihead.data.loading import (
     DataError,
     FilterStats,
@@ -20,6 +26,18 @@ from multihead.data.loading import (
     read_lines,
 )
 from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+if TYPE_CHECKING:
+    from multihead.data.datamodule import TranslationDataModule
+
+
+def __getattr__(name: str):
+    if name == "TranslationDataModule":
+        from multihead.data.datamodule import TranslationDataModule
+
+        return TranslationDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DataError",

@@ -4,10 +4,11 @@
 recent checkpoints, attention maps), and :func:`~multihead.training.run.train`, which wires
 them from a config. In the import order only ``multihead.cli`` and the root are above it.
 
-Reading and writing checkpoints (Lightning's writes during ``fit`` too) lives in
-:mod:`multihead.checkpoints`; building the network in :mod:`multihead.model`; translating
-and scoring in :mod:`multihead.evaluation`; reports about finished runs in
-:mod:`multihead.analysis`; wandb's online/offline choice in :mod:`multihead.wandb_setup`.
+Reading and writing checkpoints lives in :mod:`multihead.checkpoints` (Lightning's writes
+during ``fit`` go through its atomic writer, :mod:`multihead.training.checkpoint_io`);
+building the network in :mod:`multihead.model`; translating and scoring in
+:mod:`multihead.evaluation`; reports about finished runs in :mod:`multihead.analysis`;
+wandb's online/offline choice in :mod:`multihead.wandb_setup`.
 """
 
 from multihead.training.callbacks import RecentCheckpoints, TokenThroughput, WallClock

@@ -20,7 +20,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.checkpoints import (
-    AtomicCheckpointIO,
     model_state_dict,
     read_checkpoint,
     write_atomically,
@@ -30,6 +29,7 @@ from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.model import build_model
 from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
+from multihead.training.checkpoint_io import AtomicCheckpointIO
 from multihead.training.precision import trainer_precision
 from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
