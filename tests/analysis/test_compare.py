@@ -193,3 +193,36 @@ def test_pareto_frontier_of_bleu_against_cache_and_speed() -> None:
     assert [r.label for r in by_cache] == ["mla-r16", "mla-r32", "gqa", "mha"]
     by_speed = pareto_frontier(runs, "decode/greedy_sentences_per_s", lower_is_better=False)
     assert [r.label for r in by_speed] == ["mqa", "gqa", "mha"]
+
+
+def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
+    """Two seeds of MHA and GQA: Δ pairs each GQA run with the MHA run of its seed, and the
+    seed means (the table and the frontier) are worked out by hand here."""
+    root = tmp_path / "runs"
+    jobs = {  # directory: (kind, K/V heads, seed, test BLEU)
+        "mha_s1": ("mha", 4, 1, 30.0),
+        "mha_s2": ("mha", 4, 2, 28.0),
+        "gqa_s1": ("gqa", 2, 1, 29.5),
+        "gqa_s2": ("gqa", 2, 2, 28.5),
+    }
+    for job, (kind, kv, seed, bleu) in jobs.items():
+        (root / job).mkdir(parents=True)
+        figures = summary(kind, 4, kv, **{"test/bleu": bleu})
+        if job == "gqa_s2":  # a run from before summary.json held the seed: Hydra's config
+            (root / job / ".hydra").mkdir()
+            (root / job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nother: 1\n")
+        else:
+            figures["seed"] = seed
+        (root / job / "summary.json").write_text(json.dumps(figures))
+    out = tmp_path / "out"
+    runs, _ = compare(out, runs=root)
+    assert [r.seed for r in runs] == [1, 2, 1, 2]
+    md = (out / "comparison.md").read_text()
+    # Per run: each GQA seed against its own MHA seed (-0.5 and +0.5), not both against seed 1.
+    assert "| gqa-h4-kv2-sdpa [gqa_s1] | mha-h4-kv4-sdpa [mha_s1] |" in md
+    assert "| gqa-h4-kv2-sdpa [gqa_s2] | mha-h4-kv4-sdpa [mha_s2] |" in md
+    means = md.split("## Means over seeds")[1]
+    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | 512 |" in means
+    assert "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | -0.50, +0.50 | 256 |" in means
+    # On the means, GQA ties MHA's BLEU with half the cache: MHA leaves the cache frontier.
+    assert "- KV-cache bytes per token (fewer is better): gqa-h4-kv2-sdpa (2 runs)\n" in md

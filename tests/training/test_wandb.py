@@ -48,6 +48,7 @@ def test_wandb_run_is_finished_named_grouped_and_resumed(
         "logger=wandb",
         "attention=mqa",
         "wandb_group=G",
+        "seed=7",
         "trainer.max_steps=2",
         "trainer.val_check_interval=2",
         "summary.decode_speed=false",
@@ -59,6 +60,7 @@ def test_wandb_run_is_finished_named_grouped_and_resumed(
     assert len(runs) == 1
     # Named after the built model: every kind of sublayer is MQA with 4 query heads.
     assert summary["run_name"] == "enc-mqa4_dec-mqa4_cross-mqa4_sdpa"
+    assert summary["seed"] == 7  # compare.py pairs runs by it
     # What wandb itself holds for the run. Offline, wandb 0.31 writes the group only into
     # its binary log (run-*.wandb, a private format), so ask wandb's Run object.
     (run,) = started

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,10 @@ class RunResult:
 
     def get(self, key: str) -> Any:
         return self.summary.get(key)
+
+    @property
+    def seed(self) -> Any:
+        return self.summary.get("seed")
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,11 +113,23 @@ def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
             summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{run_dir / SUMMARY_FILE}: not valid JSON ({err})") from None
+        if "seed" not in summary:  # runs from before summary.json recorded it
+            summary["seed"] = hydra_seed(run_dir)
         runs.append(RunResult(source=str(run_dir), summary=summary))
         metrics_csv = run_dir / "csv" / "metrics.csv"
         if metrics_csv.is_file():
             runs[-1].curves, runs[-1].curve_source = read_metrics_csv(metrics_csv), "csv"
     return label_and_sort(runs, root=Path(root))
+
+
+def hydra_seed(run_dir: Path) -> Any:
+    """The ``seed`` of the config Hydra saved in ``run_dir/.hydra``; ``None`` without one."""
+    saved = run_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(saved).get("seed")
 
 
 def load_wandb_group(group: str, project: str, entity: str | None = None) -> list[RunResult]:
@@ -131,6 +148,7 @@ def load_wandb_group(group: str, project: str, entity: str | None = None) -> lis
         for api_run in api_runs:
             summary = {k: v for k, v in api_run.summary_metrics.items() if not k.startswith("_")}
             summary.setdefault("run_name", api_run.name)
+            summary.setdefault("seed", api_run.config.get("seed"))
             rows = []
             for key in CURVE_KEYS:  # one call per key: history(keys=...) keeps rows with all keys
                 rows += api_run.history(keys=[STEP_KEY, key], pandas=False)
@@ -172,6 +190,110 @@ def label_and_sort(runs: list[RunResult], root: Path | None = None) -> list[RunR
                 where = where.relative_to(root)
             run.label = f"{name} [{where}]"
     return runs
+
+
+# ---------------------------------------------------------------------------------------
+# Seeds: runs that share a run name
+
+
+def has_repeats(runs: list[RunResult]) -> bool:
+    """Whether some configuration (run name) was run more than once, e.g. with two seeds."""
+    names = [run.get("run_name") for run in runs]
+    return len(set(names)) < len(names)
+
+
+def seed_groups(runs: list[RunResult]) -> dict[str, list[RunResult]]:
+    """The runs by run name, in the order of ``runs``."""
+    groups: dict[str, list[RunResult]] = {}
+    for run in runs:
+        groups.setdefault(str(run.get("run_name") or run.label), []).append(run)
+    return groups
+
+
+def seed_means(runs: list[RunResult]) -> list[RunResult]:
+    """One result per run name whose numeric figures are the means over its runs.
+
+    Text figures are the first run's; ``test/bleu_min``, ``test/bleu_max`` and ``seeds``
+    say how far the runs spread. A figure missing from any run of a group is left as the
+    first run's.
+    """
+    means = []
+    for name, group in seed_groups(runs).items():
+        summary = dict(group[0].summary)
+        for key in summary:
+            numbers = [_number(run.get(key)) for run in group]
+            if not isinstance(summary[key], str) and None not in numbers:
+                summary[key] = statistics.fmean(numbers)
+        bleus = [b for run in group if (b := _number(run.get("test/bleu"))) is not None]
+        if bleus:
+            summary["test/bleu_min"], summary["test/bleu_max"] = min(bleus), max(bleus)
+        summary["seed"], summary["seeds"] = None, [run.seed for run in group]
+        label = f"{name} ({len(group)} runs)" if len(group) > 1 else name
+        means.append(
+            RunResult(
+                source=", ".join(run.source for run in group), summary=summary, label=label
+            )
+        )
+    return means
+
+
+def paired_deltas(group: list[RunResult], runs: list[RunResult]) -> list[float]:
+    """Test BLEU minus that of the MHA run of the same seed and heads, per run of ``group``
+    that has one (runs without a seed pair with nothing)."""
+    deltas = []
+    for run in group:
+        base = mha_baseline(run, runs)
+        if base is None or run.seed is None or base.seed != run.seed:
+            continue
+        mine, theirs = _number(run.get("test/bleu")), _number(base.get("test/bleu"))
+        if mine is not None and theirs is not None:
+            deltas.append(mine - theirs)
+    return deltas
+
+
+def seed_means_markdown(runs: list[RunResult]) -> str:
+    """The section of ``comparison.md`` that averages each configuration over its seeds."""
+    headers = [
+        "configuration",
+        "runs",
+        "test BLEU",
+        "min–max",
+        "Δ vs MHA, paired",
+        "Δ per seed",
+        "KV-cache bytes/token",
+        "params",
+        "train tgt tok/s",
+        "greedy sent/s",
+        "beam sent/s",
+    ]
+    rows = []
+    for (name, group), mean in zip(seed_groups(runs).items(), seed_means(runs), strict=True):
+        deltas = paired_deltas(group, runs)
+        low, high = mean.get("test/bleu_min"), mean.get("test/bleu_max")
+        rows.append(
+            [
+                name,
+                str(len(group)),
+                format_cell(mean.get("test/bleu"), ".2f"),
+                MISSING if low is None else f"{low:.2f}–{high:.2f}",
+                format_cell(statistics.fmean(deltas) if deltas else None, "+.2f"),
+                ", ".join(f"{d:+.2f}" for d in deltas) or MISSING,
+                format_cell(mean.get("kv_cache/bytes_per_token"), ",d"),
+                format_cell(mean.get("params/total"), ",d"),
+                format_cell(mean.get("perf/train_tgt_tokens_per_s"), ",.0f"),
+                format_cell(mean.get("decode/greedy_sentences_per_s"), ",.1f"),
+                format_cell(value(mean, "beam"), ",.1f"),
+            ]
+        )
+    return "\n".join(
+        [
+            "\n## Means over seeds\n",
+            "Runs that share a run name are one configuration run with different seeds. "
+            "Δ is paired: each run's test BLEU minus that of the MHA run with the same seed "
+            "and number of heads. The plots and the frontiers use these means.\n",
+            markdown_table(headers, rows),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,9 +346,10 @@ def value(run: RunResult, key: str) -> Any:
 
 
 def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
-    """The MHA run with ``run``'s number of heads (same backend preferred), if any.
+    """The MHA run with ``run``'s number of heads, if any: the one with the same seed
+    preferred (a paired comparison), then the one with the same backend.
 
-    MHA runs themselves have no baseline: only GQA and MQA runs are compared with MHA.
+    MHA runs themselves have no baseline: only the other kinds are compared with MHA.
     """
     if run.get("kind") == "mha":
         return None
@@ -235,8 +358,8 @@ def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
         for other in runs
         if other.get("kind") == "mha" and other.get("num_heads") == run.get("num_heads")
     ]
-    same_backend = [c for c in candidates if c.get("backend") == run.get("backend")]
-    return (same_backend or candidates or [None])[0]
+    candidates.sort(key=lambda c: (c.seed != run.seed, c.get("backend") != run.get("backend")))
+    return candidates[0] if candidates else None
 
 
 def ratio_row(run: RunResult, base: RunResult) -> dict[str, float | None]:
@@ -300,7 +423,9 @@ def comparison_markdown(runs: list[RunResult], source: str) -> str:
         )
         parts.append(markdown_table(["run", "MHA run"] + [h for h, _, _ in RATIOS], ratio_lines))
 
-    parts.append(_frontier_lines(runs))
+    if has_repeats(runs):
+        parts.append(seed_means_markdown(runs))
+    parts.append(_frontier_lines(seed_means(runs) if has_repeats(runs) else runs))
     parts.append(
         "\n## Plots\n\n![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n\n"
         "![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n\n"
@@ -377,6 +502,9 @@ def plot_bleu_against(runs: list[RunResult], path: Path, panels: list[tuple[str,
             x, y = _number(value(run, key)), _number(value(run, "test/bleu"))
             if x is not None and y is not None:
                 ax.scatter([x], [y], color="C0")
+                if (low := run.get("test/bleu_min")) is not None:  # a seed mean: its spread
+                    high = run.get("test/bleu_max")
+                    ax.errorbar([x], [y], yerr=[[y - low], [high - y]], color="C0", capsize=3)
                 ax.annotate(
                     run.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
                 )
@@ -443,8 +571,9 @@ def write_comparison(runs: list[RunResult], out_dir: str | os.PathLike, source: 
     md.write_text(comparison_markdown(runs, source))
     write_csv(runs, table)
     speeds = [("decode/greedy_sentences_per_s", "greedy sentences/s"), ("beam", "beam sentences/s")]
-    plot_bleu_against(runs, speed, speeds)
-    plot_bleu_against(runs, kv, [("kv_cache/bytes_per_token", "KV-cache bytes per token")])
+    points = seed_means(runs) if has_repeats(runs) else runs
+    plot_bleu_against(points, speed, speeds)
+    plot_bleu_against(points, kv, [("kv_cache/bytes_per_token", "KV-cache bytes per token")])
     plot_validation_curves(runs, curves)
     return paths
 

@@ -223,7 +223,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
     # Set after instantiate: Hydra would try to instantiate the _target_s inside it.
     module.run_config = config
-    summary = model_summary(model)
+    summary = {**model_summary(model), "seed": cfg.seed}  # compare.py pairs runs by seed
     log.info("model: %s", summary)
 
     loggers = build_loggers(cfg, model, wandb_id)
