@@ -230,9 +230,7 @@ def seed_means(runs: list[RunResult]) -> list[RunResult]:
         summary["seed"], summary["seeds"] = None, [run.seed for run in group]
         label = f"{name} ({len(group)} runs)" if len(group) > 1 else name
         means.append(
-            RunResult(
-                source=", ".join(run.source for run in group), summary=summary, label=label
-            )
+            RunResult(source=", ".join(run.source for run in group), summary=summary, label=label)
         )
     return means
 
