@@ -20,6 +20,10 @@ the step before either change. E.g.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
         experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step chunk=256
+
+``--attention A B ...`` times the same steps once per attention preset (``configs/attention``),
+interleaved too, each with its own parameter count and FLOPs: the training cost of head
+designs, e.g. ``experiment=compare_heads --attention mha_h8 gqa_h8_kv2 mqa_h8 mla_h8_r32``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from multihead.cli import register_resolvers
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
@@ -42,6 +47,12 @@ from multihead.model import build_model
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def attention_presets() -> list[str]:
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / "attention").glob("*.yaml"))
+
+
 register_resolvers()  # as scripts/train.py does
 
 
@@ -121,7 +132,7 @@ def gemm_peak(device: torch.device, dtype: torch.dtype, size: int = 2048) -> flo
     return 2 * size**3 / statistics.median(seconds[1:]) / 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for configs/train.yaml")
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
@@ -133,6 +144,9 @@ def main() -> None:
         "--variants", nargs="+", default=["step"], help=f"+-joined words of {VARIANT_WORDS}"
     )
     parser.add_argument(
+        "--attention", nargs="+", default=[None], help="attention presets to time, each a variant"
+    )
+    parser.add_argument(
         "--compile", action="store_true", help="also time each variant with torch.compile"
     )
     parser.add_argument(
@@ -141,7 +155,7 @@ def main() -> None:
         default=True,
         help="measure the fp32 GEMM peak (a 2048^3 matmul) for the fraction-of-peak column",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -162,8 +176,20 @@ def main() -> None:
     except ValueError as err:
         raise SystemExit(f"benchmark_training: {err}") from None
 
+    overrides = ["paths.output_dir=outputs/benchmark", *args.overrides]
+    cfgs = {}  # attention preset (None: as composed) -> its config
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=["paths.output_dir=outputs/benchmark", *args.overrides])
+        for preset in args.attention:
+            try:
+                cfgs[preset] = compose(
+                    "train", overrides=overrides + ([f"attention={preset}"] if preset else [])
+                )
+            except MissingConfigException:
+                raise SystemExit(
+                    f"benchmark_training: --attention {preset}; expected a preset of "
+                    f"configs/attention ({', '.join(attention_presets())})"
+                ) from None
+    cfg = cfgs[args.attention[0]]  # the data and seed: the presets change only the attention
     torch.manual_seed(cfg.seed)
     dm = instantiate(cfg.data)
     dm.setup("fit")
@@ -176,13 +202,14 @@ def main() -> None:
     tgt_tokens = sum(int((b["tgt"][:, 1:] != pad).sum()) for b in batches)
     src_tokens = sum(int((b["src"] != pad).sum()) for b in batches)
 
-    variants = [(p, s, False) for p in args.precisions for s in specs]
+    variants = [(a, p, s, False) for a in cfgs for p in args.precisions for s in specs]
     if args.compile:
-        variants += [(p, s, True) for p in args.precisions for s in specs]
-    runs = {}
-    for precision, spec, compiled in variants:
+        variants += [(a, p, s, True) for a in cfgs for p in args.precisions for s in specs]
+    runs, step_gflop = {}, {}
+    for preset, precision, spec, compiled in variants:
         torch.manual_seed(cfg.seed)
-        model = build_model(OmegaConf.to_container(cfg, resolve=True), dm.vocab_size, pad)
+        config = OmegaConf.to_container(cfgs[preset], resolve=True)
+        model = build_model(config, dm.vocab_size, pad)
         model.to(device)
         if compiled:
             # Batches differ in shape (token buckets): compile for dynamic shapes up front.
@@ -195,17 +222,17 @@ def main() -> None:
         optimizer = module.optimizer_factory(module.parameters(), **options["optimizer"])
         # fp16 needs loss scaling (as Lightning's 16-mixed); a disabled scaler is a no-op.
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
-        name = " ".join([precision, spec] + (["+ compile"] if compiled else []))
+        words = [preset] if preset else []
+        name = " ".join(words + [precision, spec] + (["+ compile"] if compiled else []))
         runs[name] = (precision, options, module.train(), optimizer, scaler)
-
-    # The model's FLOPs: the unfused step's GEMMs and attention over all positions, so
-    # every variant is measured against the same work.
-    _, _, module, _, _ = next(iter(runs.values()))
-    with FlopCounterMode(display=False) as counter:
-        for batch in batches:
-            loss_fn(module, batch, parse_variant("unfused")).backward()
-    module.zero_grad(set_to_none=True)
-    step_gflop = counter.get_total_flops() / len(batches) / 1e9
+        if preset not in step_gflop:
+            # The model's FLOPs: the unfused step's GEMMs and attention over all positions,
+            # so every variant of one model is measured against the same work.
+            with FlopCounterMode(display=False) as counter:
+                for batch in batches:
+                    loss_fn(module, batch, parse_variant("unfused")).backward()
+            module.zero_grad(set_to_none=True)
+            step_gflop[preset] = counter.get_total_flops() / len(batches) / 1e9
 
     def sync() -> None:
         if device.type == "cuda":
@@ -238,21 +265,24 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
-        f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens, "
-        f"params {module.model.num_parameters():,}, {step_gflop:.1f} GFLOP/step"
+        f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens"
         + (f", fp32 GEMM peak {peak:.0f} GFLOP/s" if peak else "")
     )
-    print("| variant | s/step | target tok/s | src+tgt tok/s | GFLOP/s | of peak | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| variant | params | GFLOP/step | s/step | target tok/s | src+tgt tok/s | GFLOP/s "
+        "| of peak | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     base = None
-    for name in runs:
+    for (preset, *_), name in zip(variants, runs, strict=True):
         seconds = statistics.median(times[name])
         base = base or seconds
-        gflops = step_gflop * len(batches) / seconds
+        gflops = step_gflop[preset] * len(batches) / seconds
+        params = runs[name][2].model.num_parameters()
         print(
-            f"| {name} | {seconds / len(batches):.3f} | {tgt_tokens / seconds:,.0f} | "
-            f"{(src_tokens + tgt_tokens) / seconds:,.0f} | {gflops:.0f} | "
-            f"{f'{gflops / peak:.0%}' if peak else '-'} | {base / seconds:.2f}x |"
+            f"| {name} | {params:,} | {step_gflop[preset]:.3g} | {seconds / len(batches):.3f} | "
+            f"{tgt_tokens / seconds:,.0f} | {(src_tokens + tgt_tokens) / seconds:,.0f} | "
+            f"{gflops:.0f} | {f'{gflops / peak:.0%}' if peak else '-'} | {base / seconds:.2f}x |"
         )
 
 
