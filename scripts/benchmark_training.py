@@ -38,9 +38,10 @@ from multihead.cli import register_resolvers
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.model import build_model
@@ -182,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         for preset in args.attention:
             try:
                 cfgs[preset] = compose(
-                    "train", overrides=overrides + ([f"attention={preset}"] if preset else [])
+                    "train",
+                    overrides=overrides + ([f"attention={preset}"] if preset else []),
+                    return_hydra_config=True,
                 )
             except MissingConfigException:
                 raise SystemExit(
@@ -190,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"configs/attention ({', '.join(attention_presets())})"
                 ) from None
     cfg = cfgs[args.attention[0]]  # the data and seed: the presets change only the attention
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in configs, as in a real run
+    for each in cfgs.values():
+        with open_dict(each):
+            del each["hydra"]  # Hydra's own settings: resolvable only inside a Hydra job
     torch.manual_seed(cfg.seed)
     dm = instantiate(cfg.data)
     dm.setup("fit")
