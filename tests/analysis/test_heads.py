@@ -41,11 +41,21 @@ def examples(tokenizer: Tokenizer) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "backend, head_mixing",
-    [("sdpa", None), ("math", "talking_heads"), ("sdpa", "group_mlp"), ("sdpa", "head_attention")],
+    "backend, head_mixing, kv_latent_dim",
+    [
+        ("sdpa", None, None),
+        ("math", "talking_heads", None),
+        ("sdpa", "group_mlp", None),
+        ("sdpa", "head_attention", None),
+        ("sdpa", None, 6),  # latent attention: V from the latent, one per query head
+    ],
 )
-def test_head_outputs_recombine_into_each_layers_output(tokenizer, backend, head_mixing) -> None:
-    model = analysis_model(tokenizer.vocab_size, backend, head_mixing=head_mixing)
+def test_head_outputs_recombine_into_each_layers_output(
+    tokenizer, backend, head_mixing, kv_latent_dim
+) -> None:
+    model = analysis_model(
+        tokenizer.vocab_size, backend, head_mixing=head_mixing, kv_latent_dim=kv_latent_dim
+    )
     with torch.no_grad():  # move the mixings off their identity start, so they count
         for name, param in model.named_parameters():
             if ".head_mix." in name:

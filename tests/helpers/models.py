@@ -81,11 +81,28 @@ SENTENCES = [
 
 
 def analysis_model(
-    vocab_size: int, backend: str = "sdpa", layers: int = 2, head_mixing: str | None = None
+    vocab_size: int,
+    backend: str = "sdpa",
+    layers: int = 2,
+    head_mixing: str | None = None,
+    kv_latent_dim: int | None = None,
 ) -> Transformer:
     """A tiny eval-mode Transformer for the analysis tests: 4 query heads, 2 K/V heads in the
-    decoder's self-attention and 1 in cross-attention."""
+    decoder's self-attention and 1 in cross-attention; with ``kv_latent_dim``, latent
+    attention of that width in every sublayer instead."""
     torch.manual_seed(0)
+    if kv_latent_dim is not None:
+        return Transformer(
+            src_vocab_size=vocab_size,
+            tgt_vocab_size=vocab_size,
+            d_model=16,
+            ffn_dim=32,
+            num_encoder_layers=layers,
+            num_decoder_layers=layers,
+            dropout=0.1,
+            max_positions=1024,
+            attention={"num_heads": 4, "backend": backend, "kv_latent_dim": kv_latent_dim},
+        ).eval()
     return Transformer(
         src_vocab_size=vocab_size,
         tgt_vocab_size=vocab_size,

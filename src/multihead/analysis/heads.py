@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.latent import LatentKV
 from multihead.attention.mixing import HeadMixing
 
 matplotlib.use("Agg")  # files only; never open a window
@@ -68,12 +69,15 @@ def head_outputs(
     outputs: dict[str, list[Tensor]] = {kind: [] for kind in MAP_KINDS}
     for attn, (kind, i) in layers.items():
         H, G, D, E = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.embed_dim
-        w, b = attn.in_proj.weight, attn.in_proj.bias
-        rows = slice(E + G * D, E + 2 * G * D)  # the V rows of the stacked projection
         kv = inputs[(kind, i)]
-        v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
-        v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
-        v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): query head h uses group h//(H/G)
+        if isinstance(attn.design, LatentKV):  # V of every head from the latent
+            _, v = attn.design.expand(attn.design.latent(kv))  # (B, H, S, D)
+        else:
+            w, b = attn.in_proj.weight, attn.in_proj.bias
+            rows = slice(E + G * D, E + 2 * G * D)  # the V rows of the stacked projection
+            v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
+            v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
+            v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): head h uses group h//(H/G)
         heads = (maps[kind][i] @ v).transpose(1, 2)  # (B, L, H, D)
         if isinstance(attn.design, HeadMixing):
             heads = attn.design.mix(heads)  # as the heads enter W^O
