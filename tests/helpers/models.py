@@ -91,18 +91,15 @@ def analysis_model(
     decoder's self-attention and 1 in cross-attention; with ``kv_latent_dim``, latent
     attention of that width in every sublayer instead."""
     torch.manual_seed(0)
-    if kv_latent_dim is not None:
-        return Transformer(
-            src_vocab_size=vocab_size,
-            tgt_vocab_size=vocab_size,
-            d_model=16,
-            ffn_dim=32,
-            num_encoder_layers=layers,
-            num_decoder_layers=layers,
-            dropout=0.1,
-            max_positions=1024,
-            attention={"num_heads": 4, "backend": backend, "kv_latent_dim": kv_latent_dim},
-        ).eval()
+    if kv_latent_dim is None:
+        attention = {"num_heads": 4, "backend": backend, "head_mixing": head_mixing}
+        per_sublayer = {
+            "decoder_self_attention": {"num_kv_heads": 2},
+            "cross_attention": {"num_kv_heads": 1},
+        }
+    else:
+        attention = {"num_heads": 4, "backend": backend, "kv_latent_dim": kv_latent_dim}
+        per_sublayer = {}
     return Transformer(
         src_vocab_size=vocab_size,
         tgt_vocab_size=vocab_size,
@@ -112,7 +109,6 @@ def analysis_model(
         num_decoder_layers=layers,
         dropout=0.1,
         max_positions=1024,
-        attention={"num_heads": 4, "backend": backend, "head_mixing": head_mixing},
-        decoder_self_attention={"num_kv_heads": 2},
-        cross_attention={"num_kv_heads": 1},
+        attention=attention,
+        **per_sublayer,
     ).eval()
