@@ -7,7 +7,7 @@ head of its sublayer (the ρ matrices of ``head_diversity.py``). Writes ``heads.
 heatmap per metric (``<metric>.png``: layers x heads, one panel per sublayer kind), and the
 pruning curve (``pruning.csv``, ``pruning.png``: greedy BLEU with the least important heads
 masked, and beside it the parameters, BLEU and greedy speed of a copy with those heads pruned
-for real).
+for real; ``beside=[DIR,...]`` draws earlier outputs' curves in the same figure).
 """
 
 import csv
@@ -32,6 +32,7 @@ from multihead.analysis.importance import (
     pruning_curve,
     pruning_order,
     rare_token_ids,
+    read_pruning_curve,
     token_counts,
 )
 from multihead.checkpoints import load_trained_model, search_settings, write_atomically
@@ -60,6 +61,9 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def main(cfg: DictConfig) -> None:
     if cfg.limit is not None and cfg.limit < 1:
         raise ValueError(f"limit={cfg.limit}; expected a positive number of sentences or null")
+    if cfg.speed_repeats < 1:
+        raise ValueError(f"speed_repeats={cfg.speed_repeats}; expected a positive number of passes")
+    beside = {Path(d).name: read_pruning_curve(d) for d in cfg.beside}  # fail before the work
     trained = load_trained_model(cfg.ckpt, backend=cfg.backend)
     model, tokenizer = trained.model.to(cfg.device), trained.tokenizer
     data = trained.config["data"]
@@ -102,9 +106,11 @@ def main(cfg: DictConfig) -> None:
             pruning_order(scores["importance"]),
             list(cfg.prune_fractions),
             search_settings(trained.config),
+            speed_repeats=cfg.speed_repeats,
         )
         write_csv(out / "pruning.csv", rows)
-        fig = plot_pruning_curve({name: rows}, f"greedy BLEU, {len(pairs)} {cfg.split}")
+        curves = beside | {out.name: rows}
+        fig = plot_pruning_curve(curves, f"greedy BLEU, {len(pairs)} {cfg.split}")
         fig.savefig(out / "pruning.png", dpi=110)
         plt.close(fig)
         for row in rows:
@@ -112,7 +118,8 @@ def main(cfg: DictConfig) -> None:
             if row["params_pruned"] is not None:
                 pruned = (
                     f"pruned: {row['params_pruned']:,} params, BLEU {row['bleu_pruned']:.2f}, "
-                    f"{row['sent_per_s_pruned']:.0f} sent/s against {row['sent_per_s']:.0f}"
+                    f"{row['sent_per_s_pruned']:.0f} sent/s against {row['sent_per_s']:.0f} "
+                    f"({row['speedup_pruned']:.2f}x)"
                 )
             print(f"{row['heads_kept']:4d} heads kept  BLEU {row['bleu']:.2f}  {pruned}")
         print(f"pruning.csv and pruning.png written to {out}")

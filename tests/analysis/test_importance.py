@@ -15,17 +15,19 @@ from multihead.analysis.importance import (
     masked_heads,
     max_similarity,
     normalise_per_layer,
+    plot_pruning_curve,
     prune_model,
     pruning_curve,
     pruning_order,
     rare_token_ids,
+    read_pruning_curve,
     sublayers,
     token_counts,
 )
 from multihead.evaluation.translate import translate
 
 from helpers.models import SENTENCES, analysis_model
-from helpers.scripts import run_script
+from helpers.scripts import assert_one_error_line, fails_in_one_line, run_script, script_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -160,7 +162,7 @@ def test_pruning_curve_prunes_the_masked_heads_for_real(tokenizer):
     order = [("encoder_self", 0, 1), ("cross", 1, 2), ("decoder_self", 0, 0), ("cross", 0, 0)]
     search = {"length_penalty": 1.0, "max_len_a": 1.0, "max_len_b": 5}
     sources, refs = [s for s, _ in SENTENCES], [t for _, t in SENTENCES]
-    (row,) = pruning_curve(model, tokenizer, sources, refs, order, [0.5], search)
+    (row,) = pruning_curve(model, tokenizer, sources, refs, order, [0.5], search, speed_repeats=3)
     assert row["heads_masked"] == 2
     with torch.inference_mode(), masked_heads(model, order[:2]):
         masked = translate(model, tokenizer, sources, beam_size=1, **search)
@@ -172,21 +174,38 @@ def test_pruning_curve_prunes_the_masked_heads_for_real(tokenizer):
     query_head, kv_head = 2 * D * E + D, 2 * D * E + 2 * D  # as in the test below
     assert row["params_pruned"] == model.num_parameters() - (query_head + kv_head) - query_head
     assert row["sent_per_s"] > 0 and row["sent_per_s_pruned"] > 0
+    assert row["speedup_pruned"] == row["sent_per_s_pruned"] / row["sent_per_s"]
+    with pytest.raises(ValueError, match="speed_repeats=0; expected a positive number"):
+        pruning_curve(model, tokenizer, sources, refs, order, [0.5], search, speed_repeats=0)
+
+
+def write_curve(folder, bleus):
+    """A pruning.csv as head_importance.py writes it, with the columns the figure reads."""
+    folder.mkdir()
+    total = len(bleus) - 1
+    lines = ["fraction_masked,heads_masked,heads_kept,bleu"]
+    lines += [f"{i / total},{i},{total - i},{b}" for i, b in enumerate(bleus)]
+    (folder / "pruning.csv").write_text("\n".join(lines) + "\n")
 
 
 def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_dir, tmp_path):
+    """The script's main in this process; a bad argument ends the real script in one line."""
     ckpt = smoke_run_dir / "checkpoints" / "last.ckpt"
-    result = run_script(
+    write_curve(tmp_path / "earlier", [30.0, 20.0])
+    out = tmp_path / "out"
+    script_main(
         "head_importance.py",
+        "head_importance",
         f"ckpt={ckpt}",
-        f"out={tmp_path}",
+        f"out={out}",
         "limit=6",
         "batch_size=3",
         "prune_fractions=[0.0,0.5]",
+        "speed_repeats=2",
+        f"beside=[{tmp_path / 'earlier'}]",
         f"data.local_dir={multi30k_dir}",
     )
-    assert result.returncode == 0, result.stderr
-    with open(tmp_path / "heads.csv") as f:
+    with open(out / "heads.csv") as f:
         rows = list(csv.DictReader(f))
     kinds = {r["sublayer"] for r in rows}
     assert kinds == {"encoder_self", "decoder_self", "cross"}
@@ -206,11 +225,45 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
         "max_similarity",
         "pruning",
     ):
-        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
-    with open(tmp_path / "pruning.csv") as f:
-        curve = list(csv.DictReader(f))
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+    curve = read_pruning_curve(out)
     assert [r["fraction_masked"] for r in curve] == ["0.0", "0.5"]
-    assert int(curve[1]["heads_masked"]) == len(rows) // 2
+    assert curve[1]["heads_masked"] == len(rows) // 2
+    assert curve[0]["heads_kept"] == len(rows)
+    bad = run_script("head_importance.py", f"ckpt={ckpt}", f"out={out}", "beside=[nowhere]")
+    assert_one_error_line(bad, "no pruning curve at nowhere/pruning.csv")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("limit=0", "limit=0; expected a positive number of sentences"),
+        ("speed_repeats=0", "speed_repeats=0; expected a positive number of passes"),
+    ],
+)
+def test_head_importance_script_bad_numbers(override, message, tmp_path, capsys):
+    error = fails_in_one_line(
+        script_main, capsys, "head_importance.py", "head_importance", "ckpt=x", "out=y", override
+    )
+    assert message in error
+
+
+def test_earlier_curves_are_drawn_beside(tmp_path):
+    write_curve(tmp_path / "mha", [40.0, 39.5, 30.0])
+    write_curve(tmp_path / "mqa", [38.0, 37.0, 20.0])
+    curves = {name: read_pruning_curve(tmp_path / name) for name in ("mha", "mqa")}
+    fig = plot_pruning_curve(curves, "t")
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["mha", "mqa"]
+    assert list(lines[1].get_xdata()) == [1.0, 0.5, 0.0]  # the fraction of heads kept
+    assert list(lines[1].get_ydata()) == [38.0, 37.0, 20.0]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "pruning.csv").write_text("fraction_masked,bleu\n")
+    with pytest.raises(ValueError, match="empty/pruning.csv has no rows"):
+        read_pruning_curve(tmp_path / "empty")
+    (tmp_path / "empty" / "pruning.csv").write_text("fraction_masked,bleu\n0.0,3\n")
+    with pytest.raises(ValueError, match="is not a pruning curve .'heads_kept'."):
+        read_pruning_curve(tmp_path / "empty")
 
 
 def test_a_pruned_model_computes_the_masked_one_with_fewer_parameters(tokenizer):

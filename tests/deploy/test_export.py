@@ -383,7 +383,7 @@ def test_benchmark_decoding_one_engine_per_process(trained, multi30k_dir, tmp_pa
     assert all(row[6] == "6/6" for row in rows)  # greedy identical in every round
 
 
-def test_benchmark_decoding_profile_accounts_for_the_wall_time(trained, multi30k_dir, tmp_path):
+def test_benchmark_decoding_profile_times_every_part_of_a_step(trained, multi30k_dir, tmp_path):
     state = torch.load(trained[0], weights_only=False)
     state["multihead"]["config"]["data"]["name"] = "multi30k"
     ckpt = tmp_path / "model.ckpt"

@@ -26,9 +26,11 @@ heads an unselected head's row is zero, for talking heads the mixed weights.
 
 from __future__ import annotations
 
+import csv
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -347,37 +349,42 @@ def pruning_curve(
     fractions: Sequence[float],
     search: dict[str, float],
     batch_size: int = 128,
+    speed_repeats: int = 1,
 ) -> list[dict[str, Any]]:
     """Greedy BLEU with the first ``round(f * N)`` heads of ``order`` masked, for each
     fraction ``f`` of the ``N`` heads, and the same heads pruned for real (:func:`prune_model`).
 
     Rows of ``fraction_masked``, ``heads_masked``, ``heads_kept``, ``bleu`` and
     ``sent_per_s`` (the masked model: all parameters), then ``params_pruned``,
-    ``bleu_pruned``, ``sent_per_s_pruned`` and ``same_as_masked`` (hypotheses identical to
-    the masked model's) for the pruned copy; those four are ``None`` where pruning refuses:
-    every head of a sublayer, or GQA heads that are not a whole group. Speeds are one timed
-    greedy pass each, as noisy as the machine. ``search`` is
-    :func:`multihead.checkpoints.search_settings`.
+    ``bleu_pruned``, ``sent_per_s_pruned``, ``speedup_pruned`` (pruned over masked
+    sentences/s) and ``same_as_masked`` (hypotheses identical to the masked model's) for the
+    pruned copy; those five are ``None`` where pruning refuses: every head of a sublayer, or
+    GQA heads that are not a whole group. Where both exist, the masked and the pruned model
+    are timed alternately ``speed_repeats`` times and each keeps its fastest pass (one pass
+    scatters by about ±15% on a shared 2-core host); elsewhere the masked model is timed
+    once. ``search`` is :func:`multihead.checkpoints.search_settings`.
     """
     from multihead.evaluation.metrics import corpus_scores
     from multihead.evaluation.translate import translate
 
     if any(not 0.0 <= f < 1.0 for f in fractions):
         raise ValueError(f"fractions must be in [0, 1), got {list(fractions)}")
+    if speed_repeats < 1:
+        raise ValueError(f"speed_repeats={speed_repeats}; expected a positive number of passes")
 
-    def timed_translate(net: nn.Module) -> tuple[list[str], float]:
-        start = time.perf_counter()
-        with torch.inference_mode():
+    def timed_translate(net: nn.Module, heads: Sequence[tuple[str, int, int]] | None = None):
+        gates = nullcontext() if heads is None else masked_heads(net, heads)
+        with gates, torch.inference_mode():
+            start = time.perf_counter()
             hypotheses = translate(
                 net, tokenizer, list(sources), beam_size=1, batch_size=batch_size, **search
             )
-        return hypotheses, len(sources) / (time.perf_counter() - start)
+            return hypotheses, len(sources) / (time.perf_counter() - start)
 
     rows = []
     for fraction in fractions:
         masked = list(order[: round(fraction * len(order))])
-        with masked_heads(model, masked):
-            hypotheses, speed = timed_translate(model)
+        hypotheses, speed = timed_translate(model, masked)
         row = {
             "fraction_masked": fraction,
             "heads_masked": len(masked),
@@ -389,20 +396,49 @@ def pruning_curve(
         try:
             pruned = prune_model(model, masked)
         except ValueError:  # heads of a GQA group, not the whole group
-            row |= dict.fromkeys(("params_pruned", "bleu_pruned", "sent_per_s_pruned"))
+            row |= dict.fromkeys(
+                ("params_pruned", "bleu_pruned", "sent_per_s_pruned", "speedup_pruned")
+            )
             row["same_as_masked"] = None
-        else:
-            pruned_hypotheses, pruned_speed = timed_translate(pruned)
-            row |= {
-                "params_pruned": pruned.num_parameters(),
-                "bleu_pruned": corpus_scores(pruned_hypotheses, list(references)).bleu,
-                "sent_per_s_pruned": pruned_speed,
-                "same_as_masked": sum(
-                    a == b for a, b in zip(hypotheses, pruned_hypotheses, strict=True)
-                ),
-            }
+            rows.append(row)
+            continue
+        pruned_hypotheses, pruned_speed = timed_translate(pruned)
+        for _ in range(speed_repeats - 1):  # alternate, so that both see the same noise
+            speed = max(speed, timed_translate(model, masked)[1])
+            pruned_speed = max(pruned_speed, timed_translate(pruned)[1])
+        row |= {
+            "sent_per_s": speed,
+            "params_pruned": pruned.num_parameters(),
+            "bleu_pruned": corpus_scores(pruned_hypotheses, list(references)).bleu,
+            "sent_per_s_pruned": pruned_speed,
+            "speedup_pruned": pruned_speed / speed,
+            "same_as_masked": sum(
+                a == b for a, b in zip(hypotheses, pruned_hypotheses, strict=True)
+            ),
+        }
         rows.append(row)
     return rows
+
+
+def read_pruning_curve(directory: str | Path) -> list[dict[str, Any]]:
+    """The rows of an earlier ``head_importance.py`` output's ``pruning.csv``, with the
+    columns :func:`plot_pruning_curve` draws as numbers, to draw beside a new curve."""
+    path = Path(directory) / "pruning.csv"
+    if not path.is_file():
+        raise ValueError(f"no pruning curve at {path}; expected a head_importance.py out= folder")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{path} has no rows; expected head_importance.py's pruning curve")
+    try:
+        return [
+            r | {k: int(r[k]) for k in ("heads_kept", "heads_masked")} | {"bleu": float(r["bleu"])}
+            for r in rows
+        ]
+    except (KeyError, ValueError) as err:
+        raise ValueError(
+            f"{path} is not a pruning curve ({err}); expected head_importance.py's"
+        ) from None
 
 
 def plot_pruning_curve(curves: dict[str, list[dict[str, Any]]], title: str) -> plt.Figure:
