@@ -25,6 +25,7 @@ from multihead.analysis.importance import (
     head_importance,
     head_roles,
     importance_rows,
+    kv_group_size,
     max_similarity,
     normalise_per_layer,
     plot_heatmaps,
@@ -63,6 +64,8 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"limit={cfg.limit}; expected a positive number of sentences or null")
     if cfg.speed_repeats < 1:
         raise ValueError(f"speed_repeats={cfg.speed_repeats}; expected a positive number of passes")
+    if cfg.prune_by not in ("heads", "groups"):
+        raise ValueError(f"prune_by={cfg.prune_by!r}; expected 'heads' or 'groups'")
     beside = {Path(d).name: read_pruning_curve(d) for d in cfg.beside}  # fail before the work
     trained = load_trained_model(cfg.ckpt, backend=cfg.backend)
     model, tokenizer = trained.model.to(cfg.device), trained.tokenizer
@@ -98,15 +101,17 @@ def main(cfg: DictConfig) -> None:
     print(f"heads.csv and heatmaps written to {out}")
 
     if cfg.prune_fractions:
+        group_size = kv_group_size(model) if cfg.prune_by == "groups" else 1
         rows = pruning_curve(
             model,
             tokenizer,
             split["src"],
             split["tgt"],
-            pruning_order(scores["importance"]),
+            pruning_order(scores["importance"], group_size),
             list(cfg.prune_fractions),
             search_settings(trained.config),
             speed_repeats=cfg.speed_repeats,
+            unit=group_size,
         )
         write_csv(out / "pruning.csv", rows)
         curves = beside | {out.name: rows}

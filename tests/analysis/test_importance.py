@@ -12,6 +12,7 @@ from multihead.analysis.importance import (
     batches,
     head_importance,
     head_roles,
+    kv_group_size,
     masked_heads,
     max_similarity,
     normalise_per_layer,
@@ -149,6 +150,32 @@ def test_pruning_curve_masks_the_least_important_heads_first(tokenizer):
     assert rows[1]["params_pruned"] is None and rows[1]["same_as_masked"] is None
 
 
+def test_gqa_groups_are_masked_whole_and_then_prune(tokenizer):
+    model = analysis_model(tokenizer.vocab_size)  # decoder self-attention: 2 groups of 2
+    importance = {"decoder_self": torch.tensor([[0.1, 5.0, 0.2, 0.3], [0.4, 0.4, 1.0, 0.0]])}
+    # Group sums: layer 0 5.1 and 0.5, layer 1 0.8 and 1.0, so layer 0's second group first.
+    order = pruning_order(importance, group_size=2)
+    assert order[:4] == [("decoder_self", 0, 2), ("decoder_self", 0, 3)] + [
+        ("decoder_self", 1, 0),
+        ("decoder_self", 1, 1),
+    ]
+    assert pruning_order(importance) == sorted(
+        order, key=lambda h: float(importance["decoder_self"][h[1], h[2]])
+    )  # one head at a time: by the heads' own scores
+    with pytest.raises(ValueError, match="group_size=3 does not divide the 4 heads"):
+        pruning_order(importance, group_size=3)
+    with pytest.raises(ValueError, match=r"K/V head differ between sublayers \(\[1, 2, 4\]\)"):
+        kv_group_size(model)  # MHA encoder, GQA decoder, MQA cross-attention
+    search = {"length_penalty": 1.0, "max_len_a": 1.0, "max_len_b": 5}
+    sources, refs = [s for s, _ in SENTENCES], [t for _, t in SENTENCES]
+    # 0.3 of 8 heads is 2.4: one group of 2 with unit=2, and 2 heads without it.
+    (row,) = pruning_curve(model, tokenizer, sources, refs, order, [0.3], search, unit=2)
+    assert row["heads_masked"] == 2 and row["same_as_masked"] == len(sources)
+    head_order = pruning_order(importance)  # heads 1/3 and 0/0: two groups split
+    (row,) = pruning_curve(model, tokenizer, sources, refs, head_order, [0.3], search)
+    assert row["heads_masked"] == 2 and row["params_pruned"] is None
+
+
 def test_max_similarity_is_each_heads_closest_other_head():
     matrix = torch.tensor([[1.0, 0.2, 0.5], [0.2, 1.0, -0.1], [0.5, -0.1, 1.0]])
     single = torch.ones(1, 1)
@@ -239,6 +266,7 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
     [
         ("limit=0", "limit=0; expected a positive number of sentences"),
         ("speed_repeats=0", "speed_repeats=0; expected a positive number of passes"),
+        ("prune_by=layers", "prune_by='layers'; expected 'heads' or 'groups'"),
     ],
 )
 def test_head_importance_script_bad_numbers(override, message, tmp_path, capsys):

@@ -2,8 +2,9 @@
 stderr; a user error ends the process with one line.
 
 The script's ``main`` runs in this process (stdin replaced); one case runs it as a process.
-Reading the input (empty, not UTF-8) is tested in tests/evaluation/test_stream.py, a missing
-checkpoint in tests/checkpoints/test_io.py.
+How the input is read (empty, not UTF-8) is tested in tests/evaluation/test_stream.py; here,
+that the script names such a file in one line and leaves it as it was. A missing checkpoint
+is tested in tests/checkpoints/test_io.py.
 """
 
 from __future__ import annotations
@@ -72,6 +73,20 @@ def test_a_line_longer_than_the_model_reads_is_named(ckpt, tmp_path, capsys) -> 
         script_main, capsys, "translate.py", "translate", ckpt, f"input={path}"
     )
     assert "line 2 has" in line, line
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"", "no input lines"), (b"A dog.\ncaf\xe9\n", "line 2 is not UTF-8")],
+)
+def test_bad_input_is_named_and_left_alone(ckpt, tmp_path, capsys, content, message) -> None:
+    path = tmp_path / "in.txt"
+    path.write_bytes(content)
+    line = fails_in_one_line(
+        script_main, capsys, "translate.py", "translate", ckpt, f"input={path}"
+    )
+    assert message in line, line
     assert path.read_bytes() == content
 
 

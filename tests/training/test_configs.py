@@ -1,4 +1,4 @@
-"""Every config option composes and instantiates; a typo in an option's name is named.
+"""Every config option composes and instantiates (a typo in an option's name: test_train_script.py).
 
 Bad values are tested where they are raised (tests/training/test_bad_input.py lists where).
 """
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
@@ -166,8 +165,3 @@ def test_multi30k_recipe_gpu_variant_composes(tmp_path) -> None:
     cfg = compose_config("train", ["experiment=multi30k_en_de", "trainer=gpu", *base(tmp_path)])
     assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "auto"
     assert cfg.trainer.max_time == "00:01:50:00"
-
-
-def test_config_typo_names_the_missing_option(tmp_path) -> None:
-    with pytest.raises(MissingConfigException, match="Could not find 'attention/gqx'"):
-        compose_config("train", ["attention=gqx", *base(tmp_path)])

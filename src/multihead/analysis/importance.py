@@ -284,15 +284,36 @@ def plot_heatmaps(per_kind: dict[str, Tensor], title: str, label: str) -> plt.Fi
     return fig
 
 
-def pruning_order(importance: dict[str, Tensor]) -> list[tuple[str, int, int]]:
-    """Every ``(kind, layer, head)``, least important first (ties in model order)."""
-    heads = [
-        (float(per_layer[layer, head]), kind, layer, head)
-        for kind, per_layer in importance.items()
-        for layer in range(per_layer.shape[0])
-        for head in range(per_layer.shape[1])
-    ]
-    return [(kind, layer, head) for _, kind, layer, head in sorted(heads, key=lambda h: h[0])]
+def pruning_order(importance: dict[str, Tensor], group_size: int = 1) -> list[tuple[str, int, int]]:
+    """Every ``(kind, layer, head)``, least important first (ties in model order).
+
+    With ``group_size`` > 1 the units are groups of that many consecutive heads, the query
+    heads of GQA that share a K/V head (heads ``g*k .. g*k+k-1`` read K/V head ``g``), ranked
+    by the sum of their heads' importance, so that masking a prefix of the order in whole
+    groups masks what :meth:`MultiHeadAttention.prune_heads` can remove.
+    """
+    units = []
+    for kind, per_layer in importance.items():
+        layers, heads = per_layer.shape
+        if heads % group_size:
+            raise ValueError(f"group_size={group_size} does not divide the {heads} heads of {kind}")
+        for layer in range(layers):
+            for start in range(0, heads, group_size):
+                score = float(per_layer[layer, start : start + group_size].sum())
+                units.append((score, [(kind, layer, h) for h in range(start, start + group_size)]))
+    return [head for _, group in sorted(units, key=lambda u: u[0]) for head in group]
+
+
+def kv_group_size(model: nn.Module) -> int:
+    """How many query heads share a K/V head, the same in every attention sublayer (1 for
+    MHA, all of them for MQA): the unit :func:`pruning_order` ranks by groups."""
+    sizes = {attn.num_heads // attn.num_kv_heads for _, _, attn in sublayers(model)}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"query heads per K/V head differ between sublayers ({sorted(sizes)}); "
+            "expected one group size to prune by groups"
+        )
+    return sizes.pop()
 
 
 @contextmanager
@@ -350,9 +371,12 @@ def pruning_curve(
     search: dict[str, float],
     batch_size: int = 128,
     speed_repeats: int = 1,
+    unit: int = 1,
 ) -> list[dict[str, Any]]:
     """Greedy BLEU with the first ``round(f * N)`` heads of ``order`` masked, for each
     fraction ``f`` of the ``N`` heads, and the same heads pruned for real (:func:`prune_model`).
+    With ``unit`` > 1 the count is rounded to a multiple of it: whole groups of an order by
+    groups (:func:`pruning_order` with ``group_size=unit``).
 
     Rows of ``fraction_masked``, ``heads_masked``, ``heads_kept``, ``bleu`` and
     ``sent_per_s`` (the masked model: all parameters), then ``params_pruned``,
@@ -383,7 +407,7 @@ def pruning_curve(
 
     rows = []
     for fraction in fractions:
-        masked = list(order[: round(fraction * len(order))])
+        masked = list(order[: unit * round(fraction * len(order) / unit)])
         hypotheses, speed = timed_translate(model, masked)
         row = {
             "fraction_masked": fraction,
