@@ -69,6 +69,8 @@ def main(cfg: DictConfig) -> None:
     beside = {Path(d).name: read_pruning_curve(d) for d in cfg.beside}  # fail before the work
     trained = load_trained_model(cfg.ckpt, backend=cfg.backend)
     model, tokenizer = trained.model.to(cfg.device), trained.tokenizer
+    # The pruning unit: one head, or a K/V group of them (checked before the long scoring).
+    group_size = kv_group_size(model) if cfg.prune_by == "groups" else 1
     data = trained.config["data"]
     dataset = load_parallel_dataset(
         name=data["name"],
@@ -101,7 +103,6 @@ def main(cfg: DictConfig) -> None:
     print(f"heads.csv and heatmaps written to {out}")
 
     if cfg.prune_fractions:
-        group_size = kv_group_size(model) if cfg.prune_by == "groups" else 1
         rows = pruning_curve(
             model,
             tokenizer,

@@ -269,7 +269,7 @@ def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_d
         ("prune_by=layers", "prune_by='layers'; expected 'heads' or 'groups'"),
     ],
 )
-def test_head_importance_script_bad_numbers(override, message, tmp_path, capsys):
+def test_head_importance_script_bad_options(override, message, tmp_path, capsys):
     error = fails_in_one_line(
         script_main, capsys, "head_importance.py", "head_importance", "ckpt=x", "out=y", override
     )
