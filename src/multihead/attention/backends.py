@@ -1,15 +1,22 @@
 """Attention kernels, one registry, one signature.
 
-Every backend is a function ``kernel(q, k, v, mask, dropout_p, scale) -> out`` with
+Every backend is a :class:`Backend` in :data:`BACKENDS`: its kernel
+``kernel(q, k, v, mask, dropout_p, scale) -> out`` with
 
 * ``q``: ``(B, H, L, D)``, ``k`` and ``v``: ``(B, G, S, D)`` where ``G`` divides ``H``
   (grouped K/V heads are never repeated in memory by the layer);
 * ``mask``: an :class:`~multihead.attention.masks.AttentionMask`;
-* ``out``: ``(B, H, L, D)``.
+* ``out``: ``(B, H, L, D)``;
 
-A backend is chosen by name and never swapped behind the user's back: if the named
-kernel cannot run the inputs it is given, :class:`BackendUnavailableError` says why and
-lists the backends that can.
+and, side by side with it, every rule about it: where it runs, the dropout and masks it
+takes, and the inputs it hands to another backend (:class:`Reroute`). Every list of
+backends (``available_backends``, the configs' and the Transformer's checks) is read from
+:data:`BACKENDS`, so adding one is one :func:`register_backend` call.
+
+A backend is chosen by name. If the named kernel cannot run the inputs it is given,
+:class:`BackendUnavailableError` says why and lists the backends that can; the one
+exception is a :class:`Reroute` declared in the registry (cuDNN's length-1 sequences),
+shown by :func:`backend_rules` and recorded in the run summaries.
 
 Under ``torch.compile(fullgraph=True)`` on the CPU, the layer with ``math``, ``sdpa`` or
 ``flash`` compiles to one graph, and with ``math`` or ``sdpa`` it exports
@@ -23,6 +30,7 @@ import functools
 import importlib.util
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,20 +57,42 @@ def math_attention(
 
 
 def math_attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
+    *,
+    on_logits: Callable[[Tensor], Tensor] | None = None,
+    on_weights: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The math path, also returning the attention weights ``(B, H, L, S)``."""
+    """The math path, also returning the attention weights ``(B, H, L, S)``.
+
+    Two hooks let a design change the formula without copying it (talking heads):
+    ``on_logits(scores)`` on the unmasked scores ``(B, H, L, S)``, and
+    ``on_weights(weights, masked_scores)`` on the weights before dropout.
+    """
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
     # Group the query heads that share a K/V head, so K/V broadcast instead of being copied.
     qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D)
-    scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * scale  # (B, G, H/G, L, S)
-    scores = apply_mask(scores.view(B, H, L, S), mask)
-    # Softmax in fp32: under autocast the scores may be bf16/fp16.
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, L, S)
+    scores = ((qg @ k.unsqueeze(2).transpose(-2, -1)) * scale).view(B, H, L, S)
+    if on_logits is not None:
+        scores = on_logits(scores)
+    scores = apply_mask(scores, mask)
+    weights = softmax(scores).to(q.dtype)  # (B, H, L, S)
+    if on_weights is not None:
+        weights = on_weights(weights, scores)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
+
+
+def softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dimension in at least fp32: under autocast the scores may be
+    bf16/fp16; fp64 stays fp64."""
+    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
 
 
 # --------------------------------------------------------------------------- SDPA
@@ -100,21 +130,12 @@ def expand_kv(t: Tensor, num_heads: int) -> Tensor:
     return t.repeat_interleave(num_heads // G, dim=1)
 
 
-# SDPA kernels that do not take grouped K/V heads (enable_gqa) themselves; cuDNN does (2.13).
-_NO_GQA = (SDPBackend.EFFICIENT_ATTENTION,)
-
-
-def _pinned_sdpa(name: str, kernel: SDPBackend) -> Kernel:
+def _pinned_sdpa(name: str, kernel: SDPBackend, *, grouped: bool = True) -> Kernel:
     def attention(
         q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
     ) -> Tensor:
-        if kernel in _NO_GQA:
+        if not grouped:  # a kernel that does not take grouped K/V heads (enable_gqa) itself
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        if kernel == SDPBackend.CUDNN_ATTENTION and 1 in (q.shape[2], k.shape[2]):
-            # cuDNN refuses a sequence of length 1 (torch 2.13's sdp_utils): every decoding
-            # step's one query, the first step's one key. Such a call is one row (or one
-            # column) of scores, computed here by the written-out formula.
-            return math_attention(q, k, v, mask, dropout_p, scale)
         try:
             with sdpa_kernel([kernel]):
                 return sdpa_attention(q, k, v, mask, dropout_p, scale)
@@ -157,7 +178,7 @@ def flex_attention(
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
-    reason = _dropout_rule("flex", dropout_p)
+    reason = BACKENDS["flex"].dropout_rule(dropout_p)
     if reason is not None:
         raise BackendUnavailableError(
             f"{reason}; use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
@@ -236,7 +257,7 @@ def flash_attn_attention(
         raise BackendUnavailableError(
             "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "
             f"arbitrary attn_mask; backends that take one on {q.device.type}/{q.dtype}: "
-            + ", ".join(n for n in _others("flash_attn", q.device, q.dtype) if n in _TAKE_ATTN_MASK)
+            + ", ".join(n for n in _others("flash_attn", q.device, q.dtype) if BACKENDS[n].attn_mask)
         )
     B, H, L, D = q.shape
     causal = mask.is_causal and L > 1  # a single newest query sees every key
@@ -282,35 +303,160 @@ def flash_attn_attention(
 
 
 # --------------------------------------------------------------------------- registry
-BACKENDS: dict[str, Kernel] = {
-    "math": math_attention,
-    "sdpa": sdpa_attention,
-    "flash": _pinned_sdpa("flash", SDPBackend.FLASH_ATTENTION),
-    "efficient": _pinned_sdpa("efficient", SDPBackend.EFFICIENT_ATTENTION),
-    "cudnn": _pinned_sdpa("cudnn", SDPBackend.CUDNN_ATTENTION),
-    "flex": flex_attention,
-    "flash_attn": flash_attn_attention,
-}
+Rule = Callable[..., "str | None"]
 
 
-# Backends that accept an arbitrary (bool or float) attn_mask on every device they run on.
-_TAKE_ATTN_MASK = ("math", "sdpa", "efficient", "flex")
+def _no_rule(*_args, **_kwargs) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Inputs a backend hands to another one: a declared rule, listed by
+    :func:`backend_rules` and recorded in run summaries, never a silent fallback.
+
+    Attributes:
+        when: ``when(q, k)`` is True for the inputs rerouted.
+        to: the backend that runs them.
+        why: the rule in words.
+    """
+
+    when: Callable[[Tensor, Tensor], bool]
+    to: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend: its kernel and every rule about it, in one place.
+
+    Attributes:
+        name: the name layers and configs use.
+        kernel: the function of the module docstring's signature.
+        available: ``available(device, dtype, head_dim)``: why it cannot run there, or
+            ``None``; ``head_dim`` may be ``None`` (not known yet).
+        dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p`` on
+            any device, or ``None``.
+        package: the package it imports (checked for installation), if any.
+        attn_mask: it takes an arbitrary (bool or float) ``attn_mask`` everywhere it runs.
+        padding_mask: it takes a ``key_padding_mask`` everywhere it runs (the Transformer's
+            encoder and cross-attention always pass one).
+        reroute: inputs it hands to another backend, see :class:`Reroute`.
+
+    A backend is callable as its kernel, with its reroute applied.
+    """
+
+    name: str
+    kernel: Kernel
+    available: Rule = _no_rule
+    dropout_rule: Rule = _no_rule
+    package: str | None = None
+    attn_mask: bool = True
+    padding_mask: bool = True
+    reroute: Reroute | None = None
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
+    ) -> Tensor:
+        if self.reroute is not None and self.reroute.when(q, k):
+            return BACKENDS[self.reroute.to](q, k, v, mask, dropout_p, scale)
+        return self.kernel(q, k, v, mask, dropout_p, scale)
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add ``backend`` to :data:`BACKENDS` (replacing one of the same name): from then on
+    layers, configs and :func:`available_backends` know it."""
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def _cuda_half(what: str) -> Rule:
+    def rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            return None
+        return f"{what} needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+
+    return rule
+
+
+def _flash_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    if device.type == "cpu" or _cuda_half("")(device, dtype, head_dim) is None:
+        return None
+    return f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
+
+
+def _flex_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    if device.type == "cuda" and head_dim is not None and head_dim < 16:
+        # torch 2.13's inductor: "NYI: embedding dimension of the query, key, and value
+        # must be at least 16".
+        return f"FlexAttention on CUDA needs head_dim >= 16 (got head_dim={head_dim})"
+    return None
+
+
+def _cudnn_dropout(p: float) -> str | None:
+    if (p * 16).is_integer():
+        return None
+    return f"SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only (got dropout={p})"
+
+
+for _backend in (
+    Backend("math", math_attention),
+    Backend("sdpa", sdpa_attention),
+    # SDPA's flash kernel takes no attn_mask on CUDA.
+    Backend(
+        "flash",
+        _pinned_sdpa("flash", SDPBackend.FLASH_ATTENTION),
+        _flash_rule,
+        attn_mask=False,
+        padding_mask=False,
+    ),
+    Backend(
+        "efficient",
+        _pinned_sdpa("efficient", SDPBackend.EFFICIENT_ATTENTION, grouped=False),
+        lambda device, dtype, head_dim: None
+        if device.type == "cuda"
+        else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})",
+    ),
+    Backend(
+        "cudnn",
+        _pinned_sdpa("cudnn", SDPBackend.CUDNN_ATTENTION),
+        _cuda_half("SDPA's cuDNN kernel"),
+        _cudnn_dropout,
+        attn_mask=False,
+        # cuDNN refuses a sequence of length 1 (torch 2.13's sdp_utils): every decoding
+        # step's one query, the first step's one key. Such a call is one row (or column) of
+        # scores.
+        reroute=Reroute(
+            lambda q, k: 1 in (q.shape[2], k.shape[2]),
+            "math",
+            "a query or key length of 1 (each decoding step) runs on 'math': cuDNN refuses it",
+        ),
+    ),
+    Backend(
+        "flex",
+        flex_attention,
+        _flex_rule,
+        lambda p: f"backend 'flex' does not support attention dropout (got dropout={p})"
+        if p > 0
+        else None,
+    ),
+    # The flash-attn package; padded keys through its varlen kernel.
+    Backend(
+        "flash_attn",
+        flash_attn_attention,
+        _cuda_half("flash-attn"),
+        package="flash_attn",
+        attn_mask=False,
+    ),
+):
+    register_backend(_backend)
 
 
 def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     return [n for n in available_backends(device, dtype) if n != name]
-
-
-def _dropout_rule(name: str, dropout: float) -> str | None:
-    """The dropout a backend cannot apply, on any device: a setting, not the machine."""
-    if dropout > 0 and name == "flex":
-        return f"backend 'flex' does not support attention dropout (got dropout={dropout})"
-    if name == "cudnn" and not (dropout * 16).is_integer():
-        return (
-            "SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only "
-            f"(got dropout={dropout})"
-        )
-    return None
 
 
 def unavailable_reason(
@@ -321,7 +467,7 @@ def unavailable_reason(
     dropout: float = 0.0,
     head_dim: int | None = None,
 ) -> str | None:
-    """Why backend ``name`` cannot run, or ``None`` if it can: the one table of rules.
+    """Why backend ``name`` cannot run, or ``None`` if it can, by its registry entry.
 
     Args:
         name: a backend name.
@@ -330,58 +476,40 @@ def unavailable_reason(
         dropout: the attention dropout it would apply.
         head_dim: ``D``, for the kernels that limit it.
     """
-    if name not in BACKENDS:
+    backend = BACKENDS.get(name)
+    if backend is None:
         return f"unknown backend {name!r}"
-    rule = _dropout_rule(name, dropout)
+    rule = backend.dropout_rule(dropout)
     if rule is not None:
         return rule
-    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        return "the flash-attn package is not installed (pip install flash-attn)"
-    if device is None:
-        return None
-    half = dtype in (torch.float16, torch.bfloat16)
-    cuda = device.type == "cuda"
-    if name == "flex" and cuda and head_dim is not None and head_dim < 16:
-        # torch 2.13's inductor: "NYI: embedding dimension of the query, key, and value
-        # must be at least 16".
-        return f"FlexAttention on CUDA needs head_dim >= 16 (got head_dim={head_dim})"
-    if name in ("math", "sdpa", "flex"):
-        return None
-    if name == "flash":
-        if device.type == "cpu" or (cuda and half):
-            return None
-        return (
-            f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
-        )
-    if name == "efficient":
-        return None if cuda else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})"
-    if name == "cudnn":
-        if cuda and half:
-            return None
-        return f"SDPA's cuDNN kernel needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-    if not (cuda and half):  # flash_attn, installed
-        return f"flash-attn needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
-    return None
+    if backend.package is not None and importlib.util.find_spec(backend.package) is None:
+        return f"the {backend.package} package is not installed (pip install {backend.package})"
+    return None if device is None else backend.available(device, dtype, head_dim)
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """The registered backends that can run on ``device`` with ``dtype``."""
+    """The registered backends that can run on ``device`` with ``dtype`` (some reroute
+    some inputs: :func:`backend_rules`)."""
     device = torch.device(device)
     return [n for n in BACKENDS if unavailable_reason(n, device, dtype) is None]
 
 
+def backend_rules() -> dict[str, str]:
+    """The declared reroutes, ``{name: rule in words}``, for the backends that have one."""
+    return {n: b.reroute.why for n, b in BACKENDS.items() if b.reroute is not None}
+
+
 def check_backend(
     name: str,
-    device: torch.device,
+    device: torch.device | None,
     dtype: torch.dtype,
     *,
     dropout: float = 0.0,
     head_dim: int | None = None,
-    anywhere: bool = False,
 ) -> None:
     """Raise if backend ``name`` cannot run, by the rules of :func:`unavailable_reason`.
 
-    The layer calls it when it is built (``anywhere=True``: the parameters may still move
+    The layer calls it when it is built (``device=None``: the parameters may still move
     to another device, so only the name, packages and dropout are checked) and on its first
     forward pass on each device and dtype (with its ``head_dim``). The kernels raise only
     for what depends on the inputs themselves (a mask, a gradient, a kernel's own refusal).
@@ -390,18 +518,19 @@ def check_backend(
         ValueError: an unknown name, or a setting the backend lacks (dropout).
         BackendUnavailableError: what this machine lacks (a package, the device or dtype).
     """
-    runnable = available_backends(device, dtype)
-    where = f"{device.type}/{dtype}"
+    here = torch.device("cpu") if device is None else device
+    runnable = available_backends(here, dtype)
+    where = f"{here.type}/{dtype}"
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)} "
             f"(on {where} these can run: {', '.join(runnable)})"
         )
-    rule = _dropout_rule(name, dropout)
+    rule = BACKENDS[name].dropout_rule(dropout)
     if rule is not None:
-        others = [n for n in runnable if _dropout_rule(n, dropout) is None]
+        others = [n for n in runnable if BACKENDS[n].dropout_rule(dropout) is None]
         raise ValueError(f"{rule}; use another dropout or backend, e.g. one of {', '.join(others)}")
-    reason = unavailable_reason(name, None if anywhere else device, dtype, head_dim=head_dim)
+    reason = unavailable_reason(name, device, dtype, head_dim=head_dim)
     if reason is not None:
         raise BackendUnavailableError(
             f"attention backend {name!r} cannot run on {where}: {reason}. "

@@ -14,10 +14,56 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.latent import LatentKV
 
 if TYPE_CHECKING:
     from multihead.attention.layer import MultiHeadAttention
+
+
+def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
+    """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``: the one
+    check of ``nn.MultiheadAttention``'s options (``from_torch``, ``replace_torch_attention``)."""
+    if not module._qkv_same_embed_dim:
+        return (
+            f"kdim={module.kdim}, vdim={module.vdim} differ from embed_dim={module.embed_dim} "
+            "(MultiHeadAttention projects K and V from inputs of width embed_dim)"
+        )
+    if module.bias_k is not None:
+        return "add_bias_kv=True is not supported"
+    if module.add_zero_attn:
+        return "add_zero_attn=True is not supported"
+    return None
+
+
+def rebuild(
+    layer: MultiHeadAttention,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    **design,
+) -> MultiHeadAttention:
+    """A new layer like ``layer`` (its width, head width ``D``, dropout, bias, backend,
+    device, dtype and mode) with ``num_heads`` and ``num_kv_heads`` (default: ``layer``'s)
+    and the head design of the constructor arguments ``design``; fresh parameters.
+
+    With fewer than ``E / D`` query heads (pruned) the projections are ``(H*D + 2*G*D, E)``
+    and ``(E, H*D)``: the one way every conversion gets a layer of new shapes.
+    """
+    E, D, w = layer.embed_dim, layer.head_dim, layer.in_proj.weight
+    H = layer.num_heads if num_heads is None else num_heads
+    G = layer.num_kv_heads if num_kv_heads is None else num_kv_heads
+    bias = layer.in_proj.bias is not None
+    factory = {"device": w.device, "dtype": w.dtype}
+    common = {"dropout": layer.dropout, "bias": bias, "backend": layer.backend, **factory}
+    if H * D == E:
+        return type(layer)(E, H, G, **common, **design).train(layer.training)
+    # Pruned: built with all E / D heads, then its projections cut to H heads of D.
+    new = type(layer)(E, E // D, **common, **design)
+    new.num_heads, new.num_kv_heads = H, G
+    new.in_proj = nn.Linear(E, (H + 2 * G) * D, bias, **factory)
+    new.out_proj = nn.Linear(H * D, E, bias, **factory)
+    return new.train(layer.training)
 
 
 def from_torch(
@@ -31,13 +77,9 @@ def from_torch(
     """
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(module).__name__}")
-    if not module._qkv_same_embed_dim:
-        raise ValueError(
-            f"from_torch needs kdim == vdim == embed_dim, got kdim={module.kdim}, "
-            f"vdim={module.vdim}, embed_dim={module.embed_dim}"
-        )
-    if module.bias_k is not None or module.add_zero_attn:
-        raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
+    problem = unsupported_torch_options(module)
+    if problem is not None:
+        raise ValueError(f"from_torch cannot convert this module: {problem}")
     weight = module.in_proj_weight
     if cls is None:
         from multihead.attention.layer import MultiHeadAttention as cls
@@ -75,18 +117,8 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
         raise ValueError(
             f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
         )
-    weight = layer.in_proj.weight
-    new = type(layer)(
-        E,
-        layer.num_heads,
-        num_kv_heads,
-        dropout=layer.dropout,
-        bias=layer.in_proj.bias is not None,
-        backend=layer.backend,
-        **({} if layer.design is None else layer.design.options),
-        device=weight.device,
-        dtype=weight.dtype,
-    )
+    design = {} if layer.design is None else layer.design.options
+    new = rebuild(layer, num_kv_heads=num_kv_heads, **design)
 
     def pool(t: Tensor) -> Tensor:  # (G*D, ...) -> (num_kv_heads*D, ...)
         grouped = t.reshape(num_kv_heads, G // num_kv_heads, D, *t.shape[1:])
@@ -102,7 +134,7 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
         if layer.design is not None:
             new.design.load_state_dict(layer.design.state_dict())
-    return new.train(layer.training)
+    return new
 
 
 def _kv_rows(layer: MultiHeadAttention) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
@@ -139,17 +171,15 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
             f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
         )
     _check_unpruned(layer, "with_kv_latent")
-    E = layer.embed_dim
-    new = type(layer)(
-        E,
-        layer.num_heads,
-        dropout=layer.dropout,
-        bias=layer.in_proj.bias is not None,
-        backend=layer.backend,
-        kv_latent_dim=kv_latent_dim,
-        device=layer.in_proj.weight.device,
-        dtype=layer.in_proj.weight.dtype,
-    )
+    E, bytes_now = layer.embed_dim, layer.kv_cache_bytes_per_token()
+    bytes_latent = CacheLayout(1, kv_latent_dim, shared_kv=True).bytes_per_token(torch.float32)
+    if bytes_latent > bytes_now:
+        raise ValueError(
+            f"with_kv_latent({kv_latent_dim}) would cache {bytes_latent} bytes per token (fp32), "
+            f"more than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
+            f"kv_latent_dim <= {2 * layer.num_kv_heads * layer.head_dim}"
+        )
+    new = rebuild(layer, num_kv_heads=layer.num_heads, kv_latent_dim=kv_latent_dim)
     w_k, w_v, _, b_v = _kv_rows(layer)
     with torch.no_grad():
         stacked = torch.cat([w_k, w_v]).double()  # (2*H*D, E)
@@ -167,7 +197,7 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
             latent.down.bias.zero_()
             new.in_proj.bias.copy_(layer.in_proj.bias[:E])
             new.out_proj.bias.copy_(layer.out_proj.bias + layer.out_proj.weight @ b_v)
-    return new.train(layer.training)
+    return new
 
 
 def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
@@ -184,23 +214,14 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
             f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
             "computes: it has no MHA equivalent"
         )
-    E = layer.embed_dim
-    new = type(layer)(
-        E,
-        layer.num_heads,
-        dropout=layer.dropout,
-        bias=layer.in_proj.bias is not None,
-        backend=layer.backend,
-        device=layer.in_proj.weight.device,
-        dtype=layer.in_proj.weight.dtype,
-    )
+    new = rebuild(layer)
     w_up = latent.up.weight  # (2E, r): [W_UK; W_UV]
     with torch.no_grad():
         new.in_proj.weight.copy_(torch.cat([layer.in_proj.weight, w_up @ latent.down.weight]))
         if layer.in_proj.bias is not None:
             new.in_proj.bias.copy_(torch.cat([layer.in_proj.bias, w_up @ latent.down.bias]))
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
-    return new.train(layer.training)
+    return new
 
 
 def _check_unpruned(layer: MultiHeadAttention, what: str) -> None:
@@ -249,23 +270,11 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     def rows(heads: list[int]) -> Tensor:  # the rows of heads' D-blocks
         return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
 
-    in_rows = torch.cat([rows(keep), E + rows(keep_kv), E + G * D + rows(keep_kv)])
+    HD = H * D  # the K rows start after the query heads': E, or less if already pruned
+    in_rows = torch.cat([rows(keep), HD + rows(keep_kv), HD + G * D + rows(keep_kv)])
     in_rows = in_rows.to(layer.in_proj.weight.device)
-    new = type(layer)(
-        E,
-        H,
-        G,
-        dropout=layer.dropout,
-        bias=layer.in_proj.bias is not None,
-        backend=layer.backend,
-        device=layer.in_proj.weight.device,
-        dtype=layer.in_proj.weight.dtype,
-    )
-    factory = {"device": layer.in_proj.weight.device, "dtype": layer.in_proj.weight.dtype}
+    new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
     bias = layer.in_proj.bias is not None
-    new.num_heads, new.num_kv_heads = H2, G2
-    new.in_proj = nn.Linear(E, (H2 + 2 * G2) * D, bias, **factory)
-    new.out_proj = nn.Linear(H2 * D, E, bias, **factory)
     with torch.no_grad():
         new.in_proj.weight.copy_(layer.in_proj.weight[in_rows])
         new.out_proj.weight.copy_(layer.out_proj.weight[:, in_rows[: H2 * D]])
@@ -274,7 +283,7 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
             new.out_proj.bias.copy_(layer.out_proj.bias)
     if layer.head_mask is not None:
         new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
-    return new.train(layer.training)
+    return new
 
 
 class HeadConversions:

@@ -1,19 +1,20 @@
 """Which head design a layer is built with: the one place that knows them all.
 
-A layer has at most one head design, a part that owns its parameters, its checks, its tag
-and its computation, registered on the layer under the name its parameters have always had
-in checkpoints: ``head_gate`` (:class:`~multihead.attention.sparse.SparseHeads`) or
-``head_mix`` (:mod:`~multihead.attention.mixing`); latent attention, a design of K/V heads,
-as ``kv_latent`` (:mod:`~multihead.attention.latent`).
+A layer has at most one head design (:class:`~multihead.attention.steps.HeadDesign`), a
+part that owns its parameters, its checks, its tag and its computation, registered on the
+layer under its :attr:`~multihead.attention.steps.HeadDesign.attribute`, the name its
+parameters have always had in checkpoints: ``head_gate`` (the router of
+:class:`~multihead.attention.sparse.SparseHeads`) or ``head_mix``
+(:mod:`~multihead.attention.mixing`); latent attention, a design of K/V heads, as
+``kv_latent`` (:mod:`~multihead.attention.latent`).
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from multihead.attention.latent import LatentKV
 from multihead.attention.mixing import build_mixing
 from multihead.attention.sparse import SparseHeads
+from multihead.attention.steps import HeadDesign
 
 
 def build_head_design(
@@ -31,8 +32,8 @@ def build_head_design(
     bias: bool = True,
     device=None,
     dtype=None,
-) -> tuple[str, nn.Module] | None:
-    """``(name, part)`` for the design the layer's arguments ask for, or ``None``.
+) -> HeadDesign | None:
+    """The part for the design the layer's arguments ask for, or ``None``.
 
     Raises:
         ValueError: options of a design that was not asked for, two designs at once, or a
@@ -66,18 +67,14 @@ def build_head_design(
                 + ": latent attention builds every K/V head from one latent (a layer has one "
                 "head design)"
             )
-        latent = LatentKV(
+        return LatentKV(
             embed_dim, num_heads, kv_latent_dim, bias=bias, norm=kv_latent_norm, **factory
         )
-        return "kv_latent", latent
     if top_k_heads is not None:
-        return "head_gate", SparseHeads(
-            embed_dim, num_heads, top_k_heads, num_shared_heads, **factory
-        )
+        return SparseHeads(embed_dim, num_heads, top_k_heads, num_shared_heads, **factory)
     if head_mixing is not None:
         head_dim = embed_dim // num_heads
-        mixing = build_mixing(
+        return build_mixing(
             head_mixing, num_heads, head_dim, backend=backend, groups=mixing_groups, **factory
         )
-        return "head_mix", mixing
     return None

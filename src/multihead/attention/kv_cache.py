@@ -10,8 +10,27 @@ between decoding steps and ``torch.compile`` compiles the step once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+from multihead.attention.checks import check_positive_int
+from multihead.attention.masks import causal_keep
+
+
+class CacheLayout(NamedTuple):
+    """What a layer caches per position: ``heads`` tensors of ``width`` numbers for K and
+    as many for V, or one set serving as both when ``shared_kv`` (MLA's latent)."""
+
+    heads: int
+    width: int
+    shared_kv: bool
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes cached for each position and sentence, in ``dtype``."""
+        tensors = 1 if self.shared_kv else 2
+        return tensors * self.heads * self.width * torch.empty((), dtype=dtype).element_size()
 
 
 class KVCache:
@@ -86,15 +105,17 @@ class KVCache:
         static: bool = False,
         share_kv: bool = False,
     ) -> None:
-        if batch_size < 1 or max_len < 1:
-            raise ValueError(
-                f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}"
-            )
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("max_len", max_len)
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.share_kv = share_kv
         self.v = self.k if share_kv else torch.zeros(shape, device=device, dtype=dtype)
         self.size = 0  # positions filled so far; max_len once written when static
+        # Weights a head design derives from its parameters for the search this cache
+        # serves (MLA's absorbed projections): they live as long as the cache, since a fused
+        # optimiser step changes parameters in place without a trace a check could read.
+        self.derived: dict[str, object] = {}
         self.static = static
         # Static mode: positions filled so far, a tensor so the step's graph does not change.
         self.position = torch.zeros((), dtype=torch.long, device=device) if static else None
@@ -154,8 +175,7 @@ class KVCache:
         if not is_causal:
             return (keys >= self.position).expand(q_len, self.max_len)
         # The queries are positions position - L .. position - 1.
-        rows = self.position - q_len + torch.arange(q_len, device=keys.device)[:, None]  # (L, 1)
-        return keys > rows  # (L, max_len)
+        return ~causal_keep(q_len, self.max_len, keys.device, self.position - q_len)
 
     def hide_unwritten(
         self, attn_mask: Tensor | None, q_len: int, is_causal: bool
@@ -190,7 +210,8 @@ class KVCache:
             self.v = self.k
 
     def reset(self) -> None:
-        """Forget every position (the buffers are kept)."""
+        """Forget every position and derived weight (the buffers are kept)."""
         self.size = 0
+        self.derived.clear()
         if self.position is not None:
             self.position.zero_()

@@ -14,8 +14,8 @@ layer is exactly an MHA layer whose K/V weights are the products ``W_UK W_DKV`` 
 
 Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
 W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
-query projection and ``W_UV`` into the output projection, once (the folded weights are kept
-until a parameter changes), and each step attends over the cached latent as one shared K/V
+query projection and ``W_UV`` into the output projection, once per search (the folded
+weights live in the KV cache, :attr:`KVCache.derived`), and each step attends over the cached latent as one shared K/V
 head of width ``r`` (MQA-shaped) with the original ``1/sqrt(D)`` scale: no per-step
 up-projection of the cache.
 """
@@ -28,14 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.gate import gate_heads
-from multihead.attention.kv_cache import KVCache
+from multihead.attention.checks import check_positive_int
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.steps import (
+    HeadDesign,
+    attend,
+    make_mask,
+    merge_heads,
+    project_queries,
+    scale_heads,
+)
 
 if TYPE_CHECKING:
     from multihead.attention.layer import MultiHeadAttention
 
 
-class LatentKV(nn.Module):
+class LatentKV(HeadDesign, nn.Module):
     """The latent K/V of an MLA layer with ``num_heads`` heads of ``head_dim``.
 
     Args:
@@ -52,7 +60,8 @@ class LatentKV(nn.Module):
             from the cached latent at every step, to measure what absorption buys.
     """
 
-    kind = "mla"
+    name = kind = "mla"
+    attribute = "kv_latent"
 
     def __init__(
         self,
@@ -65,10 +74,7 @@ class LatentKV(nn.Module):
         device=None,
         dtype=None,
     ) -> None:
-        if isinstance(kv_latent_dim, bool) or not isinstance(kv_latent_dim, int):
-            raise TypeError(f"kv_latent_dim must be an integer, got {kv_latent_dim!r}")
-        if kv_latent_dim < 1:
-            raise ValueError(f"kv_latent_dim must be >= 1, got {kv_latent_dim}")
+        check_positive_int("kv_latent_dim", kv_latent_dim)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
@@ -77,11 +83,9 @@ class LatentKV(nn.Module):
         self.norm = nn.RMSNorm(kv_latent_dim, **factory) if norm else None
         self.up = nn.Linear(kv_latent_dim, 2 * embed_dim, bias=False, **factory)  # [W_UK; W_UV]
         self.absorb = True
-        self._folded: tuple[tuple, tuple[Tensor, Tensor | None, Tensor]] | None = None
 
     @property
     def options(self) -> dict[str, int | bool]:
-        """The layer's constructor arguments that build this part."""
         norm = {"kv_latent_norm": True} if self.norm is not None else {}
         return {"kv_latent_dim": self.latent_dim, **norm}
 
@@ -89,10 +93,9 @@ class LatentKV(nn.Module):
     def tag(self) -> str:
         return f"r{self.latent_dim}" + ("n" if self.norm is not None else "")
 
-    @property
-    def cache_layout(self) -> tuple[int, int, bool]:
-        """``(heads, width, share_kv)`` of the cache: one latent of width ``r``, stored once."""
-        return 1, self.latent_dim, True
+    def cache_layout(self, layer: MultiHeadAttention) -> CacheLayout:
+        """One latent of width ``r``, stored once for K and V."""
+        return CacheLayout(1, self.latent_dim, shared_kv=True)
 
     def latent(self, source: Tensor) -> Tensor:
         """``c`` ``(B, S, r)`` of ``source`` ``(B, S, E)``."""
@@ -107,15 +110,17 @@ class LatentKV(nn.Module):
         v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
         return k, v
 
-    def folded(self, layer: MultiHeadAttention) -> tuple[Tensor, Tensor | None, Tensor]:
+    def folded(
+        self, layer: MultiHeadAttention, kv_cache: KVCache
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
         """``W_UK`` folded into the query projection, ``W_UV`` into the output projection.
 
         Returns ``(w_q, b_q, w_o)``: ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``.
-        Computed once and kept until a parameter is changed (in place or replaced).
+        Computed at the first step of a search and kept in ``kv_cache`` for its others: no
+        check could tell that the parameters changed between two searches (a fused
+        optimiser step writes them in place without bumping their version).
         """
-        tensors = (layer.in_proj.weight, layer.in_proj.bias, self.up.weight, layer.out_proj.weight)
-        key = tuple((t.data_ptr(), t._version) for t in tensors if t is not None)
-        if self._folded is None or self._folded[0] != key:
+        if "mla_folded" not in kv_cache.derived:
             E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
             D = E // H
             w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
@@ -127,8 +132,8 @@ class LatentKV(nn.Module):
                     b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
                 w_o = layer.out_proj.weight.view(E, H, D)
                 w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
-            self._folded = (key, (w_q, b_q, w_o))
-        return self._folded[1]
+            kv_cache.derived["mla_folded"] = (w_q, b_q, w_o)
+        return kv_cache.derived["mla_folded"]
 
     def attention(
         self,
@@ -157,29 +162,17 @@ class LatentKV(nn.Module):
             c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
             if kv_cache is not None:
                 c, _ = kv_cache.update(c, None)  # (B, 1, S, r), the new positions appended
-        masks = {
-            "key_padding_mask": key_padding_mask,
-            "attn_mask": attn_mask,
-            "is_causal": is_causal,
-            "kv_cache": kv_cache,
-        }
+        masks = (key_padding_mask, attn_mask, is_causal, kv_cache)
 
         if self.absorb and kv_cache is not None and not self.training:
-            w_q, b_q, w_o = self.folded(layer)
+            w_q, b_q, w_o = self.folded(layer, kv_cache)
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
-            mask = layer._mask(q, c, **masks)
-            heads, weights = layer._attend(q, c, c, mask, need_weights)  # (B, H, L, r)
-            if head_mask is not None:
-                heads = gate_heads(heads, head_mask)
-            heads = heads.transpose(1, 2).reshape(B, L, H * r)  # latent heads concatenated
-            out = F.linear(heads, w_o, layer.out_proj.bias)  # (B, L, E)
+            heads, weights = attend(layer, q, c, c, make_mask(layer, q, c, *masks), need_weights)
+            # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
+            out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
-            w, b = layer.in_proj.weight, layer.in_proj.bias
-            q = F.linear(query, w, b).view(B, L, H, -1).transpose(1, 2)  # (B, H, L, D)
+            q = project_queries(layer, query)  # (B, H, L, D)
             k, v = self.expand(c.squeeze(1))  # (B, H, S, D) each
-            mask = layer._mask(q, k, **masks)
-            heads, weights = layer._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
-            if head_mask is not None:
-                heads = gate_heads(heads, head_mask)
-            out = layer.out_proj(heads.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
+            heads, weights = attend(layer, q, k, v, make_mask(layer, q, k, *masks), need_weights)
+            out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out

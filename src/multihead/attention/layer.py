@@ -12,32 +12,36 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
        | | | |              \\| |/               \\ \\/ /
     kv:1 2 3 4           kv:  1  2            kv:   1
 
-``forward`` is that formula as four steps, ``_project -> _mask -> _attend -> out_proj``. A
-head design is a part the layer is built with, which replaces the steps it changes: sparse
-heads (:mod:`~multihead.attention.sparse`), a head mixing (:mod:`~multihead.attention.mixing`)
-or latent K/V (:mod:`~multihead.attention.latent`). Kernels: :mod:`~multihead.attention.backends`.
+``forward`` is that formula as four steps, ``project -> mask -> attend -> out_proj``, the
+public functions of :mod:`~multihead.attention.steps`. A head design is a part the layer is
+built with (:class:`~multihead.attention.steps.HeadDesign`), which replaces the steps it
+changes: sparse heads (:mod:`~multihead.attention.sparse`), a head mixing
+(:mod:`~multihead.attention.mixing`) or latent K/V (:mod:`~multihead.attention.latent`).
+Kernels: :mod:`~multihead.attention.backends`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.backends import (
-    BACKENDS,
-    check_backend,
-    default_scale,
-    math_attention_with_weights,
-)
+from multihead.attention.backends import check_backend, default_scale
+from multihead.attention.checks import check_positive_int
 from multihead.attention.convert import HeadConversions
 from multihead.attention.designs import build_head_design
-from multihead.attention.gate import check_head_mask, gate_heads
-from multihead.attention.kv_cache import KVCache
-from multihead.attention.latent import LatentKV
-from multihead.attention.masks import AttentionMask, build_attention_mask
-from multihead.attention.mixing import HeadMixing
-from multihead.attention.sparse import SparseHeads
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.steps import (
+    HeadDesign,
+    PositionalPart,
+    attend,
+    check_head_mask,
+    make_mask,
+    merge_heads,
+    project,
+    scale_heads,
+)
+
+_NO_DESIGN = HeadDesign()  # the defaults of a layer without a head design
 
 
 class MultiHeadAttention(HeadConversions, nn.Module):
@@ -81,7 +85,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
     self-attention call appends the new positions; cross-attention projects the memory on
     the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
 
-    ``attn.head_mask`` (``(H,)``) gates each head's output on every call (:meth:`forward`).
+    ``attn.head_mask`` (``(H,)``) scales each head's output on every call (:meth:`forward`).
     """
 
     def __init__(
@@ -103,10 +107,8 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"embed_dim and num_heads must be positive, got {embed_dim}, {num_heads}"
-            )
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
@@ -120,8 +122,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         # Construction knows the name, packages and dropout; the device and dtype are checked
         # on the first forward pass on each, since the parameters may still move.
-        here = torch.device("cpu" if device is None else device)
-        check_backend(backend, here, dtype or torch.float32, dropout=dropout, anywhere=True)
+        check_backend(backend, None, dtype or torch.float32, dropout=dropout)
 
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -136,10 +137,13 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         kv_dim = 0 if kv_latent_dim is not None else num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias, device, dtype)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
-        self._checked: set[tuple[torch.device, torch.dtype]] = set()
-        # Michel et al.'s per-head gate, (H,): None, or a tensor scaling each query head's
+        # The (device, dtype) pairs the backend was checked on (steps.attend checks once each).
+        self.checked_backends: set[tuple[torch.device, torch.dtype]] = set()
+        # Michel et al.'s per-head scale, (H,): None, or a tensor scaling each query head's
         # output before W^O (a plain attribute, not in the state_dict); see forward.
         self.head_mask: Tensor | None = None
+        # A position encoding applied to Q and K after the projection: none by default.
+        self.positions: PositionalPart | None = None
         self._reset_parameters()
 
         # The head design comes after the projections' init, so a layer with one draws the
@@ -150,9 +154,9 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             mixing_groups=mixing_groups, kv_latent_dim=kv_latent_dim, num_kv_heads=num_kv_heads,
             kv_latent_norm=kv_latent_norm, bias=bias, device=device, dtype=dtype,
         )  # fmt: skip
-        self._design_name = None if design is None else design[0]
+        self._design_name = None if design is None else design.attribute
         if design is not None:
-            self.add_module(*design)
+            self.add_module(design.attribute, design)
 
     def _reset_parameters(self) -> None:
         # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
@@ -166,19 +170,25 @@ class MultiHeadAttention(HeadConversions, nn.Module):
 
     # ------------------------------------------------------------------ what was built
     @property
-    def design(self) -> SparseHeads | HeadMixing | LatentKV | None:
+    def design(self) -> HeadDesign | None:
         """The head design part, or ``None`` for the textbook layer."""
         return None if self._design_name is None else getattr(self, self._design_name)
 
     @property
+    def _part(self) -> HeadDesign:  # the design, or the interface's defaults
+        return _NO_DESIGN if self._design_name is None else self.design
+
+    @property
     def head_config(self) -> dict[str, str | int]:
-        """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"`` or ``"mqa"``), ``H``,
-        ``G`` and the constructor arguments of its head design, if any."""
+        """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"``, ``"mqa"``, or a
+        design's own, ``"mla"``), ``H``, ``G`` and the head design's constructor arguments."""
         kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
         kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
-        kind = getattr(self.design, "kind", kind)  # latent attention: "mla"
-        design = {} if self.design is None else self.design.options
-        return dict(kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **design)
+        kind = self._part.kind or kind
+        return dict(
+            kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            **self._part.options,
+        )  # fmt: skip
 
     @property
     def head_tag(self) -> str:
@@ -187,19 +197,18 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         ``"mha4-group_mlp2"``."""
         config = self.head_config
         kv = f"kv{self.num_kv_heads}" if config["kind"] == "gqa" else ""
-        design = "" if self.design is None else self.design.tag
-        return f"{config['kind']}{self.num_heads}{kv}{design}"
+        return f"{config['kind']}{self.num_heads}{kv}{self._part.tag}"
 
     @property
     def active_head_fraction(self) -> float:
         """The fraction of the ``H`` heads computed for each token (1.0 unless sparse)."""
-        return getattr(self.design, "active_head_fraction", 1.0)
+        return self._part.active_head_fraction
 
     @property
     def aux_loss(self) -> Tensor | None:
-        """The sparse heads' load-balancing loss of the last training-mode call, or ``None``
-        (dense layers, eval mode); see :class:`~multihead.attention.sparse.SparseHeads`."""
-        return getattr(self.design, "aux_loss", None)
+        """The head design's auxiliary loss of the last training-mode call (the sparse
+        heads' load balancing), or ``None`` (dense layers, eval mode)."""
+        return self._part.aux_loss
 
     def extra_repr(self) -> str:
         return (
@@ -210,12 +219,12 @@ class MultiHeadAttention(HeadConversions, nn.Module):
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of K and V this layer caches for each decoded position and sentence."""
-        heads, width, shared = self._cache_layout
-        return (1 if shared else 2) * heads * width * torch.empty((), dtype=dtype).element_size()
+        return self.cache_layout.bytes_per_token(dtype)
 
     @property
-    def _cache_layout(self) -> tuple[int, int, bool]:  # (heads, width, one tensor for K and V)
-        return getattr(self.design, "cache_layout", (self.num_kv_heads, self.head_dim, False))
+    def cache_layout(self) -> CacheLayout:
+        """What the layer's KV cache holds per position (a head design may change it)."""
+        return self._part.cache_layout(self)
 
     def make_kv_cache(
         self,
@@ -238,7 +247,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         if dtype is None:
             autocast = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
-        heads, width, shared = self._cache_layout
+        heads, width, shared = self.cache_layout
         return KVCache(
             batch_size, max_len, heads, width, device=device, dtype=dtype, static=static,
             share_kv=shared,
@@ -270,34 +279,32 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
                 by the ``math`` path whatever the backend (a design's: see its part).
-            head_mask: ``(H,)``, a gate on each query head's output before ``W^O``
-                (:mod:`~multihead.attention.gate`); ``None``: the layer's :attr:`head_mask`,
+            head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
+                (:func:`~multihead.attention.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
                 ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        B, L, E = self._check_inputs(query, key_value, is_causal)
+        self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
-        head_mask = check_head_mask(self.head_mask if head_mask is None else head_mask, self)
+        head_mask = check_head_mask(self.head_mask if head_mask is None else head_mask, self.num_heads)
         if self.design is not None:
             # The one hook: a head design runs these steps itself, with its own in place of
             # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).
-            gate = {} if head_mask is None else {"head_mask": head_mask}
+            scale = {} if head_mask is None else {"head_mask": head_mask}
             return self.design.attention(
                 self, query, key_value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights, **gate,
+                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights, **scale,
             )  # fmt: skip
-        q, k, v = self._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = self._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
-        heads, weights = self._attend(q, k, v, mask, need_weights)  # (B, H, L, D)
-        if head_mask is not None:
-            heads = gate_heads(heads, head_mask)
+        q, k, v = project(self, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
+        mask = make_mask(self, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        heads, weights = attend(self, q, k, v, mask, need_weights)  # (B, H, L, D)
         # Heads concatenated: H * D is E, or less in a layer with pruned heads.
-        out = self.out_proj(heads.transpose(1, 2).reshape(B, L, -1))
+        out = self.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out
 
-    def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool):
+    def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool) -> None:
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
             raise ValueError(f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}")
         B, L, E = query.shape
@@ -309,91 +316,3 @@ class MultiHeadAttention(HeadConversions, nn.Module):
                 )
             if is_causal:
                 raise ValueError("is_causal is for self-attention; got a key_value as well")
-        return B, L, E
-
-    def _project(
-        self, query: Tensor, key_value: Tensor | None, kv_cache: KVCache | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Q ``(B, H, L, D)`` and K, V ``(B, G, S, D)``, the cached positions included."""
-        B, L, _ = query.shape
-        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if key_value is None:
-            # Self-attention: Q, K and V from one GEMM, then split (views, no copies).
-            q, k, v = self.in_proj(query).split([H * D, G * D, G * D], dim=-1)  # (B, L, ·)
-            k = k.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
-            v = v.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
-            if kv_cache is not None:
-                k, v = kv_cache.update(k, v)  # (B, G, S, D): the new positions appended
-        else:
-            w, b = self.in_proj.weight, self.in_proj.bias
-            q = F.linear(query, w[: H * D], None if b is None else b[: H * D])  # (B, L, H*D)
-            k, v = self._project_kv(key_value, kv_cache, cross=True)  # (B, G, S, D)
-        return q.view(B, L, H, D).transpose(1, 2), k, v  # (B, H, L, D)
-
-    def _project_kv(
-        self, source: Tensor, kv_cache: KVCache | None, *, cross: bool
-    ) -> tuple[Tensor, Tensor]:
-        """K and V ``(B, G, S, D)`` of ``source`` alone, through ``kv_cache`` if given.
-
-        Self-attention appends the new positions to the cache; cross-attention stores the
-        memory at the first step and reads it back at every later one, unprojected.
-        """
-        if cross and kv_cache is not None and kv_cache.size > 0:
-            return kv_cache.get()
-        B, G, D = source.shape[0], self.num_kv_heads, self.head_dim
-        HD = self.num_heads * D  # E, or less in a layer with pruned heads
-        w, b = self.in_proj.weight, self.in_proj.bias
-        k, v = F.linear(source, w[HD:], None if b is None else b[HD:]).split([G * D, G * D], -1)
-        k = k.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
-        v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
-        return (k, v) if kv_cache is None else kv_cache.update(k, v)
-
-    def _mask(self, q: Tensor, k: Tensor, key_padding_mask, attn_mask, is_causal, kv_cache=None):
-        """The caller's masks for queries ``q`` ``(B, ·, L, D)`` and keys ``k`` ``(B, G, S, D)``,
-        in the kernels' form (:func:`~multihead.attention.masks.build_attention_mask`).
-
-        With a static ``kv_cache`` the keys are its whole buffers: the positions it hides
-        (:meth:`KVCache.hidden_keys`) join ``attn_mask``, causality included.
-        """
-        if kv_cache is not None and kv_cache.static:
-            attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
-        return build_attention_mask(
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            batch_size=q.shape[0],
-            num_heads=self.num_heads,
-            q_len=q.shape[2],
-            kv_len=k.shape[2],
-            dtype=q.dtype,
-            device=q.device,
-        )
-
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, need_weights: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """softmax(QK^T)V ``(B, H, L, D)`` by the backend, or by the math path with the
-        weights ``(B, H, L, S)`` when they are asked for."""
-        dropout_p = self.dropout if self.training else 0.0
-        weights = None
-        if need_weights:
-            out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, self.scale)
-        else:
-            self._check_backend_once(q)
-            out = BACKENDS[self.backend](q, k, v, mask, dropout_p, self.scale)
-        if mask.empty_rows is not None:
-            # Rows with no key to attend to: zeros, not the mean of unmasked values.
-            out = out.masked_fill(mask.empty_rows, 0.0)
-            if weights is not None:
-                weights = weights.masked_fill(mask.empty_rows, 0.0)
-        return out, weights
-
-    def _check_backend_once(self, q: Tensor) -> None:
-        """Check the backend on the first call on ``q``'s device and dtype."""
-        if torch.compiler.is_compiling():
-            # Checked while tracing (Python only); adding to _checked would fail the compiled
-            # code's guard on the set and recompile the next call.
-            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
-        elif (q.device, q.dtype) not in self._checked:
-            check_backend(self.backend, q.device, q.dtype, head_dim=self.head_dim)
-            self._checked.add((q.device, q.dtype))

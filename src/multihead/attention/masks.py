@@ -70,7 +70,7 @@ class AttentionMask:
         """
         tensor = self.tensor
         if slots is not None and self.kernel_causal(q_len, kv_len):
-            tensor = torch.ones(q_len, kv_len, dtype=torch.bool, device=slots.device).tril()
+            tensor = causal_keep(q_len, kv_len, slots.device)
         tensor = _rows(tensor, first, count, slots)
         packed = slots is not None and tensor is not None and tensor.shape[2] > 1
         return AttentionMask(
@@ -80,6 +80,16 @@ class AttentionMask:
             key_padding_mask=self.key_padding_mask,
             has_attn_mask=self.has_attn_mask or packed,
         )
+
+
+def causal_keep(q_len: int, kv_len: int, device: torch.device, first: int | Tensor | None = None):
+    """The causal mask, bool ``(L, S)``, True where query ``i`` may see key ``j``: query
+    ``i`` is position ``first + i`` and sees the keys up to it. ``first`` defaults to
+    ``S - L``: the queries are the last ``L`` positions (bottom-right aligned); a static
+    cache passes its position tensor."""
+    first = kv_len - q_len if first is None else first
+    rows = torch.arange(q_len, device=device)[:, None] + first  # (L, 1)
+    return torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
 
 
 def _rows(t: Tensor | None, first: int, count: int, slots: Tensor | None) -> Tensor | None:
@@ -107,8 +117,7 @@ def apply_mask(scores: Tensor, mask: AttentionMask) -> Tensor:
     """
     L, S = scores.shape[-2:]
     if mask.kernel_causal(L, S):
-        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~causal_keep(L, S, scores.device), float("-inf"))
     if mask.tensor is not None:
         if mask.tensor.dtype == torch.bool:
             scores = scores.masked_fill(~mask.tensor, float("-inf"))
@@ -182,9 +191,8 @@ def build_attention_mask(
     # query (L = 1) sees every key and needs none.
     own_causal = keep is None and bias is None and q_len == kv_len
     if is_causal and not own_causal and q_len > 1:
-        rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-        causal_keep = torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
-        keep = causal_keep if keep is None else keep & causal_keep
+        causal = causal_keep(q_len, kv_len, device)  # (L, S)
+        keep = causal if keep is None else keep & causal
 
     # Rows with no key left are un-masked here and zeroed after the kernel. Both are done
     # whether or not any row is empty: asking would read a flag back from the device.

@@ -24,18 +24,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.gate import gate_heads
+from multihead.attention.backends import softmax
+from multihead.attention.checks import check_positive_int
 from multihead.attention.kv_cache import KVCache
-from multihead.attention.masks import AttentionMask, apply_mask
+from multihead.attention.masks import AttentionMask
+from multihead.attention.steps import (
+    HeadDesign,
+    attend,
+    make_mask,
+    project,
+    scale_heads,
+)
 
 if TYPE_CHECKING:
     from multihead.attention.layer import MultiHeadAttention
 
 
-class HeadMixing(nn.Module):
+class HeadMixing(HeadDesign, nn.Module):
     """A mixing part; subclasses replace :meth:`attend` or :meth:`mix` (or both)."""
 
-    name: str
+    attribute = "head_mix"
 
     def attention(
         self,
@@ -54,21 +62,19 @@ class HeadMixing(nn.Module):
 
         ``head_mask`` ``(H,)`` scales each head's output after :meth:`attend` (for talking
         heads, after the mixed weights multiply V); a mixing that replaces :meth:`mix`
-        refuses it, since the heads it mixes after the gate have no output of their own.
+        refuses it, since the heads it mixes after the scale have no output of their own.
         """
         B, L, E = query.shape
         if head_mask is not None and type(self).mix is not HeadMixing.mix:
             raise ValueError(
                 f"head_mask is undefined for head_mixing={self.name!r}: it mixes the heads "
-                "after the gate, so a head has no contribution of its own to scale; use "
+                "after the scale, so a head has no contribution of its own to scale; use "
                 "a layer without a mixing, or talking_heads"
             )
-        q, k, v = layer._project(query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = layer._mask(q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        q, k, v = project(layer, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
+        mask = make_mask(layer, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
-        if head_mask is not None:
-            heads = gate_heads(heads, head_mask)
-        heads = self.mix(heads.transpose(1, 2))  # (B, L, H, D)
+        heads = self.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)
         out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
         return (out, weights) if need_weights else out
 
@@ -82,7 +88,7 @@ class HeadMixing(nn.Module):
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """The heads ``(B, H, L, D)``: the layer's own kernel unless a mixing replaces it."""
-        return layer._attend(q, k, v, mask, need_weights)
+        return attend(layer, q, k, v, mask, need_weights)
 
     def mix(self, heads: Tensor) -> Tensor:
         """``heads`` ``(B, L, H, D)`` as they enter ``W^O``; unchanged unless replaced."""
@@ -90,12 +96,7 @@ class HeadMixing(nn.Module):
 
     @property
     def options(self) -> dict[str, str | int]:
-        """The layer's constructor arguments that build this part."""
         return {"head_mixing": self.name}
-
-    @property
-    def tag(self) -> str:
-        return f"-{self.name}"
 
 
 class TalkingHeads(HeadMixing):
@@ -103,8 +104,8 @@ class TalkingHeads(HeadMixing):
 
     Head ``j``'s logits become ``sum_i logits_i * logit_mix[i, j]`` (before the mask and
     softmax) and its weights ``sum_i weights_i * weight_mix[i, j]`` (after the softmax,
-    before the weights multiply V). The attention weights it returns are the mixed ones,
-    those that multiply V.
+    before the weights multiply V): the math formula with these two hooks. The attention
+    weights it returns are the mixed ones, those that multiply V.
     """
 
     name = "talking_heads"
@@ -123,28 +124,19 @@ class TalkingHeads(HeadMixing):
         mask: AttentionMask,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor]:
-        B, H, L, D = q.shape
-        G, S = k.shape[1], k.shape[2]
-        qg = q.view(B, G, H // G, L, D)  # (B, G, H/G, L, D): K/V broadcast over their group
-        scores = (qg @ k.unsqueeze(2).transpose(-2, -1)) * layer.scale  # (B, G, H/G, L, S)
-        # Mixed before masking: a masked (-inf) logit mixed into other heads would give NaN.
-        scores = torch.einsum("bhls,hj->bjls", scores.view(B, H, L, S), self.logit_mix)
-        scores = apply_mask(scores, mask)  # (B, H, L, S)
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # fp32 softmax
-        if mask.empty_rows is not None:
-            # An empty row is un-masked only to keep softmax finite; it lends no weight.
-            weights = weights.masked_fill(mask.empty_rows, 0.0)
-        weights = torch.einsum("bhls,hj->bjls", weights, self.weight_mix)  # (B, H, L, S)
-        # A per-head mask stays a mask after mixing: no head attends where it may not.
-        weights = weights.masked_fill(torch.isneginf(scores), 0.0)
-        dropout_p = layer.dropout if layer.training else 0.0
-        dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-        out = (dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)).view(B, H, L, D)
-        if mask.empty_rows is not None:
-            # Rows with no key to attend to: zeros, as the layer's own kernels give.
-            out = out.masked_fill(mask.empty_rows, 0.0)
-            weights = weights.masked_fill(mask.empty_rows, 0.0)
-        return out, weights
+        def on_logits(scores: Tensor) -> Tensor:  # (B, H, L, S)
+            # Mixed before masking: a masked (-inf) logit mixed into other heads gives NaN.
+            return torch.einsum("bhls,hj->bjls", scores, self.logit_mix)
+
+        def on_weights(weights: Tensor, scores: Tensor) -> Tensor:  # (B, H, L, S)
+            if mask.empty_rows is not None:
+                # An empty row is un-masked only to keep softmax finite; it lends no weight.
+                weights = weights.masked_fill(mask.empty_rows, 0.0)
+            weights = torch.einsum("bhls,hj->bjls", weights, self.weight_mix)
+            # A per-head mask stays a mask after mixing: no head attends where it may not.
+            return weights.masked_fill(torch.isneginf(scores), 0.0)
+
+        return attend(layer, q, k, v, mask, need_weights, on_logits=on_logits, on_weights=on_weights)
 
 
 class GroupMLPMixing(HeadMixing):
@@ -182,7 +174,7 @@ class GroupMLPMixing(HeadMixing):
 
     @property
     def options(self) -> dict[str, str | int]:
-        return {"head_mixing": self.name, "mixing_groups": self.groups}
+        return {**super().options, "mixing_groups": self.groups}
 
     @property
     def tag(self) -> str:
@@ -211,7 +203,7 @@ class HeadAttentionMixing(HeadMixing):
         """``heads`` ``(B, L, H, D)`` -> ``(B, L, H, D)``."""
         q, k, v = self.head_mix(heads).chunk(3, dim=-1)  # (B, L, H, D) each
         scores = q @ k.transpose(-2, -1) / math.sqrt(heads.shape[-1])  # (B, L, H, H)
-        weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # head i over heads j
+        weights = softmax(scores).to(v.dtype)  # head i over heads j
         return heads + weights @ v
 
     def mix(self, heads: Tensor) -> Tensor:
@@ -248,8 +240,7 @@ def build_mixing(
             raise ValueError(
                 f"mixing_groups={groups} is for head_mixing='group_mlp', got head_mixing={name!r}"
             )
-        if isinstance(groups, bool) or not isinstance(groups, int):
-            raise TypeError(f"mixing_groups must be an integer, got {groups!r}")
+        check_positive_int("mixing_groups", groups)
     if name == "talking_heads":
         if backend != "math":
             raise ValueError(
@@ -260,7 +251,7 @@ def build_mixing(
         return TalkingHeads(num_heads, **factory)
     if name == "group_mlp":
         groups = groups or 2
-        if groups <= 0 or num_heads % groups != 0:
+        if num_heads % groups != 0:
             raise ValueError(
                 f"mixing_groups ({groups}) must be a positive divisor of num_heads ({num_heads})"
             )

@@ -1,14 +1,14 @@
 """Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
 
-Each token's gate ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - Hs`` routed heads)
+Each token's router ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - Hs`` routed heads)
 picks its ``k`` best routed heads; only those are computed (their query projection, their
 scores and weighted values, their slice of ``W^O``) and their outputs are summed with
 weights ``softmax(G(x))`` taken over the selected heads. Heads ``0 .. Hs - 1`` are shared:
 always on, with weight 1. K and V are still projected for all ``G`` K/V heads.
 
-:class:`SparseHeads` is the gate itself (an ``nn.Linear``, so ``layer.head_gate(x)`` gives
-the routing logits and the state_dict key is ``head_gate.weight``) plus the routed
-computation, which replaces the layer's ``attend -> out_proj`` steps.
+:class:`SparseHeads` is the router itself (an ``nn.Linear``, so ``layer.head_gate(x)`` gives
+the routing logits; ``head_gate``, MoH's name for it, is its state_dict key) plus the
+routed computation, which replaces the layer's ``attend -> out_proj`` steps.
 
 Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active:
 
@@ -19,7 +19,7 @@ Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active
     (torch.Size([2, 5, 64]), 0.5)
     >>> moh.aux_loss is not None, moh.head_tag
     (True, 'mha8-moh-k2s2')
-    >>> moh.head_gate  # the gate: 6 routed heads' logits per token
+    >>> moh.head_gate  # the router: 6 routed heads' logits per token
     SparseHeads(in_features=64, out_features=6, bias=False, top_k_heads=2, num_shared_heads=2)
 """
 
@@ -28,11 +28,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.gate import gate_heads
+from multihead.attention.checks import check_positive_int
 from multihead.attention.kv_cache import KVCache
+from multihead.attention.backends import softmax
+from multihead.attention.steps import (
+    HeadDesign,
+    attend,
+    make_mask,
+    merge_heads,
+    project_kv,
+    project_queries,
+    scale_heads,
+)
 
 if TYPE_CHECKING:
     from multihead.attention.layer import MultiHeadAttention
@@ -67,20 +76,15 @@ def _pack_front(flags: Tensor) -> tuple[Tensor, Tensor]:
     return index, index < N
 
 
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-
-
-class SparseHeads(nn.Linear):
-    """The MoH gate of a layer with ``num_heads`` heads, and the routed attention.
+class SparseHeads(HeadDesign, nn.Linear):
+    """The MoH router of a layer with ``num_heads`` heads, and the routed attention.
 
     Args:
         embed_dim: ``E``.
         num_heads: ``H``, the layer's query heads.
         top_k_heads: ``k``, the routed heads each token computes, in ``[1, H - Hs]``.
         num_shared_heads: ``Hs``, heads always on, in ``[0, H)``.
-        device, dtype: for the gate's weight.
+        device, dtype: for the router's weight.
 
     In training mode each call sets :attr:`aux_loss`, the Switch Transformer's
     load-balancing loss over the routed heads, ``R * sum_i f_i P_i``: ``f_i`` is the fraction
@@ -102,18 +106,15 @@ class SparseHeads(nn.Linear):
         device=None,
         dtype=None,
     ) -> None:
-        _check_int("top_k_heads", top_k_heads)
-        _check_int("num_shared_heads", num_shared_heads)
-        if not 0 <= num_shared_heads < num_heads:
-            raise ValueError(
-                f"num_shared_heads must be in [0, num_heads={num_heads}), got {num_shared_heads}"
-            )
+        check_positive_int(
+            "num_shared_heads", num_shared_heads, minimum=0, maximum=num_heads - 1,
+            why=f" (fewer than num_heads={num_heads})",
+        )  # fmt: skip
         routed = num_heads - num_shared_heads
-        if not 1 <= top_k_heads <= routed:
-            raise ValueError(
-                f"top_k_heads must be in [1, {routed}] (num_heads={num_heads} minus "
-                f"num_shared_heads={num_shared_heads}), got top_k_heads={top_k_heads}"
-            )
+        check_positive_int(
+            "top_k_heads", top_k_heads, maximum=routed,
+            why=f" (num_heads={num_heads} minus num_shared_heads={num_shared_heads})",
+        )  # fmt: skip
         super().__init__(embed_dim, routed, bias=False, device=device, dtype=dtype)
         self.num_heads = num_heads
         self.top_k = top_k_heads
@@ -124,9 +125,11 @@ class SparseHeads(nn.Linear):
         # The last aux_loss holds an autograd graph, which can be neither copied nor pickled.
         return {**self.__dict__, "aux_loss": None}
 
+    name = "moh"
+    attribute = "head_gate"
+
     @property
     def options(self) -> dict[str, int]:
-        """The layer's constructor arguments that build this part."""
         shared = {"num_shared_heads": self.num_shared} if self.num_shared else {}
         return {"top_k_heads": self.top_k, **shared}
 
@@ -137,7 +140,6 @@ class SparseHeads(nn.Linear):
 
     @property
     def active_head_fraction(self) -> float:
-        """The fraction of the ``H`` heads computed for each token."""
         return (self.top_k + self.num_shared) / self.num_heads
 
     def extra_repr(self) -> str:
@@ -177,28 +179,27 @@ class SparseHeads(nn.Linear):
         w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
 
         # Project: the shared heads' queries densely, K/V for every K/V head.
-        q_shared = F.linear(query, w[: Hs * D], None if b is None else b[: Hs * D])  # (B, L, Hs*D)
-        q_shared = q_shared.view(B, L, Hs, D).transpose(1, 2)  # (B, Hs, L, D)
+        q_shared = project_queries(layer, query, Hs)  # (B, Hs, L, D)
         source = query if key_value is None else key_value
-        k, v = layer._project_kv(source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
+        k, v = project_kv(layer, source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
         S = k.shape[2]
-        mask = layer._mask(q_shared, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        mask = make_mask(layer, q_shared, k, key_padding_mask, attn_mask, is_causal, kv_cache)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
-            head_mask = mask.for_heads(first, count, slots, L, S)
+            heads_mask = mask.for_heads(first, count, slots, L, S)
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
-            return layer._attend(q, k_h, v_h, head_mask, need_weights)
+            return attend(layer, q, k_h, v_h, heads_mask, need_weights)
 
         # Route: each token picks its top-k routed heads, weighted by a softmax over them.
         logits = self(query)  # (B, L, R)
         top_logits, top_heads = logits.topk(top_k, dim=-1)  # (B, L, k)
-        top_gate = torch.softmax(top_logits.float(), dim=-1).to(logits.dtype)  # (B, L, k)
-        gate = torch.zeros_like(logits).scatter(-1, top_heads, top_gate)  # (B, L, R)
+        top_weight = softmax(top_logits).to(logits.dtype)  # (B, L, k)
+        route_weight = torch.zeros_like(logits).scatter(-1, top_heads, top_weight)  # (B, L, R)
         chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_heads, True)
         chosen = chosen.transpose(1, 2)  # (B, R, L)
         if self.training:
             f = chosen.sum(dim=(0, 2)).to(torch.float32) / (B * L * top_k)  # (R,), sums to 1
-            p = torch.softmax(logits.float(), dim=-1).mean(dim=(0, 1))  # (R,)
+            p = softmax(logits).mean(dim=(0, 1))  # (R,)
             self.aux_loss = R * (f * p).sum()
         else:
             self.aux_loss = None
@@ -228,22 +229,20 @@ class SparseHeads(nn.Linear):
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
         routed, routed_weights = attend_heads(q, Hs, R, slots)  # (B, R, C, D)
 
-        # Weight each pair by its gate value (0 for padding), then W^O per head slice.
+        # Weight each pair by its routing weight (0 for padding), then W^O per head slice.
         routed = routed.transpose(0, 1).reshape(R, B * C, D)
         routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
-        slot_gate = gate.transpose(1, 2).gather(2, slots).transpose(0, 1).reshape(R, B * C)
-        pair_gate = slot_gate.gather(1, pair_slot) * pair_valid  # (R, M)
+        slot_weight = route_weight.transpose(1, 2).gather(2, slots).transpose(0, 1)
+        pair_weight = slot_weight.reshape(R, B * C).gather(1, pair_slot) * pair_valid  # (R, M)
         if head_mask is not None:
-            pair_gate = pair_gate * head_mask[Hs:].to(pair_gate.dtype).unsqueeze(-1)  # (R, M)
-        y = torch.bmm(routed * pair_gate.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R, M, E)
+            pair_weight = pair_weight * head_mask[Hs:].to(pair_weight.dtype).unsqueeze(-1)
+        y = torch.bmm(routed * pair_weight.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R,M,E)
         out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
         out = out.view(B, L, E)
         if Hs:
             shared, shared_weights = attend_heads(q_shared, 0, Hs, None)  # (B, Hs, L, D)
-            if head_mask is not None:
-                shared = gate_heads(shared, head_mask[:Hs])
-            shared = shared.transpose(1, 2).reshape(B, L, Hs * D)  # (B, L, Hs*D)
-            out = out + shared @ w_o[:, :Hs].reshape(E, Hs * D).T
+            shared = scale_heads(shared, None if head_mask is None else head_mask[:Hs])
+            out = out + merge_heads(shared) @ w_o[:, :Hs].reshape(E, Hs * D).T  # (B, L, E)
         if layer.out_proj.bias is not None:
             out = out + layer.out_proj.bias.to(out.dtype)
         if not need_weights:

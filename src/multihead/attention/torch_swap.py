@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.convert import unsupported_torch_options
 from multihead.attention.layer import MultiHeadAttention
 
 
@@ -159,20 +160,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
-def _unsupported(module: nn.MultiheadAttention) -> str | None:
-    """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``."""
-    if not module._qkv_same_embed_dim:
-        return (
-            f"kdim={module.kdim}, vdim={module.vdim} differ from embed_dim={module.embed_dim} "
-            "(MultiHeadAttention projects K and V from inputs of width embed_dim)"
-        )
-    if module.bias_k is not None:
-        return "add_bias_kv=True is not supported"
-    if module.add_zero_attn:
-        return "add_zero_attn=True is not supported"
-    return None
-
-
 def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Module:
     """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by a
     :class:`TorchAttentionAdapter` holding ``MultiHeadAttention.from_torch(module, backend)``.
@@ -203,7 +190,7 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
         if isinstance(module, nn.MultiheadAttention):
             found.setdefault(id(module), (path, module))
     for path, module in found.values():
-        problem = _unsupported(module)
+        problem = unsupported_torch_options(module)
         if problem is not None:
             raise ValueError(f"cannot replace {path or 'the model'!r}: {problem}")
 

@@ -1,0 +1,238 @@
+"""The textbook steps of attention, and what a head design is.
+
+:meth:`MultiHeadAttention.forward <multihead.attention.MultiHeadAttention.forward>` is four
+steps, each a public function here that the layer and every head design call::
+
+    q, k, v = project(layer, query, key_value, kv_cache)     # (B, H, L, D), (B, G, S, D)
+    mask = make_mask(layer, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+    heads, weights = attend(layer, q, k, v, mask, need_weights)     # (B, H, L, D)
+    out = layer.out_proj(merge_heads(heads))                   # (B, L, E)
+
+A head design (:class:`HeadDesign`) is a part the layer is built with; the layer's one hook
+calls its :meth:`~HeadDesign.attention`, which runs these steps with its own in place of
+the ones it changes. A positional part (:class:`PositionalPart`, e.g. rotary embeddings)
+is applied by :func:`project` to Q and K right after the projection, before K is cached.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.attention.backends import BACKENDS, check_backend, math_attention_with_weights
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.masks import AttentionMask, build_attention_mask
+
+if TYPE_CHECKING:
+    from multihead.attention.layer import MultiHeadAttention
+
+
+# --------------------------------------------------------------------------- the interface
+class PositionalPart(Protocol):
+    """A position encoding applied to Q and K after the projection (rotary embeddings).
+
+    ``part(q, k, q_start, k_start)`` returns ``(q, k)`` for ``q`` ``(B, H, L, D)`` at
+    positions ``q_start ..`` and the new keys ``k`` ``(B, G, L', D)`` at ``k_start ..``
+    (the number of keys cached before them), before they are cached.
+    """
+
+    def __call__(self, q: Tensor, k: Tensor, q_start: int, k_start: int) -> tuple[Tensor, Tensor]:
+        ...
+
+
+class HeadDesign:
+    """What a head design is: a part (an ``nn.Module`` subclassing this too) that owns its
+    parameters, its checks, its name tag and its computation.
+
+    Attributes:
+        name: the design's name (``"moh"``, ``"talking_heads"``, ``"mla"``, ...).
+        attribute: where the layer holds it, the prefix of its parameters' state_dict keys.
+        kind: what it makes of the layer's heads in ``head_config["kind"]`` (MLA:
+            ``"mla"``), or ``None`` for the layer's own (mha, gqa, mqa).
+        aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
+
+    Defaults: no options, the tag ``-<name>``, every head active, the layer's own cache.
+    """
+
+    name: ClassVar[str] = ""  # the defaults' own: a layer without a design
+    attribute: ClassVar[str] = ""
+    kind: ClassVar[str | None] = None
+    aux_loss: Tensor | None = None
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The layer's constructor arguments that build this part."""
+        return {}
+
+    @property
+    def tag(self) -> str:
+        """The part of the layer's :attr:`~MultiHeadAttention.head_tag` it adds."""
+        return f"-{self.name}" if self.name else ""
+
+    @property
+    def active_head_fraction(self) -> float:
+        """The fraction of the ``H`` heads computed for each token."""
+        return 1.0
+
+    def cache_layout(self, layer: MultiHeadAttention) -> CacheLayout:
+        """What the layer's KV cache holds per position."""
+        return CacheLayout(layer.num_kv_heads, layer.head_dim, shared_kv=False)
+
+    def attention(
+        self,
+        layer: MultiHeadAttention,
+        query: Tensor,
+        key_value: Tensor | None,
+        *,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+        need_weights: bool,
+        head_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The layer's forward with this design: the arguments and result of
+        :meth:`MultiHeadAttention.forward`, ``key_value`` ``None`` for self-attention."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- the steps
+def project(
+    layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, kv_cache: KVCache | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Step 1: Q ``(B, H, L, D)`` of ``query``, and K, V ``(B, G, S, D)`` of ``key_value``
+    (``None``: of ``query``), the cached positions included."""
+    B, L, _ = query.shape
+    H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if key_value is not None:
+        return project_queries(layer, query), *project_kv(layer, key_value, kv_cache, cross=True)
+    # Self-attention: Q, K and V from one GEMM, then split (views, no copies).
+    q, k, v = layer.in_proj(query).split([H * D, G * D, G * D], dim=-1)  # (B, L, ·)
+    q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+    k = k.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
+    v = v.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
+    if layer.positions is not None:  # none by default
+        start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
+        q, k = layer.positions(q, k, start, start)
+    return (q, k, v) if kv_cache is None else (q, *kv_cache.update(k, v))
+
+
+def project_queries(layer: MultiHeadAttention, query: Tensor, heads: int | None = None) -> Tensor:
+    """Q ``(B, h, L, D)`` of the first ``heads`` query heads (``None``: all ``H``)."""
+    B, L, _ = query.shape
+    h = layer.num_heads if heads is None else heads
+    w, b = layer.in_proj.weight[: h * layer.head_dim], layer.in_proj.bias
+    q = F.linear(query, w, None if b is None else b[: h * layer.head_dim])  # (B, L, h*D)
+    return q.view(B, L, h, layer.head_dim).transpose(1, 2)  # (B, h, L, D)
+
+
+def project_kv(
+    layer: MultiHeadAttention, source: Tensor, kv_cache: KVCache | None, *, cross: bool
+) -> tuple[Tensor, Tensor]:
+    """K and V ``(B, G, S, D)`` of ``source`` alone, through ``kv_cache`` if given.
+
+    Self-attention appends the new positions to the cache; cross-attention stores the
+    memory at the first step and reads it back at every later one, unprojected.
+    """
+    if cross and kv_cache is not None and kv_cache.size > 0:
+        return kv_cache.get()
+    B, G, D = source.shape[0], layer.num_kv_heads, layer.head_dim
+    HD = layer.num_heads * D  # E, or less in a layer with pruned heads
+    w, b = layer.in_proj.weight, layer.in_proj.bias
+    k, v = F.linear(source, w[HD:], None if b is None else b[HD:]).split([G * D, G * D], -1)
+    k = k.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
+    v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
+    return (k, v) if kv_cache is None else kv_cache.update(k, v)
+
+
+def make_mask(
+    layer: MultiHeadAttention,
+    q: Tensor,
+    k: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    kv_cache: KVCache | None = None,
+) -> AttentionMask:
+    """Step 2: the caller's masks for queries ``q`` ``(B, ·, L, ·)`` and keys ``k``
+    ``(B, ·, S, ·)``, in the kernels' form (:func:`~.masks.build_attention_mask`).
+
+    With a static ``kv_cache`` the keys are its whole buffers: the positions it hides
+    (:meth:`KVCache.hidden_keys`) join ``attn_mask``, causality included.
+    """
+    if kv_cache is not None and kv_cache.static:
+        attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
+    return build_attention_mask(
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        batch_size=q.shape[0],
+        num_heads=layer.num_heads,
+        q_len=q.shape[2],
+        kv_len=k.shape[2],
+        dtype=q.dtype,
+        device=q.device,
+    )
+
+
+def attend(
+    layer: MultiHeadAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    need_weights: bool,
+    **hooks,
+) -> tuple[Tensor, Tensor | None]:
+    """Step 3: softmax(QK^T)V ``(B, H, L, D)`` by the layer's backend, or by the math path
+    with the weights ``(B, H, L, S)`` when they are asked for or ``hooks``
+    (``on_logits``, ``on_weights`` of :func:`~.backends.math_attention_with_weights`) are
+    given. Query rows with no key to attend to come out as zeros."""
+    dropout_p = layer.dropout if layer.training else 0.0
+    weights = None
+    if need_weights or hooks:
+        out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, layer.scale, **hooks)
+    else:
+        if torch.compiler.is_compiling():
+            # Checked while tracing (Python only); adding to the checked set would fail the
+            # compiled code's guard on it and recompile the next call.
+            check_backend(layer.backend, q.device, q.dtype, head_dim=layer.head_dim)
+        elif (q.device, q.dtype) not in layer.checked_backends:
+            check_backend(layer.backend, q.device, q.dtype, head_dim=layer.head_dim)
+            layer.checked_backends.add((q.device, q.dtype))
+        out = BACKENDS[layer.backend](q, k, v, mask, dropout_p, layer.scale)
+    if mask.empty_rows is not None:
+        # Rows with no key to attend to: zeros, not the mean of unmasked values.
+        out = out.masked_fill(mask.empty_rows, 0.0)
+        if weights is not None:
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+    return out, weights
+
+
+def merge_heads(heads: Tensor) -> Tensor:
+    """Step 4's input: heads ``(B, H, L, D)`` concatenated, ``(B, L, H*D)``."""
+    B, H, L, D = heads.shape
+    return heads.transpose(1, 2).reshape(B, L, H * D)
+
+
+# --------------------------------------------------------------------------- head_mask
+def check_head_mask(head_mask: Tensor | None, num_heads: int) -> Tensor | None:
+    """``head_mask`` if it is ``None`` or a ``(H,)`` tensor, else ValueError."""
+    if head_mask is None:
+        return None
+    if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (num_heads,):
+        got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+        raise ValueError(f"head_mask must be a tensor of shape ({num_heads},), got {got}")
+    return head_mask
+
+
+def scale_heads(heads: Tensor, head_mask: Tensor | None) -> Tensor:
+    """``heads`` ``(B, H, L, ·)`` each scaled by its entry of ``head_mask`` ``(H,)``
+    (Michel et al., NeurIPS 2019: 0 removes a head; a ones tensor that requires grad gives
+    each head's importance as the gradient of the loss with respect to it)."""
+    if head_mask is None:
+        return heads
+    return heads * head_mask.to(heads.dtype).view(1, -1, 1, 1)
