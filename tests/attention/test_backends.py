@@ -470,3 +470,104 @@ def test_the_layer_never_reads_back_from_the_device(backend):
         layer(x, memory, key_padding_mask=pad)
         layer(x, attn_mask=torch.randn(L, L))
     assert syncs.count == 0
+
+
+# --------------------------------------------------------------------------- the registry
+def test_cudnn_reroutes_length_one_sequences_by_a_declared_and_reported_rule():
+    """cuDNN refuses a sequence of length 1 (every decoding step); such calls run on math
+    by a rule of cuDNN's registry entry, listed and reported, not inside its kernel."""
+    from helpers.models import tiny_model
+
+    from multihead.attention import backend_rules
+    from multihead.attention.masks import AttentionMask
+
+    reroute = BACKENDS["cudnn"].reroute
+    assert reroute.to == "math" and backend_rules() == {"cudnn": reroute.why}
+    one, five = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    assert reroute.when(one, five) and reroute.when(five, one) and not reroute.when(five, five)
+    with pytest.raises(BackendUnavailableError, match="cudnn"):  # the kernel alone: no fallback
+        BACKENDS["cudnn"].kernel(one, five, five, AttentionMask(), 0.0, 0.25)
+    expected = BACKENDS["math"](one, five, five, AttentionMask(), 0.0, 0.25)
+    assert torch.equal(BACKENDS["cudnn"](one, five, five, AttentionMask(), 0.0, 0.25), expected)
+    model = tiny_model(attention={"num_heads": 4, "backend": "cudnn"})
+    assert model.head_config["decoder_self_attention"]["backend_reroute"] == reroute.why
+    assert "backend_reroute" not in tiny_model().head_config["decoder_self_attention"]
+
+
+def test_a_registered_toy_backend_runs_in_the_layer_and_the_model():
+    """Adding a backend is one register_backend call (docs/reuse.md, "Adding a backend")."""
+    from helpers.models import tiny_model
+
+    from multihead.attention import Backend, register_backend
+    from multihead.attention.masks import apply_mask
+
+    calls = []
+
+    def toy_attention(q, k, v, mask, dropout_p, scale):  # MHA only (G = H), no dropout
+        calls.append(tuple(q.shape))
+        scores = apply_mask((q @ k.transpose(-2, -1)) * scale, mask)  # (B, H, L, S)
+        return torch.softmax(scores, dim=-1) @ v
+
+    def cpu_only(device, dtype, head_dim):
+        return None if device.type == "cpu" else f"toy runs on CPU only (got {device.type})"
+
+    register_backend(Backend("toy", toy_attention, cpu_only))
+    try:
+        assert "toy" in available_backends("cpu", torch.float32)
+        assert "toy" not in available_backends("cuda", torch.float16)
+        torch.manual_seed(0)
+        layer = MultiHeadAttention(16, 4, backend="toy")
+        reference = MultiHeadAttention(16, 4, backend="math")
+        reference.load_state_dict(layer.state_dict())
+        x, pad = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+        with torch.no_grad():
+            out = layer(x, x.flip(1), key_padding_mask=pad)
+            expected = reference(x, x.flip(1), key_padding_mask=pad)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+        assert calls == [(2, 4, 5, 4)]
+        model = tiny_model(attention={"num_heads": 4, "backend": "toy"})
+        model(torch.randint(3, 20, (2, 6)), torch.randint(3, 20, (2, 4)))
+        assert model.head_config["encoder_self_attention"]["backend"] == "toy"
+    finally:
+        del BACKENDS["toy"]
+
+
+def _fp64_reference(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of an MHA layer, written out in fp64."""
+    B, L, E = x.shape
+    H, D = layer.num_heads, E // layer.num_heads
+    q, k, v = torch.nn.functional.linear(x, layer.in_proj.weight, layer.in_proj.bias).split(E, -1)
+    q, k, v = (t.view(B, L, H, D).transpose(1, 2) for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) / D**0.5
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    heads = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, L, E)
+    return layer.out_proj(heads)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"head_mixing": "talking_heads"}], ids=["math", "talking_heads"]
+)
+def test_an_fp64_layer_keeps_fp64_accuracy(options):
+    """The reference kernel's softmax promotes to at least fp32 and never demotes fp64."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, backend="math", dtype=torch.float64, **options)
+    with torch.no_grad():
+        layer.in_proj.weight.mul_(8.0)  # sharp scores: fp32 rounding would show
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out = layer(x, is_causal=True)
+        torch.testing.assert_close(out, _fp64_reference(layer, x), atol=1e-12, rtol=0)
+
+
+def test_head_attention_mixing_keeps_fp64_accuracy():
+    from multihead.attention.mixing import HeadAttentionMixing
+
+    torch.manual_seed(0)
+    mix = HeadAttentionMixing(8, dtype=torch.float64)
+    with torch.no_grad():
+        mix.head_mix.weight.normal_(0.0, 2.0)
+    heads = torch.randn(2, 3, 4, 8, dtype=torch.float64)  # (B, L, H, D)
+    with torch.no_grad():
+        q, k, v = mix.head_mix(heads).chunk(3, dim=-1)
+        expected = heads + torch.softmax(q @ k.transpose(-2, -1) / 8**0.5, dim=-1) @ v
+        torch.testing.assert_close(mix(heads), expected, atol=1e-12, rtol=0)

@@ -203,3 +203,21 @@ def test_a_pruned_layer_refuses_the_conversions_that_assume_all_heads():
         pruned.with_kv_heads(1)
     with pytest.raises(ValueError, match="has pruned heads"):
         pruned.with_kv_latent(4)
+
+
+@pytest.mark.parametrize(
+    ("embed_dim", "first", "second", "removed"),
+    [(16, [0, 1], [0], [0, 1, 2]), (24, [3], [2], [2, 3])],
+)
+def test_pruning_twice_equals_masking_both_sets_of_heads(embed_dim, first, second, removed):
+    """The second prune indexes the heads left by the first (head_dim stays E / 4)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(embed_dim, 4).eval()
+    twice = layer.prune_heads(first).prune_heads(second)
+    mask = torch.ones(4)
+    mask[removed] = 0.0
+    x = torch.randn(B, L, embed_dim)
+    assert (twice.num_heads, twice.head_dim) == (4 - len(removed), embed_dim // 4)
+    with torch.no_grad():
+        expected = layer(x, is_causal=True, head_mask=mask)
+        torch.testing.assert_close(twice(x, is_causal=True), expected, atol=1e-6, rtol=1e-5)

@@ -159,3 +159,29 @@ def test_export_equivalent_and_refusals():
         layer.with_kv_heads(1)
     with pytest.raises(ValueError, match=r"plain MHA/GQA/MQA layer.*mla4r12"):
         layer.with_kv_latent(4)
+
+
+def test_absorbed_decoding_after_a_fused_adam_step_uses_the_new_weights():
+    """Fused Adam writes the parameters in place without bumping their version counter: a
+    search after the step must decode with the new weights, not those folded before it."""
+    layer = mla()
+    x, _, _ = inputs()
+    with torch.no_grad():
+        layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(B, L))  # a search: folds
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1, fused=True)
+    layer.train()
+    layer(x, is_causal=True).square().sum().backward()
+    optimizer.step()
+    layer.eval()
+    with torch.no_grad():
+        cache = layer.make_kv_cache(B, L)
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(L)]
+        expected = torch_reference(layer)(x, x, x, attn_mask=torch.ones(L, L).triu(1).bool())[0]
+    torch.testing.assert_close(torch.cat(steps, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
+    layer = MultiHeadAttention(E, H, num_kv_heads=2)  # caches 2 * 2 heads * 8 * 4 bytes = 128
+    with pytest.raises(ValueError, match=r"with_kv_latent\(33\).*132 bytes.*more than the 128"):
+        layer.with_kv_latent(33)
+    assert layer.with_kv_latent(32).kv_cache_bytes_per_token() == 128  # as much: allowed

@@ -211,9 +211,12 @@ def test_embed_dim_not_divisible_by_heads():
         MultiHeadAttention(30, 4)
 
 
-@pytest.mark.parametrize("embed_dim, num_heads", [(E, 0), (0, H)])
-def test_embed_dim_and_heads_must_be_positive(embed_dim, num_heads):
-    with pytest.raises(ValueError, match=rf"must be positive, got {embed_dim}, {num_heads}"):
+@pytest.mark.parametrize(
+    ("embed_dim", "num_heads", "pattern"),
+    [(E, 0, "num_heads must be >= 1, got 0"), (0, H, "embed_dim must be >= 1, got 0")],
+)
+def test_embed_dim_and_heads_must_be_positive(embed_dim, num_heads, pattern):
+    with pytest.raises(ValueError, match=pattern):
         MultiHeadAttention(embed_dim, num_heads)
 
 

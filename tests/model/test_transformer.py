@@ -269,3 +269,17 @@ def test_packed_output_projection_is_the_linear_map_after_fused_optimiser_steps(
         assert proj._packed is None
         proj(x).sum().backward()  # nn.Linear's path: gradients flow
         optimiser.step()
+
+
+def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
+    model = tiny_model()
+    path = "decoder_layers.1.self_attn"
+    model.set_submodule(path, model.get_submodule(path).prune_heads([0]))
+    decoder = model.head_config["decoder_self_attention"]
+    assert (decoder["num_heads"], decoder["num_kv_heads"], decoder["tag"]) == (
+        "4+3",
+        "4+3",
+        "mha4+mha3",
+    )
+    assert decoder["kind"] == "mha" and model.head_config["cross_attention"]["num_heads"] == 4
+    assert model.head_tag == "enc-mha4_dec-mha4+mha3_cross-mha4_sdpa"

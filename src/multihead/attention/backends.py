@@ -337,7 +337,8 @@ class Backend:
             ``None``; ``head_dim`` may be ``None`` (not known yet).
         dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p`` on
             any device, or ``None``.
-        package: the package it imports (checked for installation), if any.
+        package: the package it needs (its pip name; the module imported is it with
+            ``_`` for ``-``), if any.
         attn_mask: it takes an arbitrary (bool or float) ``attn_mask`` everywhere it runs.
         padding_mask: it takes a ``key_padding_mask`` everywhere it runs (the Transformer's
             encoder and cross-attention always pass one).
@@ -448,7 +449,7 @@ for _backend in (
         "flash_attn",
         flash_attn_attention,
         _cuda_half("flash-attn"),
-        package="flash_attn",
+        package="flash-attn",
         attn_mask=False,
     ),
 ):
@@ -482,8 +483,9 @@ def unavailable_reason(
     rule = backend.dropout_rule(dropout)
     if rule is not None:
         return rule
-    if backend.package is not None and importlib.util.find_spec(backend.package) is None:
-        return f"the {backend.package} package is not installed (pip install {backend.package})"
+    package = backend.package
+    if package is not None and importlib.util.find_spec(package.replace("-", "_")) is None:
+        return f"the {package} package is not installed (pip install {package})"
     return None if device is None else backend.available(device, dtype, head_dim)
 
 

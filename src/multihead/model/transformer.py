@@ -18,15 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import KVCache, MultiHeadAttention
+from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-# SDPA's flash kernel takes no attn_mask on CUDA; the others run padded batches (flash_attn
-# through its varlen kernel).
-_NO_PADDING_MASK = ("flash",)
-_PADDED_BACKENDS = ("sdpa", "efficient", "cudnn", "flex", "flash_attn", "math")
 # The layer's head options (not its sizes or dropout, which the model sets) and their
 # defaults, read from its signature so that a new option needs no second list here.
 _ATTENTION_OPTIONS = {
@@ -383,12 +379,15 @@ class Transformer(nn.Module):
             kind: _attention_config(kind, attention, override)
             for kind, override in zip(ATTENTION_KINDS, overrides, strict=True)
         }
+        # The encoder and cross-attention always mask padded source tokens: their backends
+        # must take a padding mask (the registry says which do).
+        padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
         for kind in ("encoder_self_attention", "cross_attention"):
-            if self.attention_config[kind]["backend"] in _NO_PADDING_MASK:
+            if self.attention_config[kind]["backend"] not in padded:
                 raise ValueError(
                     f"{kind} backend {self.attention_config[kind]['backend']!r} takes no "
                     "padding mask on CUDA, and the encoder and cross-attention always mask "
-                    f"padded source tokens; use one of {', '.join(_PADDED_BACKENDS)} for "
+                    f"padded source tokens; use one of {', '.join(padded)} for "
                     f"{kind} (e.g. attention.backend=efficient "
                     "attention.decoder_self_attention.backend=flash)"
                 )
@@ -644,27 +643,32 @@ class Transformer(nn.Module):
 
     @property
     def head_config(self) -> dict[str, dict[str, Any]]:
-        """Which heads each sublayer kind has, read from the layers themselves.
+        """Which heads each sublayer kind has, read from all its layers.
 
         Returns:
             ``{kind: {**layer.head_config, "backend": name, "tag": layer.head_tag,
             "active_head_fraction": f}}`` for the three kinds of :data:`ATTENTION_KINDS`,
             with the layer's :attr:`~multihead.attention.MultiHeadAttention.head_config`
             (``kind``, ``num_heads``, ``num_kv_heads`` and the head design's arguments)
-            and :attr:`~multihead.attention.MultiHeadAttention.head_tag` (e.g. ``"gqa8kv2"``).
+            and :attr:`~multihead.attention.MultiHeadAttention.head_tag` (e.g. ``"gqa8kv2"``),
+            plus ``backend_reroute``, the rule in words, for a backend that hands some
+            inputs to another (:func:`~multihead.attention.backend_rules`). A value the
+            layers of a kind do not share (after per-layer pruning) is theirs in layer
+            order, joined by ``+`` (e.g. ``num_heads: "4+3"``, ``tag: "mha4+mha3"``).
         """
-        config: dict[str, dict[str, Any]] = {}
+        layers: dict[str, list[dict[str, Any]]] = {}
         for kind, _, _, attn in self.attention_sublayers():
-            config.setdefault(
-                kind,
+            reroute = BACKENDS[attn.backend].reroute
+            layers.setdefault(kind, []).append(
                 {
                     **attn.head_config,
                     "backend": attn.backend,
                     "tag": attn.head_tag,
                     "active_head_fraction": attn.active_head_fraction,
-                },
+                    **({} if reroute is None else {"backend_reroute": reroute.why}),
+                }
             )
-        return config
+        return {kind: _shared_or_joined(configs) for kind, configs in layers.items()}
 
     @property
     def head_tag(self) -> str:
@@ -676,3 +680,14 @@ class Transformer(nn.Module):
         parts = [f"{short}-{c['tag']}" for short, c in zip(shorts, config.values(), strict=True)]
         backends = sorted({c["backend"] for c in config.values()})
         return "_".join(parts + ["-".join(backends)])
+
+
+def _shared_or_joined(configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One description of several layers: each value they share, else their values in
+    layer order joined by ``+``."""
+    merged = {}
+    for key in dict.fromkeys(key for config in configs for key in config):
+        values = [config.get(key) for config in configs]
+        same = all(value == values[0] for value in values)
+        merged[key] = values[0] if same else "+".join(str(value) for value in values)
+    return merged

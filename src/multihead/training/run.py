@@ -84,6 +84,7 @@ def model_summary(model) -> dict[str, Any]:
         "num_kv_heads": heads["num_kv_heads"],
         "kv_latent_dim": heads.get("kv_latent_dim"),
         "backend": heads["backend"],
+        "backend_reroute": heads.get("backend_reroute"),
         "head_tag": model.head_tag,
         "params/total": model.num_parameters(),
         "params/attention": model.attention_parameters(),
