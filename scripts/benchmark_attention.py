@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import MultiHeadAttention
-from multihead.attention import BackendUnavailableError, available_backends
+from multihead.attention import BackendUnavailableError, available_backends, backend_rules
 from multihead.attention.backends import BACKENDS, unavailable_reason
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + f", {torch.get_num_threads()} threads, dtype {args.dtype}, "
         f"E={args.embed_dim}, H={args.num_heads}, GQA G={args.gqa_kv_heads}, "
-        f"available backends: {', '.join(available_backends(device, dtype))}",
+        f"available backends: {', '.join(available_backends(device, dtype))}"
+        + "".join(f"; {name} declares: {why}" for name, why in backend_rules().items()),
         "",
         "### Forward+backward, causal self-attention (median ms; ratio vs nn.MHA float mask)",
         "",

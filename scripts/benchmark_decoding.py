@@ -398,6 +398,12 @@ def main() -> None:
             f"| {args.checkpoints[i]} | {engine} | {heads['num_heads']}q/{heads['num_kv_heads']}kv "
             f"| {cache} | {' | '.join(cells)} |"
         )
+    for i, translator in enumerate(translators):  # a backend's declared reroute, once each
+        for kind, heads in translator.model.head_config.items():
+            if "backend_reroute" in heads:
+                print(
+                    f"{args.checkpoints[i]} {kind}: {heads['backend']}: {heads['backend_reroute']}"
+                )
 
 
 if __name__ == "__main__":

@@ -476,10 +476,10 @@ def test_the_layer_never_reads_back_from_the_device(backend):
 def test_cudnn_reroutes_length_one_sequences_by_a_declared_and_reported_rule():
     """cuDNN refuses a sequence of length 1 (every decoding step); such calls run on math
     by a rule of cuDNN's registry entry, listed and reported, not inside its kernel."""
-    from helpers.models import tiny_model
-
     from multihead.attention import backend_rules
     from multihead.attention.masks import AttentionMask
+
+    from helpers.models import tiny_model
 
     reroute = BACKENDS["cudnn"].reroute
     assert reroute.to == "math" and backend_rules() == {"cudnn": reroute.why}
@@ -496,10 +496,10 @@ def test_cudnn_reroutes_length_one_sequences_by_a_declared_and_reported_rule():
 
 def test_a_registered_toy_backend_runs_in_the_layer_and_the_model():
     """Adding a backend is one register_backend call (docs/reuse.md, "Adding a backend")."""
-    from helpers.models import tiny_model
-
     from multihead.attention import Backend, register_backend
     from multihead.attention.masks import apply_mask
+
+    from helpers.models import tiny_model
 
     calls = []
 

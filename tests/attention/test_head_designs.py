@@ -413,7 +413,10 @@ def test_with_kv_heads_keeps_the_design(design):
         ({"top_k_heads": 5}, r"top_k_heads must be in \[1, 4\].*top_k_heads=5"),
         ({"top_k_heads": 0}, r"top_k_heads must be in \[1, 4\].*got top_k_heads=0"),
         ({"top_k_heads": 2, "num_shared_heads": 3}, r"\[1, 1\].*num_shared_heads=3.*=2"),
-        ({"top_k_heads": 1, "num_shared_heads": 4}, r"num_shared_heads must be in \[0, 3\].*num_heads=4"),
+        (
+            {"top_k_heads": 1, "num_shared_heads": 4},
+            r"num_shared_heads must be in \[0, 3\].*num_heads=4",
+        ),
         ({"num_shared_heads": 1}, r"num_shared_heads=1 needs sparse heads"),
         ({"head_mixing": "nope"}, r"unknown head_mixing 'nope'.*talking_heads, group_mlp"),
         ({"head_mixing": "talking_heads"}, r"'math' backend.*backend='sdpa'.*group_mlp"),

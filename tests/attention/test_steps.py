@@ -26,11 +26,17 @@ def test_no_module_of_the_layer_calls_another_objects_private_method():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 owner = node.func.value
                 own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
-                own = own or (isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super")
+                own = own or (
+                    isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super"
+                )
                 if _private(node.func.attr) and not own:
                     found.append(f"{path.name}:{node.lineno} calls .{node.func.attr}()")
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("multihead"):
-                found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if _private(a.name)]
+                found += [
+                    f"{path.name}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if _private(a.name)
+                ]
     assert found == []
 
 
@@ -43,7 +49,9 @@ def test_every_design_is_a_head_design_with_its_state_dict_name():
     for attribute, options in designs.items():
         layer = MultiHeadAttention(16, 4, **options)
         assert isinstance(layer.design, HeadDesign) and layer.design.attribute == attribute
-        assert all(k.startswith(("in_proj.", "out_proj.", f"{attribute}.")) for k in layer.state_dict())
+        assert all(
+            k.startswith(("in_proj.", "out_proj.", f"{attribute}.")) for k in layer.state_dict()
+        )
 
 
 class ScaleByPosition:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from multihead.checkpoints import FORMAT_VERSION
 from multihead.data import Tokenizer, collate
 from multihead.model import Transformer
-from multihead.model.transformer import ATTENTION_KINDS
+from multihead.model.transformer import ATTENTION_SUBLAYERS
 
 # A toy language pair: each English word has one German word.
 _EN = "a man woman dog child runs sits on the in with red blue ball street park beach"
@@ -97,7 +97,7 @@ def save_checkpoint(
     train(net, tok, steps, seed)
     # The run config as train.py stores it: heads in their own section, the model's sizes.
     attention = dict(config.pop("attention"))
-    for kind in ATTENTION_KINDS:
+    for kind in ATTENTION_SUBLAYERS:
         attention[kind] = config.pop(kind, None)
     ckpt = {
         "state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},

@@ -257,7 +257,9 @@ def flash_attn_attention(
         raise BackendUnavailableError(
             "backend 'flash_attn' takes key_padding_mask and is_causal only, not an "
             f"arbitrary attn_mask; backends that take one on {q.device.type}/{q.dtype}: "
-            + ", ".join(n for n in _others("flash_attn", q.device, q.dtype) if BACKENDS[n].attn_mask)
+            + ", ".join(
+                n for n in _others("flash_attn", q.device, q.dtype) if BACKENDS[n].attn_mask
+            )
         )
     B, H, L, D = q.shape
     causal = mask.is_causal and L > 1  # a single newest query sees every key
@@ -400,7 +402,9 @@ def _flex_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -
 def _cudnn_dropout(p: float) -> str | None:
     if (p * 16).is_integer():
         return None
-    return f"SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only (got dropout={p})"
+    return (
+        f"SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only (got dropout={p})"
+    )
 
 
 for _backend in (
@@ -417,9 +421,11 @@ for _backend in (
     Backend(
         "efficient",
         _pinned_sdpa("efficient", SDPBackend.EFFICIENT_ATTENTION, grouped=False),
-        lambda device, dtype, head_dim: None
-        if device.type == "cuda"
-        else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})",
+        lambda device, dtype, head_dim: (
+            None
+            if device.type == "cuda"
+            else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})"
+        ),
     ),
     Backend(
         "cudnn",
@@ -440,9 +446,11 @@ for _backend in (
         "flex",
         flex_attention,
         _flex_rule,
-        lambda p: f"backend 'flex' does not support attention dropout (got dropout={p})"
-        if p > 0
-        else None,
+        lambda p: (
+            f"backend 'flex' does not support attention dropout (got dropout={p})"
+            if p > 0
+            else None
+        ),
     ),
     # The flash-attn package; padded keys through its varlen kernel.
     Backend(

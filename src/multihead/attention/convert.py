@@ -244,7 +244,7 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     does with those heads' ``head_mask`` entries at 0. A :attr:`head_mask` set on ``layer``
     keeps its entries for the heads that stay. Layers with a head design are refused.
     """
-    H, G, D, E = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.embed_dim
+    H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     if layer.design is not None:
         raise ValueError(
             f"prune_heads removes heads of a plain MHA/GQA/MQA layer, got head design "

@@ -14,9 +14,9 @@ layer is exactly an MHA layer whose K/V weights are the products ``W_UK W_DKV`` 
 
 Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
 W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
-query projection and ``W_UV`` into the output projection, once per search (the folded
-weights live in the KV cache, :attr:`KVCache.derived`), and each step attends over the cached latent as one shared K/V
-head of width ``r`` (MQA-shaped) with the original ``1/sqrt(D)`` scale: no per-step
+query projection and ``W_UV`` into the output projection, once per search (kept in the KV
+cache, :attr:`KVCache.derived`), and each step attends over the cached latent as one shared
+K/V head of width ``r`` (MQA-shaped) with the original ``1/sqrt(D)`` scale: no per-step
 up-projection of the cache.
 """
 

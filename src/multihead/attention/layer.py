@@ -280,7 +280,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
                 by the ``math`` path whatever the backend (a design's: see its part).
             head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
-                (:func:`~multihead.attention.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
+                (:func:`~.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
                 ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
 
         Returns:
@@ -288,7 +288,9 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         """
         self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
-        head_mask = check_head_mask(self.head_mask if head_mask is None else head_mask, self.num_heads)
+        head_mask = check_head_mask(
+            self.head_mask if head_mask is None else head_mask, self.num_heads
+        )
         if self.design is not None:
             # The one hook: a head design runs these steps itself, with its own in place of
             # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).

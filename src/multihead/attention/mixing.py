@@ -136,7 +136,9 @@ class TalkingHeads(HeadMixing):
             # A per-head mask stays a mask after mixing: no head attends where it may not.
             return weights.masked_fill(torch.isneginf(scores), 0.0)
 
-        return attend(layer, q, k, v, mask, need_weights, on_logits=on_logits, on_weights=on_weights)
+        return attend(
+            layer, q, k, v, mask, need_weights, on_logits=on_logits, on_weights=on_weights
+        )
 
 
 class GroupMLPMixing(HeadMixing):

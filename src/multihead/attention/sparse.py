@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.backends import softmax
 from multihead.attention.checks import check_positive_int
 from multihead.attention.kv_cache import KVCache
-from multihead.attention.backends import softmax
 from multihead.attention.steps import (
     HeadDesign,
     attend,

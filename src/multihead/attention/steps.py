@@ -39,8 +39,9 @@ class PositionalPart(Protocol):
     (the number of keys cached before them), before they are cached.
     """
 
-    def __call__(self, q: Tensor, k: Tensor, q_start: int, k_start: int) -> tuple[Tensor, Tensor]:
-        ...
+    def __call__(
+        self, q: Tensor, k: Tensor, q_start: int, k_start: int
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 class HeadDesign:

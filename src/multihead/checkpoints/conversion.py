@@ -18,17 +18,17 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
-from multihead.model.transformer import ATTENTION_KINDS, Transformer
+from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer
 
 # The GQA paper converts the decoder; "all" also converts the encoder self-attention.
 SCOPES = {
     "decoder": ("decoder_self_attention", "cross_attention"),
-    "all": ATTENTION_KINDS,
+    "all": ATTENTION_SUBLAYERS,
 }
 
 
 def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
-    """The attention kinds that ``scope`` names, in :data:`ATTENTION_KINDS` order.
+    """The attention kinds that ``scope`` names, in :data:`ATTENTION_SUBLAYERS` order.
 
     Args:
         scope: ``"decoder"`` (decoder self- and cross-attention), ``"all"``, one kind, or
@@ -40,10 +40,10 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
         names = [scope]
     else:
         names = [str(name) for name in scope] if isinstance(scope, Sequence) else []
-    if not names or not set(names) <= set(ATTENTION_KINDS):
-        accepted = f"{', '.join(SCOPES)}, or a list of {', '.join(ATTENTION_KINDS)}"
+    if not names or not set(names) <= set(ATTENTION_SUBLAYERS):
+        accepted = f"{', '.join(SCOPES)}, or a list of {', '.join(ATTENTION_SUBLAYERS)}"
         raise ValueError(f"unknown scope {scope!r}; expected {accepted}")
-    return tuple(kind for kind in ATTENTION_KINDS if kind in names)
+    return tuple(kind for kind in ATTENTION_SUBLAYERS if kind in names)
 
 
 def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, int]:
@@ -139,7 +139,7 @@ def convert_checkpoint(
     for kind in kinds:
         kv = {k: model.attention_config[kind][k] for k in ("num_kv_heads", *target)}
         attention[kind] = {**(attention.get(kind) or {}), **kv}
-    if set(kinds) == set(ATTENTION_KINDS) and num_kv_heads is not None:
+    if set(kinds) == set(ATTENTION_SUBLAYERS) and num_kv_heads is not None:
         attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
         "path": str(path),
@@ -161,7 +161,7 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
     info = converted["multihead"]["converted_from"]
     kinds, attention = info["scope"], converted["multihead"]["config"]["attention"]
     heads: list[str] = []
-    if set(kinds) == set(ATTENTION_KINDS) and "num_kv_heads" in info:
+    if set(kinds) == set(ATTENTION_SUBLAYERS) and "num_kv_heads" in info:
         heads.append(f"attention.num_kv_heads={info['num_kv_heads']}")
     for kind in kinds:
         heads += [

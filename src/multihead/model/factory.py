@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from multihead.model.transformer import ATTENTION_KINDS
+from multihead.model.transformer import ATTENTION_SUBLAYERS
 
 
 def build_model(
@@ -17,7 +17,7 @@ def build_model(
 
     ``attention`` is the one place heads are set: its top-level keys apply to every
     attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
-    ``cross_attention`` sections override them for one kind. ``backend`` replaces every
+    ``cross_attention`` sections override them for one sublayer. ``backend`` replaces every
     sublayer's backend (e.g. to translate with another kernel than the one trained with).
     """
     # Run configs are Hydra's (the `train` extra); the model itself needs torch alone.
@@ -25,10 +25,10 @@ def build_model(
     from omegaconf import OmegaConf
 
     attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
-    per_kind = {kind: attention.pop(kind, None) for kind in ATTENTION_KINDS}
+    per_sublayer = {name: attention.pop(name, None) for name in ATTENTION_SUBLAYERS}
     if backend is not None:
         attention["backend"] = backend
-        for section in per_kind.values():
+        for section in per_sublayer.values():
             if section:
                 section.pop("backend", None)
     return instantiate(
@@ -37,5 +37,5 @@ def build_model(
         tgt_vocab_size=vocab_size,
         pad_id=pad_id,
         attention=attention,
-        **per_kind,
+        **per_sublayer,
     )

@@ -1,7 +1,7 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
 Every attention sublayer is a :class:`~multihead.attention.MultiHeadAttention`, so each of
-the three kinds (encoder self-attention, decoder self-attention, cross-attention) can be MHA,
+the three sublayers (encoder self-attention, decoder self-attention, cross-attention) can be MHA,
 GQA or MQA with its own kernel. The file reads top to bottom: feed-forward, the residual
 wrapper, encoder layer, decoder layer, the decoder's KV caches, the output projection, the
 model.
@@ -22,7 +22,9 @@ from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
-ATTENTION_KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+# The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
+ATTENTION_SUBLAYERS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+ATTENTION_KINDS = ATTENTION_SUBLAYERS  # deprecated alias, removed in the next release
 # The layer's head options (not its sizes or dropout, which the model sets) and their
 # defaults, read from its signature so that a new option needs no second list here.
 _ATTENTION_OPTIONS = {
@@ -244,15 +246,15 @@ class OutputProjection(nn.Linear):
 
 
 def _attention_config(
-    kind: str, base: Mapping[str, Any] | None, override: Mapping[str, Any] | None
+    sublayer: str, base: Mapping[str, Any] | None, override: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """The layer's defaults updated by ``base`` then by ``override`` (any Mapping).
 
     A ``None`` value in ``override`` means "as in ``base``", so a config can list every key
-    of a per-kind section and set only the ones it changes.
+    of a per-sublayer section and set only the ones it changes.
     """
     config = {k: v for k, v in _ATTENTION_OPTIONS.items() if v is not inspect.Parameter.empty}
-    for name, mapping in (("attention", base), (kind, override)):
+    for name, mapping in (("attention", base), (sublayer, override)):
         if mapping is None:
             continue
         if not isinstance(mapping, Mapping):
@@ -266,7 +268,7 @@ def _attention_config(
             mapping if mapping is base else {k: v for k, v in mapping.items() if v is not None}
         )
     if "num_heads" not in config:
-        raise ValueError(f"{kind}: num_heads is not set; give it in attention (e.g. 4)")
+        raise ValueError(f"{sublayer}: num_heads is not set; give it in attention (e.g. 4)")
     return config
 
 
@@ -306,7 +308,7 @@ class Transformer(nn.Module):
             for every attention sublayer: ``num_heads`` (required), ``num_kv_heads``,
             ``backend`` and the other head options, with the layer's defaults.
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
-            ``attention`` for one kind of sublayer, e.g. ``{"num_kv_heads": 1}`` for the
+            ``attention`` for one sublayer, e.g. ``{"num_kv_heads": 1}`` for the
             decoder self-attention only; ``None`` values inherit from ``attention``. Any
             ``Mapping`` (an omegaconf ``DictConfig`` too).
 
@@ -376,19 +378,19 @@ class Transformer(nn.Module):
             )
         overrides = (encoder_self_attention, decoder_self_attention, cross_attention)
         self.attention_config = {
-            kind: _attention_config(kind, attention, override)
-            for kind, override in zip(ATTENTION_KINDS, overrides, strict=True)
+            sublayer: _attention_config(sublayer, attention, override)
+            for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True)
         }
         # The encoder and cross-attention always mask padded source tokens: their backends
         # must take a padding mask (the registry says which do).
         padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
-        for kind in ("encoder_self_attention", "cross_attention"):
-            if self.attention_config[kind]["backend"] not in padded:
+        for sublayer in ("encoder_self_attention", "cross_attention"):
+            if self.attention_config[sublayer]["backend"] not in padded:
                 raise ValueError(
-                    f"{kind} backend {self.attention_config[kind]['backend']!r} takes no "
+                    f"{sublayer} backend {self.attention_config[sublayer]['backend']!r} takes no "
                     "padding mask on CUDA, and the encoder and cross-attention always mask "
                     f"padded source tokens; use one of {', '.join(padded)} for "
-                    f"{kind} (e.g. attention.backend=efficient "
+                    f"{sublayer} (e.g. attention.backend=efficient "
                     "attention.decoder_self_attention.backend=flash)"
                 )
         self.d_model = d_model
@@ -626,9 +628,9 @@ class Transformer(nn.Module):
         )
 
     def attention_sublayers(self) -> Iterator[tuple[str, int, str, MultiHeadAttention]]:
-        """``(kind, layer index, module path, layer)`` of every attention sublayer.
+        """``(sublayer, layer index, module path, layer)`` of every attention sublayer.
 
-        Kinds come in :data:`ATTENTION_KINDS` order; the module path works with
+        Sublayers come in :data:`ATTENTION_SUBLAYERS` order; the module path works with
         ``get_submodule`` / ``set_submodule``.
         """
         paths = {
@@ -636,30 +638,30 @@ class Transformer(nn.Module):
             "decoder_self_attention": ("decoder_layers", "self_attn"),
             "cross_attention": ("decoder_layers", "cross_attn"),
         }
-        for kind, (stack, name) in paths.items():
+        for sublayer, (stack, name) in paths.items():
             for i in range(len(getattr(self, stack))):
                 path = f"{stack}.{i}.{name}"
-                yield kind, i, path, self.get_submodule(path)
+                yield sublayer, i, path, self.get_submodule(path)
 
     @property
     def head_config(self) -> dict[str, dict[str, Any]]:
-        """Which heads each sublayer kind has, read from all its layers.
+        """Which heads each sublayer has, read from all its layers.
 
         Returns:
-            ``{kind: {**layer.head_config, "backend": name, "tag": layer.head_tag,
-            "active_head_fraction": f}}`` for the three kinds of :data:`ATTENTION_KINDS`,
+            ``{sublayer: {**layer.head_config, "backend": name, "tag": layer.head_tag,
+            "active_head_fraction": f}}`` for the three of :data:`ATTENTION_SUBLAYERS`,
             with the layer's :attr:`~multihead.attention.MultiHeadAttention.head_config`
             (``kind``, ``num_heads``, ``num_kv_heads`` and the head design's arguments)
             and :attr:`~multihead.attention.MultiHeadAttention.head_tag` (e.g. ``"gqa8kv2"``),
             plus ``backend_reroute``, the rule in words, for a backend that hands some
             inputs to another (:func:`~multihead.attention.backend_rules`). A value the
-            layers of a kind do not share (after per-layer pruning) is theirs in layer
+            layers of a sublayer do not share (after per-layer pruning) is theirs in layer
             order, joined by ``+`` (e.g. ``num_heads: "4+3"``, ``tag: "mha4+mha3"``).
         """
         layers: dict[str, list[dict[str, Any]]] = {}
-        for kind, _, _, attn in self.attention_sublayers():
+        for sublayer, _, _, attn in self.attention_sublayers():
             reroute = BACKENDS[attn.backend].reroute
-            layers.setdefault(kind, []).append(
+            layers.setdefault(sublayer, []).append(
                 {
                     **attn.head_config,
                     "backend": attn.backend,
@@ -668,12 +670,12 @@ class Transformer(nn.Module):
                     **({} if reroute is None else {"backend_reroute": reroute.why}),
                 }
             )
-        return {kind: _shared_or_joined(configs) for kind, configs in layers.items()}
+        return {sublayer: _shared_or_joined(configs) for sublayer, configs in layers.items()}
 
     @property
     def head_tag(self) -> str:
         """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``: each
-        kind's layer tag (a head design follows its heads, e.g. ``enc-mha8-moh-k2s1``),
+        sublayer's layer tag (a head design follows its heads, e.g. ``enc-mha8-moh-k2s1``),
         then the backends."""
         config = self.head_config
         shorts = ("enc", "dec", "cross")
