@@ -46,7 +46,7 @@ def test_bad_config_values(smoke_config, capsys, override, message) -> None:
     "installed, why",
     [
         (False, "the flash-attn package is not installed"),
-        (True, "flash-attn needs CUDA and fp16/bf16 (got cpu/torch.float32)"),
+        (True, "flash-attn runs on CUDA in fp16/bf16 only (got cpu/torch.float32)"),
     ],
 )
 def test_a_backend_that_cannot_run_here_says_why(

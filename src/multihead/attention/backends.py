@@ -306,22 +306,13 @@ def flash_attn_attention(
 
 # --------------------------------------------------------------------------- registry
 Rule = Callable[..., "str | None"]
-
-
-def _no_rule(*_args, **_kwargs) -> str | None:
-    return None
+HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class Reroute:
-    """Inputs a backend hands to another one: a declared rule, listed by
-    :func:`backend_rules` and recorded in run summaries, never a silent fallback.
-
-    Attributes:
-        when: ``when(q, k)`` is True for the inputs rerouted.
-        to: the backend that runs them.
-        why: the rule in words.
-    """
+    """Inputs a backend hands to ``to``, those where ``when(q, k)``: a declared rule (``why``
+    in words), listed by :func:`backend_rules` and in run summaries, never a silent one."""
 
     when: Callable[[Tensor, Tensor], bool]
     to: str
@@ -336,31 +327,26 @@ class Backend:
         name: the name layers and configs use.
         kernel: the function of the module docstring's signature.
         available: ``available(device, dtype, head_dim)``: why it cannot run there, or
-            ``None``; ``head_dim`` may be ``None`` (not known yet).
-        dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p`` on
-            any device, or ``None``.
-        package: the package it needs (its pip name; the module imported is it with
-            ``_`` for ``-``), if any.
-        attn_mask: it takes an arbitrary (bool or float) ``attn_mask`` everywhere it runs.
-        padding_mask: it takes a ``key_padding_mask`` everywhere it runs (the Transformer's
-            encoder and cross-attention always pass one).
-        reroute: inputs it hands to another backend, see :class:`Reroute`.
+            ``None`` (``head_dim`` is ``None`` while not known).
+        dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p``.
+        package: the pip package it needs (imported with ``_`` for ``-``), if any.
+        attn_mask, padding_mask: it takes an arbitrary ``attn_mask``, a
+            ``key_padding_mask``, everywhere it runs.
+        reroute: inputs it hands to another backend.
 
-    A backend is callable as its kernel, with its reroute applied.
+    A backend is called as its kernel, with its reroute applied.
     """
 
     name: str
     kernel: Kernel
-    available: Rule = _no_rule
-    dropout_rule: Rule = _no_rule
+    available: Rule = lambda device, dtype, head_dim: None  # noqa: E731
+    dropout_rule: Rule = lambda p: None  # noqa: E731
     package: str | None = None
     attn_mask: bool = True
     padding_mask: bool = True
     reroute: Reroute | None = None
 
-    def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
-    ) -> Tensor:
+    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float, scale: float) -> Tensor:
         if self.reroute is not None and self.reroute.when(q, k):
             return BACKENDS[self.reroute.to](q, k, v, mask, dropout_p, scale)
         return self.kernel(q, k, v, mask, dropout_p, scale)
@@ -370,72 +356,65 @@ BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> Backend:
-    """Add ``backend`` to :data:`BACKENDS` (replacing one of the same name): from then on
-    layers, configs and :func:`available_backends` know it."""
+    """Add ``backend`` to :data:`BACKENDS` (replacing one of its name): from then on layers,
+    configs and :func:`available_backends` know it."""
     BACKENDS[backend.name] = backend
     return backend
 
 
-def _cuda_half(what: str) -> Rule:
+def runs_on(what: str, **dtypes: tuple[torch.dtype, ...] | None) -> Rule:
+    """The ``available`` rule of a kernel that runs on the device types named, each with the
+    dtypes given (``None``: any), e.g. ``runs_on("flash-attn", cuda=HALF)``."""
+
     def rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        allowed = dtypes.get(device.type, ())
+        if device.type in dtypes and (allowed is None or dtype in allowed):
             return None
-        return f"{what} needs CUDA and fp16/bf16 (got {device.type}/{dtype})"
+        where = " or ".join(d.upper() + (" in fp16/bf16" if t else "") for d, t in dtypes.items())
+        return f"{what} runs on {where} only (got {device.type}/{dtype})"
 
     return rule
 
 
-def _flash_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-    if device.type == "cpu" or _cuda_half("")(device, dtype, head_dim) is None:
-        return None
-    return f"SDPA's flash kernel runs on CPU, or on CUDA in fp16/bf16 (got {device.type}/{dtype})"
-
-
 def _flex_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    # torch 2.13's inductor: "NYI: embedding dimension of the query, key, and value must be
+    # at least 16".
     if device.type == "cuda" and head_dim is not None and head_dim < 16:
-        # torch 2.13's inductor: "NYI: embedding dimension of the query, key, and value
-        # must be at least 16".
         return f"FlexAttention on CUDA needs head_dim >= 16 (got head_dim={head_dim})"
     return None
 
 
-def _cudnn_dropout(p: float) -> str | None:
-    if (p * 16).is_integer():
-        return None
-    return (
-        f"SDPA's cuDNN kernel takes attention dropout in multiples of 1/16 only (got dropout={p})"
-    )
+def _pinned(name: str, kernel: SDPBackend, available: Rule, **rules) -> Backend:
+    grouped = kernel != SDPBackend.EFFICIENT_ATTENTION  # takes grouped K/V heads (enable_gqa)
+    return Backend(name, _pinned_sdpa(name, kernel, grouped=grouped), available, **rules)
 
 
 for _backend in (
     Backend("math", math_attention),
     Backend("sdpa", sdpa_attention),
-    # SDPA's flash kernel takes no attn_mask on CUDA.
-    Backend(
+    # SDPA's flash kernel takes no mask on CUDA.
+    _pinned(
         "flash",
-        _pinned_sdpa("flash", SDPBackend.FLASH_ATTENTION),
-        _flash_rule,
+        SDPBackend.FLASH_ATTENTION,
+        runs_on("SDPA's flash kernel", cpu=None, cuda=HALF),
         attn_mask=False,
         padding_mask=False,
     ),
-    Backend(
-        "efficient",
-        _pinned_sdpa("efficient", SDPBackend.EFFICIENT_ATTENTION, grouped=False),
-        lambda device, dtype, head_dim: (
-            None
-            if device.type == "cuda"
-            else f"SDPA's memory-efficient kernel needs CUDA (got {device.type})"
-        ),
+    _pinned(
+        "efficient", SDPBackend.EFFICIENT_ATTENTION, runs_on("SDPA's efficient kernel", cuda=None)
     ),
-    Backend(
+    _pinned(
         "cudnn",
-        _pinned_sdpa("cudnn", SDPBackend.CUDNN_ATTENTION),
-        _cuda_half("SDPA's cuDNN kernel"),
-        _cudnn_dropout,
+        SDPBackend.CUDNN_ATTENTION,
+        runs_on("SDPA's cuDNN kernel", cuda=HALF),
+        dropout_rule=lambda p: (
+            None
+            if (p * 16).is_integer()
+            else f"SDPA's cuDNN kernel takes dropout in multiples of 1/16 only (got dropout={p})"
+        ),
         attn_mask=False,
-        # cuDNN refuses a sequence of length 1 (torch 2.13's sdp_utils): every decoding
-        # step's one query, the first step's one key. Such a call is one row (or column) of
-        # scores.
+        # torch 2.13's sdp_utils refuses a length of 1: each decoding step's one query, the
+        # first step's one key; such a call is one row (or column) of scores.
         reroute=Reroute(
             lambda q, k: 1 in (q.shape[2], k.shape[2]),
             "math",
@@ -446,17 +425,13 @@ for _backend in (
         "flex",
         flex_attention,
         _flex_rule,
-        lambda p: (
-            f"backend 'flex' does not support attention dropout (got dropout={p})"
-            if p > 0
-            else None
-        ),
+        lambda p: f"backend 'flex' takes no attention dropout (got dropout={p})" if p else None,
     ),
-    # The flash-attn package; padded keys through its varlen kernel.
+    # The flash-attn package; padded keys go through its varlen kernel.
     Backend(
         "flash_attn",
         flash_attn_attention,
-        _cuda_half("flash-attn"),
+        runs_on("flash-attn", cuda=HALF),
         package="flash-attn",
         attn_mask=False,
     ),
@@ -529,23 +504,17 @@ def check_backend(
         BackendUnavailableError: what this machine lacks (a package, the device or dtype).
     """
     here = torch.device("cpu") if device is None else device
-    runnable = available_backends(here, dtype)
-    where = f"{here.type}/{dtype}"
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)} "
-            f"(on {where} these can run: {', '.join(runnable)})"
-        )
-    rule = BACKENDS[name].dropout_rule(dropout)
-    if rule is not None:
-        others = [n for n in runnable if BACKENDS[n].dropout_rule(dropout) is None]
-        raise ValueError(f"{rule}; use another dropout or backend, e.g. one of {', '.join(others)}")
-    reason = unavailable_reason(name, device, dtype, head_dim=head_dim)
-    if reason is not None:
-        raise BackendUnavailableError(
-            f"attention backend {name!r} cannot run on {where}: {reason}. "
-            f"Backends that can: {', '.join(runnable)}"
-        )
+    reason = unavailable_reason(name, device, dtype, dropout=dropout, head_dim=head_dim)
+    if reason is None:
+        return
+    runnable = [
+        n for n in available_backends(here, dtype) if BACKENDS[n].dropout_rule(dropout) is None
+    ]
+    setting = name not in BACKENDS or BACKENDS[name].dropout_rule(dropout) is not None
+    raise (ValueError if setting else BackendUnavailableError)(
+        f"attention backend {name!r} cannot run on {here.type}/{dtype}: {reason}. Registered: "
+        f"{', '.join(BACKENDS)}; these can run here with dropout={dropout}: {', '.join(runnable)}"
+    )
 
 
 def default_scale(head_dim: int) -> float:

@@ -294,14 +294,6 @@ class HeadConversions:
         """An equivalent layer with ``module``'s weights, see :func:`from_torch`."""
         return from_torch(module, backend, cls=cls)
 
-    def with_kv_heads(self, num_kv_heads: int):
-        """A copy with ``num_kv_heads`` mean-pooled K/V heads, see :func:`pool_kv_heads`."""
-        return pool_kv_heads(self, num_kv_heads)
-
-    def with_kv_latent(self, kv_latent_dim: int):
-        """An MLA copy with a ``kv_latent_dim`` latent, see :func:`to_kv_latent`."""
-        return to_kv_latent(self, kv_latent_dim)
-
-    def prune_heads(self, indices):
-        """A copy without the query heads ``indices``, see :func:`prune_heads`."""
-        return prune_heads(self, indices)
+    with_kv_heads = pool_kv_heads
+    with_kv_latent = to_kv_latent
+    prune_heads = prune_heads

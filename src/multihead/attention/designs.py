@@ -12,7 +12,7 @@ parameters have always had in checkpoints: ``head_gate`` (the router of
 from __future__ import annotations
 
 from multihead.attention.latent import LatentKV
-from multihead.attention.mixing import build_mixing
+from multihead.attention.mixing import HEAD_MIXINGS
 from multihead.attention.sparse import SparseHeads
 from multihead.attention.steps import HeadDesign
 
@@ -43,9 +43,10 @@ def build_head_design(
         raise ValueError(
             f"num_shared_heads={num_shared_heads} needs sparse heads; set top_k_heads too"
         )
-    if mixing_groups is not None and head_mixing is None:
+    if mixing_groups is not None and head_mixing != "group_mlp":
         raise ValueError(
-            f"mixing_groups={mixing_groups} is for head_mixing='group_mlp', got head_mixing=None"
+            f"mixing_groups={mixing_groups} is for head_mixing='group_mlp', "
+            f"got head_mixing={head_mixing!r}"
         )
     if top_k_heads is not None and head_mixing is not None:
         raise ValueError(
@@ -72,9 +73,18 @@ def build_head_design(
         )
     if top_k_heads is not None:
         return SparseHeads(embed_dim, num_heads, top_k_heads, num_shared_heads, **factory)
-    if head_mixing is not None:
-        head_dim = embed_dim // num_heads
-        return build_mixing(
-            head_mixing, num_heads, head_dim, backend=backend, groups=mixing_groups, **factory
+    if head_mixing is None:
+        return None
+    if head_mixing not in HEAD_MIXINGS:
+        raise ValueError(
+            f"unknown head_mixing {head_mixing!r}; expected None or one of "
+            + ", ".join(HEAD_MIXINGS)
         )
-    return None
+    if head_mixing == "talking_heads" and backend != "math":
+        raise ValueError(
+            f"head_mixing='talking_heads' mixes the full attention logits, which only the "
+            f"'math' backend computes; got backend={backend!r}. Use backend='math', or a "
+            "mixing that runs on any backend: group_mlp, head_attention"
+        )
+    mixing = HEAD_MIXINGS[head_mixing]
+    return mixing(num_heads, embed_dim // num_heads, groups=mixing_groups, **factory)

@@ -136,18 +136,10 @@ class LatentKV(HeadDesign, nn.Module):
         return kv_cache.derived["mla_folded"]
 
     def attention(
-        self,
-        layer: MultiHeadAttention,
-        query: Tensor,
-        key_value: Tensor | None,
-        *,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-        kv_cache: KVCache | None,
-        need_weights: bool,
-        head_mask: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        kv_cache: KVCache | None = None, need_weights: bool = False,
+        head_mask: Tensor | None = None, **masks,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """The layer's forward with latent K/V: the latent through the cache, then either
         the expanded heads (training, full passes) or the absorbed ones (cached decoding).
 
@@ -162,17 +154,20 @@ class LatentKV(HeadDesign, nn.Module):
             c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
             if kv_cache is not None:
                 c, _ = kv_cache.update(c, None)  # (B, 1, S, r), the new positions appended
-        masks = (key_padding_mask, attn_mask, is_causal, kv_cache)
 
         if self.absorb and kv_cache is not None and not self.training:
             w_q, b_q, w_o = self.folded(layer, kv_cache)
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
-            heads, weights = attend(layer, q, c, c, make_mask(layer, q, c, *masks), need_weights)
+            heads, weights = attend(
+                layer, q, c, c, make_mask(layer, q, c, kv_cache, **masks), need_weights
+            )
             # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
             out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
             q = project_queries(layer, query)  # (B, H, L, D)
             k, v = self.expand(c.squeeze(1))  # (B, H, S, D) each
-            heads, weights = attend(layer, q, k, v, make_mask(layer, q, k, *masks), need_weights)
+            heads, weights = attend(
+                layer, q, k, v, make_mask(layer, q, k, kv_cache, **masks), need_weights
+            )
             out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out

@@ -294,13 +294,16 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         if self.design is not None:
             # The one hook: a head design runs these steps itself, with its own in place of
             # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).
-            scale = {} if head_mask is None else {"head_mask": head_mask}
             return self.design.attention(
                 self, query, key_value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights, **scale,
+                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights,
+                head_mask=head_mask,
             )  # fmt: skip
         q, k, v = project(self, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = make_mask(self, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        mask = make_mask(
+            self, q, k, kv_cache,
+            key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+        )  # fmt: skip
         heads, weights = attend(self, q, k, v, mask, need_weights)  # (B, H, L, D)
         # Heads concatenated: H * D is E, or less in a layer with pruned heads.
         out = self.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)

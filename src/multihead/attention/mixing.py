@@ -46,18 +46,10 @@ class HeadMixing(HeadDesign, nn.Module):
     attribute = "head_mix"
 
     def attention(
-        self,
-        layer: MultiHeadAttention,
-        query: Tensor,
-        key_value: Tensor | None,
-        *,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-        kv_cache: KVCache | None,
-        need_weights: bool,
-        head_mask: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        kv_cache: KVCache | None = None, need_weights: bool = False,
+        head_mask: Tensor | None = None, **masks,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``.
 
         ``head_mask`` ``(H,)`` scales each head's output after :meth:`attend` (for talking
@@ -72,7 +64,7 @@ class HeadMixing(HeadDesign, nn.Module):
                 "a layer without a mixing, or talking_heads"
             )
         q, k, v = project(layer, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
-        mask = make_mask(layer, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        mask = make_mask(layer, q, k, kv_cache, **masks)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
         heads = self.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)
         out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
@@ -110,7 +102,7 @@ class TalkingHeads(HeadMixing):
 
     name = "talking_heads"
 
-    def __init__(self, num_heads: int, *, device=None, dtype=None) -> None:
+    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
         super().__init__()
         self.logit_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
         self.weight_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
@@ -152,8 +144,12 @@ class GroupMLPMixing(HeadMixing):
 
     name = "group_mlp"
 
-    def __init__(self, num_heads: int, head_dim: int, groups: int, *, device=None, dtype=None):
+    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
         super().__init__()
+        groups = 2 if groups is None else groups
+        check_positive_int("mixing_groups", groups)
+        if num_heads % groups != 0:
+            raise ValueError(f"mixing_groups ({groups}) must divide num_heads ({num_heads})")
         self.groups = groups
         width = num_heads // groups * head_dim
         factory = {"device": device, "dtype": dtype}
@@ -194,7 +190,7 @@ class HeadAttentionMixing(HeadMixing):
 
     name = "head_attention"
 
-    def __init__(self, head_dim: int, *, device=None, dtype=None) -> None:
+    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
         super().__init__()
         self.head_mix = nn.Linear(head_dim, 3 * head_dim, device=device, dtype=dtype)
         with torch.no_grad():
@@ -212,50 +208,9 @@ class HeadAttentionMixing(HeadMixing):
         return self(heads)
 
 
-HEAD_MIXINGS = ("talking_heads", "group_mlp", "head_attention")
-
-
-def build_mixing(
-    name: str,
-    num_heads: int,
-    head_dim: int,
-    *,
-    backend: str,
-    groups: int | None = None,
-    device=None,
-    dtype=None,
-) -> HeadMixing:
-    """The mixing part ``name``, checked against the layer it joins.
-
-    Raises:
-        ValueError: an unknown name, ``groups`` for a mixing other than ``group_mlp`` or not
-            dividing ``num_heads``, or talking heads on a backend other than ``math``.
-        TypeError: ``groups`` is not an integer.
-    """
-    factory = {"device": device, "dtype": dtype}
-    if name not in HEAD_MIXINGS:
-        raise ValueError(
-            f"unknown head_mixing {name!r}; expected None or one of {', '.join(HEAD_MIXINGS)}"
-        )
-    if groups is not None:
-        if name != "group_mlp":
-            raise ValueError(
-                f"mixing_groups={groups} is for head_mixing='group_mlp', got head_mixing={name!r}"
-            )
-        check_positive_int("mixing_groups", groups)
-    if name == "talking_heads":
-        if backend != "math":
-            raise ValueError(
-                f"head_mixing='talking_heads' mixes the full attention logits, which only the "
-                f"'math' backend computes; got backend={backend!r}. Use backend='math', or a "
-                "mixing that runs on any backend: group_mlp, head_attention"
-            )
-        return TalkingHeads(num_heads, **factory)
-    if name == "group_mlp":
-        groups = groups or 2
-        if num_heads % groups != 0:
-            raise ValueError(
-                f"mixing_groups ({groups}) must be a positive divisor of num_heads ({num_heads})"
-            )
-        return GroupMLPMixing(num_heads, head_dim, groups, **factory)
-    return HeadAttentionMixing(head_dim, **factory)
+# The mixings by name, each built as ``cls(num_heads, head_dim, groups=..., device, dtype)``.
+HEAD_MIXINGS = {
+    "talking_heads": TalkingHeads,
+    "group_mlp": GroupMLPMixing,
+    "head_attention": HeadAttentionMixing,
+}

@@ -148,18 +148,10 @@ class SparseHeads(HeadDesign, nn.Linear):
         )
 
     def attention(
-        self,
-        layer: MultiHeadAttention,
-        query: Tensor,
-        key_value: Tensor | None,
-        *,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-        kv_cache: KVCache | None,
-        need_weights: bool,
-        head_mask: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        kv_cache: KVCache | None = None, need_weights: bool = False,
+        head_mask: Tensor | None = None, **masks,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """The layer's forward with sparse heads: shared heads densely, then only the
         routed (token, head) pairs the gate selects.
 
@@ -183,7 +175,7 @@ class SparseHeads(HeadDesign, nn.Linear):
         source = query if key_value is None else key_value
         k, v = project_kv(layer, source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
         S = k.shape[2]
-        mask = make_mask(layer, q_shared, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+        mask = make_mask(layer, q_shared, k, kv_cache, **masks)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             heads_mask = mask.for_heads(first, count, slots, L, S)

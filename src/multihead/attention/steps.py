@@ -4,7 +4,7 @@
 steps, each a public function here that the layer and every head design call::
 
     q, k, v = project(layer, query, key_value, kv_cache)     # (B, H, L, D), (B, G, S, D)
-    mask = make_mask(layer, q, k, key_padding_mask, attn_mask, is_causal, kv_cache)
+    mask = make_mask(layer, q, k, kv_cache, **masks)
     heads, weights = attend(layer, q, k, v, mask, need_weights)     # (B, H, L, D)
     out = layer.out_proj(merge_heads(heads))                   # (B, L, E)
 
@@ -83,20 +83,14 @@ class HeadDesign:
         return CacheLayout(layer.num_kv_heads, layer.head_dim, shared_kv=False)
 
     def attention(
-        self,
-        layer: MultiHeadAttention,
-        query: Tensor,
-        key_value: Tensor | None,
-        *,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-        kv_cache: KVCache | None,
-        need_weights: bool,
-        head_mask: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        kv_cache: KVCache | None = None, need_weights: bool = False,
+        head_mask: Tensor | None = None, **masks,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """The layer's forward with this design: the arguments and result of
-        :meth:`MultiHeadAttention.forward`, ``key_value`` ``None`` for self-attention."""
+        :meth:`MultiHeadAttention.forward` (``key_value`` ``None`` for self-attention);
+        ``masks``, its ``key_padding_mask``, ``attn_mask`` and ``is_causal``, go to
+        :func:`make_mask`."""
         raise NotImplementedError
 
 
@@ -153,10 +147,11 @@ def make_mask(
     layer: MultiHeadAttention,
     q: Tensor,
     k: Tensor,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
     kv_cache: KVCache | None = None,
+    *,
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
 ) -> AttentionMask:
     """Step 2: the caller's masks for queries ``q`` ``(B, ·, L, ·)`` and keys ``k``
     ``(B, ·, S, ·)``, in the kernels' form (:func:`~.masks.build_attention_mask`).
