@@ -1,27 +1,19 @@
-"""Attention kernels, one registry, one signature.
+"""Attention kernels: one registry, one signature.
 
-Every backend is a :class:`Backend` in :data:`BACKENDS`: its kernel
-``kernel(q, k, v, mask, dropout_p, scale) -> out`` with
+Every backend is a :class:`Backend` in :data:`BACKENDS`: a kernel
+``kernel(q, k, v, mask, dropout_p, scale) -> out`` (``q`` ``(B, H, L, D)``; ``k``, ``v``
+``(B, G, S, D)``, ``G`` dividing ``H``, never repeated in memory by the layer; ``mask`` an
+:class:`~multihead.attention.masks.AttentionMask`; ``out`` ``(B, H, L, D)``) and, beside
+it, every rule about it. Every list of backends (``available_backends``, the configs' and
+the Transformer's checks) is read from :data:`BACKENDS`: adding one is one
+:func:`register_backend` call. A backend that cannot run its inputs raises
+:class:`BackendUnavailableError`, naming the backends that can; the only inputs handed to
+another backend are those of a :class:`Reroute` in the registry (:func:`backend_rules`).
 
-* ``q``: ``(B, H, L, D)``, ``k`` and ``v``: ``(B, G, S, D)`` where ``G`` divides ``H``
-  (grouped K/V heads are never repeated in memory by the layer);
-* ``mask``: an :class:`~multihead.attention.masks.AttentionMask`;
-* ``out``: ``(B, H, L, D)``;
-
-and, side by side with it, every rule about it: where it runs, the dropout and masks it
-takes, and the inputs it hands to another backend (:class:`Reroute`). Every list of
-backends (``available_backends``, the configs' and the Transformer's checks) is read from
-:data:`BACKENDS`, so adding one is one :func:`register_backend` call.
-
-A backend is chosen by name. If the named kernel cannot run the inputs it is given,
-:class:`BackendUnavailableError` says why and lists the backends that can; the one
-exception is a :class:`Reroute` declared in the registry (cuDNN's length-1 sequences),
-shown by :func:`backend_rules` and recorded in the run summaries.
-
-Under ``torch.compile(fullgraph=True)`` on the CPU, the layer with ``math``, ``sdpa`` or
+Under ``torch.compile(fullgraph=True)`` on the CPU the layer with ``math``, ``sdpa`` or
 ``flash`` compiles to one graph, and with ``math`` or ``sdpa`` it exports
-(``tests/attention/test_compile.py``). ``flex`` and ``flash_attn`` say in their docstrings
-what stops them; ``efficient`` and ``cudnn`` need CUDA and were not compiled here.
+(``tests/attention/test_compile.py``); ``flex`` and ``flash_attn`` say what stops them;
+``efficient`` and ``cudnn`` need CUDA and were not compiled here.
 """
 
 from __future__ import annotations
@@ -169,11 +161,9 @@ def flex_attention(
 ) -> Tensor:
     """FlexAttention: compiled on CUDA; eager elsewhere (unfused, forward only).
 
-    Inside ``torch.compile(fullgraph=True)`` on the CPU (torch 2.13) it traces without a
-    graph break (``backend="aot_eager"``), but inductor fails to lower it with a boolean
-    mask such as a ``key_padding_mask`` (``LoweringException: ValueError: not enough values
-    to unpack``); unmasked and causal calls compile. Not tried inside a compiled model on
-    CUDA, where this function compiles FlexAttention itself.
+    Under ``torch.compile(fullgraph=True)`` on the CPU (torch 2.13) inductor fails to lower
+    it with a boolean mask such as a ``key_padding_mask`` (``LoweringException``); unmasked
+    and causal calls compile. Not tried inside a compiled model on CUDA.
     """
     from torch.nn.attention import flex_attention as flex
 
@@ -451,15 +441,9 @@ def unavailable_reason(
     dropout: float = 0.0,
     head_dim: int | None = None,
 ) -> str | None:
-    """Why backend ``name`` cannot run, or ``None`` if it can, by its registry entry.
-
-    Args:
-        name: a backend name.
-        device, dtype: where it would run. ``None`` checks only what holds on every
-            device: the name, the installed packages and the dropout setting.
-        dropout: the attention dropout it would apply.
-        head_dim: ``D``, for the kernels that limit it.
-    """
+    """Why backend ``name`` cannot run with ``dropout`` and ``head_dim`` on ``device`` in
+    ``dtype``, or ``None``, by its registry entry. ``device=None`` checks only what holds
+    everywhere: the name, the package and the dropout."""
     backend = BACKENDS.get(name)
     if backend is None:
         return f"unknown backend {name!r}"
@@ -492,12 +476,9 @@ def check_backend(
     dropout: float = 0.0,
     head_dim: int | None = None,
 ) -> None:
-    """Raise if backend ``name`` cannot run, by the rules of :func:`unavailable_reason`.
-
-    The layer calls it when it is built (``device=None``: the parameters may still move
-    to another device, so only the name, packages and dropout are checked) and on its first
-    forward pass on each device and dtype (with its ``head_dim``). The kernels raise only
-    for what depends on the inputs themselves (a mask, a gradient, a kernel's own refusal).
+    """Raise if backend ``name`` cannot run, by :func:`unavailable_reason`: the layer
+    calls it when built (``device=None``: its parameters may still move) and on its first
+    call on each device and dtype. The kernels raise only for what depends on the inputs.
 
     Raises:
         ValueError: an unknown name, or a setting the backend lacks (dropout).

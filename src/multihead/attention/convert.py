@@ -1,10 +1,7 @@
 """Conversions of a layer's heads: from ``torch.nn.MultiheadAttention``, to fewer K/V heads,
-to a K/V latent (MLA) and back to the equivalent MHA layer, and to fewer query heads.
-
-Each returns a new :class:`~multihead.attention.MultiHeadAttention` and leaves its input as
-it was; :meth:`MultiHeadAttention.from_torch`, :meth:`~MultiHeadAttention.with_kv_heads`,
-:meth:`~MultiHeadAttention.with_kv_latent` and :meth:`~MultiHeadAttention.prune_heads` call
-them.
+to a K/V latent (MLA) and back to the equivalent MHA layer, and to fewer query heads: each a
+new layer (built by :func:`rebuild`), its input left as it was; the layer's methods of the
+same names (:class:`HeadConversions`) call them.
 """
 
 from __future__ import annotations
@@ -137,24 +134,6 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     return new
 
 
-def _kv_rows(layer: MultiHeadAttention) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``W_K, W_V`` ``(H*D, E)`` and their biases, each K/V head repeated for its group."""
-    E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
-    w, b = layer.in_proj.weight, layer.in_proj.bias
-    rows = [w[E : E + G * D], w[E + G * D :]] + (
-        [None] * 2 if b is None else [b[E : E + G * D], b[E + G * D :]]
-    )
-
-    def per_query_head(t: Tensor | None) -> Tensor | None:  # (G*D, ...) -> (H*D, ...)
-        if t is None:
-            return None
-        return (
-            t.view(G, D, *t.shape[1:]).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
-        )
-
-    return tuple(per_query_head(t) for t in rows)
-
-
 def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAttention:
     """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
 
@@ -171,16 +150,23 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
             f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
         )
     _check_unpruned(layer, "with_kv_latent")
-    E, bytes_now = layer.embed_dim, layer.kv_cache_bytes_per_token()
+    E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    bytes_now = layer.kv_cache_bytes_per_token()
     bytes_latent = CacheLayout(1, kv_latent_dim, shared_kv=True).bytes_per_token(torch.float32)
     if bytes_latent > bytes_now:
         raise ValueError(
             f"with_kv_latent({kv_latent_dim}) would cache {bytes_latent} bytes per token (fp32), "
             f"more than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
-            f"kv_latent_dim <= {2 * layer.num_kv_heads * layer.head_dim}"
+            f"kv_latent_dim <= {2 * G * D}"
         )
-    new = rebuild(layer, num_kv_heads=layer.num_heads, kv_latent_dim=kv_latent_dim)
-    w_k, w_v, _, b_v = _kv_rows(layer)
+    new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim)
+    w, b = layer.in_proj.weight, layer.in_proj.bias
+
+    def per_query_head(t: Tensor) -> Tensor:  # (G*D, ...) -> (H*D, ...): repeated per group
+        return t.view(G, D, -1).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
+
+    w_k, w_v = per_query_head(w[E : E + G * D]), per_query_head(w[E + G * D :])
+    b_v = None if b is None else per_query_head(b[E + G * D :])
     with torch.no_grad():
         stacked = torch.cat([w_k, w_v]).double()  # (2*H*D, E)
         U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)

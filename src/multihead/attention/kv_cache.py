@@ -1,11 +1,8 @@
-"""A key/value cache for incremental decoding.
+"""A key/value cache for incremental decoding, one class for every head design.
 
 Keys and values are stored with ``num_kv_heads`` heads, not ``num_heads``: with GQA or
 MQA the cache really is ``num_heads / num_kv_heads`` times smaller. The buffers are
-allocated once at full length and written in place. By default the cache returns the
-filled positions, a slice that grows by a step each call; ``static=True`` returns the
-whole buffers and keeps the position in a tensor (as gpt-fast), so that no shape changes
-between decoding steps and ``torch.compile`` compiles the step once.
+allocated once at full length and written in place.
 """
 
 from __future__ import annotations
@@ -37,33 +34,21 @@ class KVCache:
     """Keys and values of the positions seen so far, ``(B, G, max_len, D)`` each.
 
     Args:
-        batch_size: ``B``, the number of sequences decoded together.
-        max_len: the most positions the cache can hold.
-        num_kv_heads: ``G``.
-        head_dim: ``D``.
-        device, dtype: where and how to store. The dtype should match the projections'
-            output dtype (e.g. ``torch.bfloat16`` under bf16 autocast).
-        static: the mode for ``torch.compile`` (see below).
-        share_kv: keys and values are one tensor, stored once: multi-head latent attention
-            caches its latent ``(B, 1, max_len, r)``, which serves as both.
+        batch_size, max_len, num_kv_heads, head_dim: ``B``, the most positions, ``G``, ``D``.
+        device, dtype: where and how to store (the projections' output dtype).
+        static: the mode for ``torch.compile`` (below).
+        share_kv: keys and values are one tensor, stored once (MLA's latent).
 
-    The default mode tracks the filled length in the Python int :attr:`size` and returns
-    the filled ``(B, G, size, D)`` slices: the mode for eager decoding and beam search
-    (:meth:`select`). Under ``torch.compile`` their length changes every step, so the step
-    recompiles: every step with ``dynamic=False``, until dynamo's recompile limit; once
-    more by default, for symbolic lengths.
-
-    ``static=True`` is gpt-fast's cache, for compiled decoding. The filled length is the
-    0-dim tensor :attr:`position`; new keys and values are written at it with
-    ``index_copy_``; :meth:`update` and :meth:`get` return the whole ``(B, G, max_len, D)``
-    buffers. The layer masks the positions not written yet (and, for causal attention,
-    those after each query) with :meth:`hidden_keys`. Every step of one query length has
-    the same shapes, so a compiled step runs again without recompiling (after the first
-    decoding step: a prefill of another length, or cross-attention's first projection of
-    the memory, is a graph of its own). A ``key_padding_mask`` then covers all ``max_len``
+    The default mode returns the filled ``(B, G, size, D)`` slices, a length that grows
+    each step (under ``torch.compile`` the step recompiles): the mode for eager decoding and
+    beam search (:meth:`select`). ``static=True`` is gpt-fast's cache, for compiled decoding:
+    the filled length is the 0-dim tensor :attr:`position`, new entries are written at it
+    with ``index_copy_``, and :meth:`update` and :meth:`get` return the whole
+    ``(B, G, max_len, D)`` buffers, the positions not written yet (and, for causal
+    attention, those after each query) masked by :meth:`hide_unwritten`; every step of one
+    query length then has the same shapes. A ``key_padding_mask`` covers all ``max_len``
     positions, and :attr:`size` is ``max_len`` once anything is written. Writing past
-    ``max_len`` raises an ``IndexError`` in eager mode; compiled code does not check it,
-    which would read the position back from the device at every step.
+    ``max_len`` raises in eager mode only (a check would read the position back).
 
     Example: self-attention appends each step's position; cross-attention projects the
     memory on the first step and reads it back afterwards.
@@ -81,15 +66,6 @@ class KVCache:
         ...     outs.append(attn(h, memory, key_padding_mask=pad, kv_cache=cross_cache))
         >>> full = attn(attn(x, is_causal=True), memory, key_padding_mask=pad)
         >>> torch.allclose(torch.cat(outs, dim=1), full, atol=1e-5)
-        True
-
-    The static cache attends over all ``max_len`` positions at every step:
-
-        >>> cache = attn.make_kv_cache(batch_size=1, max_len=8, static=True)
-        >>> steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
-        >>> cache.get()[0].shape, int(cache.position)
-        (torch.Size([1, 2, 8, 4]), 5)
-        >>> torch.allclose(torch.cat(steps, dim=1), attn(x, is_causal=True), atol=1e-5)
         True
     """
 
@@ -112,9 +88,8 @@ class KVCache:
         self.share_kv = share_kv
         self.v = self.k if share_kv else torch.zeros(shape, device=device, dtype=dtype)
         self.size = 0  # positions filled so far; max_len once written when static
-        # Weights a head design derives from its parameters for the search this cache
-        # serves (MLA's absorbed projections): they live as long as the cache, since a fused
-        # optimiser step changes parameters in place without a trace a check could read.
+        # Weights a design derives for the search this cache serves (MLA's absorbed ones):
+        # a fused optimiser step changes parameters in place, without a trace to check.
         self.derived: dict[str, object] = {}
         self.static = static
         # Static mode: positions filled so far, a tensor so the step's graph does not change.
@@ -129,18 +104,13 @@ class KVCache:
         return self.k.shape[0]
 
     def nbytes(self) -> int:
-        """Bytes held by the filled part of the cache (keys and values, once if shared);
-        static: the whole buffers once anything is written."""
+        """Bytes of the filled positions (static: all, once written); shared K/V once."""
         per_position = self.k[:, :, 0].numel() * self.k.element_size() * (1 if self.share_kv else 2)
         return per_position * self.size
 
     def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
         """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared); return all
-        filled ``(B, G, size, D)``.
-
-        Static: write them at :attr:`position` and return the ``(B, G, max_len, D)``
-        buffers.
-        """
+        filled ``(B, G, size, D)`` (static: the ``(B, G, max_len, D)`` buffers)."""
         if self.static:
             return self._update_static(k, v)
         L = k.shape[2]
@@ -168,21 +138,17 @@ class KVCache:
         self.size = self.max_len  # a constant: reading a count here would recompile the step
         return self.k, self.v
 
-    def hidden_keys(self, q_len: int, is_causal: bool) -> Tensor:
-        """Static mode: bool ``(L, max_len)``, True for the keys the newest ``L`` queries
-        must not see: those not written yet and, if ``is_causal``, those after each query."""
-        keys = torch.arange(self.max_len, device=self.position.device)  # (max_len,)
-        if not is_causal:
-            return (keys >= self.position).expand(q_len, self.max_len)
-        # The queries are positions position - L .. position - 1.
-        return ~causal_keep(q_len, self.max_len, keys.device, self.position - q_len)
-
     def hide_unwritten(
         self, attn_mask: Tensor | None, q_len: int, is_causal: bool
     ) -> tuple[Tensor, bool]:
-        """Static mode: ``attn_mask`` with :meth:`hidden_keys` folded in (causality too), and
-        ``is_causal`` then False: the layer's mask for the whole ``max_len`` buffers."""
-        hidden = self.hidden_keys(q_len, is_causal)  # (L, max_len), True = masked out
+        """Static mode: ``attn_mask`` also hiding from the newest ``L`` queries the keys not
+        written yet and, if ``is_causal``, those after each query; and ``is_causal`` then
+        False: the layer's mask for the whole ``max_len`` buffers."""
+        keys = torch.arange(self.max_len, device=self.position.device)  # (max_len,)
+        if is_causal:  # the queries are positions position - L .. position - 1
+            hidden = ~causal_keep(q_len, self.max_len, keys.device, self.position - q_len)
+        else:
+            hidden = (keys >= self.position).expand(q_len, self.max_len)  # (L, max_len)
         if attn_mask is None or attn_mask.dtype == torch.bool:
             return (hidden if attn_mask is None else attn_mask | hidden), False
         return attn_mask.masked_fill(hidden, float("-inf")), False

@@ -14,10 +14,9 @@ layer is exactly an MHA layer whose K/V weights are the products ``W_UK W_DKV`` 
 
 Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
 W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
-query projection and ``W_UV`` into the output projection, once per search (kept in the KV
-cache, :attr:`KVCache.derived`), and each step attends over the cached latent as one shared
-K/V head of width ``r`` (MQA-shaped) with the original ``1/sqrt(D)`` scale: no per-step
-up-projection of the cache.
+query and output projections once per search (kept in the KV cache: :attr:`KVCache.derived`)
+and each step attends over the cached latent as one shared K/V head of width ``r`` with the
+original ``1/sqrt(D)`` scale: no per-step up-projection of the cache.
 """
 
 from __future__ import annotations
@@ -47,12 +46,10 @@ class LatentKV(HeadDesign, nn.Module):
     """The latent K/V of an MLA layer with ``num_heads`` heads of ``head_dim``.
 
     Args:
-        embed_dim: ``E``.
-        num_heads: ``H``; K and V have ``H`` heads (expanded from the latent).
+        embed_dim, num_heads: ``E``, ``H`` (K and V have ``H`` heads, from the latent).
         kv_latent_dim: ``r``, the latent's width, at least 1.
         bias: a bias on the down-projection (as the layer's projections).
-        norm: RMSNorm on the latent, as DeepSeek-V2 (then the layer is no longer an MHA
-            layer of weight products, and cannot be exported as one).
+        norm: RMSNorm on the latent, as DeepSeek-V2 (no MHA equivalent then).
         device, dtype: for the parameters.
 
     Attributes:
@@ -113,13 +110,10 @@ class LatentKV(HeadDesign, nn.Module):
     def folded(
         self, layer: MultiHeadAttention, kv_cache: KVCache
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``W_UK`` folded into the query projection, ``W_UV`` into the output projection.
-
-        Returns ``(w_q, b_q, w_o)``: ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``.
-        Computed at the first step of a search and kept in ``kv_cache`` for its others: no
-        check could tell that the parameters changed between two searches (a fused
-        optimiser step writes them in place without bumping their version).
-        """
+        """``W_UK`` folded into the query projection, ``W_UV`` into the output one:
+        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Kept in
+        ``kv_cache`` for the search: no check could tell that parameters changed between
+        two searches (a fused optimiser step writes them without bumping their version)."""
         if "mla_folded" not in kv_cache.derived:
             E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
             D = E // H

@@ -12,12 +12,9 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
        | | | |              \\| |/               \\ \\/ /
     kv:1 2 3 4           kv:  1  2            kv:   1
 
-``forward`` is that formula as four steps, ``project -> mask -> attend -> out_proj``, the
-public functions of :mod:`~multihead.attention.steps`. A head design is a part the layer is
-built with (:class:`~multihead.attention.steps.HeadDesign`), which replaces the steps it
-changes: sparse heads (:mod:`~multihead.attention.sparse`), a head mixing
-(:mod:`~multihead.attention.mixing`) or latent K/V (:mod:`~multihead.attention.latent`).
-Kernels: :mod:`~multihead.attention.backends`.
+``forward`` is that formula as four steps (:mod:`~multihead.attention.steps`), ``project ->
+mask -> attend -> out_proj``. A head design (:class:`~multihead.attention.steps.HeadDesign`:
+sparse heads, a head mixing, latent K/V) replaces the steps it changes.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         dropout: dropout on the attention weights, in training mode only.
         bias: add biases to the input and output projections.
         backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
-            (``math`` is the written-out reference); one that cannot run the inputs raises
-            ``BackendUnavailableError``: there is no silent fallback.
+            (``math``: the written-out reference); if it cannot run, it says why.
         top_k_heads, num_shared_heads: sparse heads, see
             :class:`~multihead.attention.sparse.SparseHeads` (state_dict ``head_gate``).
         head_mixing, mixing_groups: a head mixing, ``"talking_heads"`` (``math`` backend
@@ -81,11 +77,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         torch.Size([2, 5, 64])
         >>> y = attn(x, is_causal=True)                       # decoder self-attention
 
-    Incremental decoding keeps ``G`` heads per position in a :class:`KVCache`: each
-    self-attention call appends the new positions; cross-attention projects the memory on
-    the first call and reuses it (the example is in :mod:`~multihead.attention.kv_cache`).
-
-    ``attn.head_mask`` (``(H,)``) scales each head's output on every call (:meth:`forward`).
+    Incremental decoding keeps ``G`` heads per position in a :class:`KVCache` (its example).
     """
 
     def __init__(
@@ -235,13 +227,8 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         dtype: torch.dtype | None = None,
         static: bool = False,
     ) -> KVCache:
-        """An empty :class:`KVCache` for this layer (``num_kv_heads`` heads; a latent).
-
-        ``device`` defaults to the parameters' device; ``dtype`` to the autocast dtype
-        when autocast is on, else the parameters' dtype. ``static=True`` makes the cache
-        whose shapes never change, for decoding under ``torch.compile`` (see
-        :class:`KVCache`).
-        """
+        """An empty :class:`KVCache` of :attr:`cache_layout`, on the parameters' device and
+        in the autocast dtype if on, else theirs; ``static``: for ``torch.compile``."""
         weight = self.in_proj.weight
         device = weight.device if device is None else torch.device(device)
         if dtype is None:
@@ -274,8 +261,8 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             key_padding_mask: ``(B, S)`` bool, True = padding.
             attn_mask: bool (True = masked out) or float (added to the scores),
                 broadcastable to ``(B, H, L, S)``.
-            is_causal: causal self-attention. With a KV cache the new queries are the
-                last ``L`` of ``S`` positions and each sees the keys up to itself.
+            is_causal: causal self-attention (with a KV cache: the queries are the last
+                ``L`` of ``S`` positions).
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
             need_weights: also return the attention weights ``(B, H, L, S)``, computed
                 by the ``math`` path whatever the backend (a design's: see its part).

@@ -5,14 +5,11 @@ adds one interaction, and each starts as the identity, so a layer with one start
 multi-head attention:
 
 * ``talking_heads`` (Shazeer et al., 2020): learned ``(H, H)`` mixes of the heads' logits
-  and of their weights, inside the attention. It needs every head's full logits, so it owns
-  its kernel (the math formula with the two mixes) and runs only with ``backend="math"``.
+  and weights: the math formula with two hooks, so ``backend="math"`` only.
 * ``group_mlp``: an MLP over each group's concatenated head outputs, before ``W^O``.
 * ``head_attention``: attention among the ``H`` head outputs at each position, before ``W^O``.
 
-Each part replaces one step of the layer's forward: the kernel (talking heads) or the
-merge of the heads before ``W^O`` (the other two); :meth:`HeadMixing.attention` runs the
-layer's own steps for the rest.
+Each replaces one step, :meth:`HeadMixing.attend` or :meth:`HeadMixing.mix`.
 """
 
 from __future__ import annotations
@@ -50,12 +47,9 @@ class HeadMixing(HeadDesign, nn.Module):
         kv_cache: KVCache | None = None, need_weights: bool = False,
         head_mask: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """The layer's forward with this mixing: ``project -> mask -> attend -> mix -> W^O``.
-
-        ``head_mask`` ``(H,)`` scales each head's output after :meth:`attend` (for talking
-        heads, after the mixed weights multiply V); a mixing that replaces :meth:`mix`
-        refuses it, since the heads it mixes after the scale have no output of their own.
-        """
+        """``project -> mask -> attend -> mix -> W^O``. ``head_mask`` scales each head's
+        output after :meth:`attend`; a mixing that replaces :meth:`mix` refuses it (its
+        heads have no output of their own after the mix)."""
         B, L, E = query.shape
         if head_mask is not None and type(self).mix is not HeadMixing.mix:
             raise ValueError(
@@ -167,8 +161,7 @@ class GroupMLPMixing(HeadMixing):
         x = x + torch.einsum("blgi,gio->blgo", hidden, self.w2) + self.b2
         return x.view(B, L, H, D)
 
-    def mix(self, heads: Tensor) -> Tensor:
-        return self(heads)
+    mix = nn.Module.__call__  # the mixing is the module's forward
 
     @property
     def options(self) -> dict[str, str | int]:
@@ -204,8 +197,7 @@ class HeadAttentionMixing(HeadMixing):
         weights = softmax(scores).to(v.dtype)  # head i over heads j
         return heads + weights @ v
 
-    def mix(self, heads: Tensor) -> Tensor:
-        return self(heads)
+    mix = nn.Module.__call__  # the mixing is the module's forward
 
 
 # The mixings by name, each built as ``cls(num_heads, head_dim, groups=..., device, dtype)``.

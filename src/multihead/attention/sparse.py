@@ -1,14 +1,11 @@
 """Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
 
-Each token's router ``G(x)`` (a linear ``E -> R`` without bias, ``R = H - Hs`` routed heads)
-picks its ``k`` best routed heads; only those are computed (their query projection, their
-scores and weighted values, their slice of ``W^O``) and their outputs are summed with
-weights ``softmax(G(x))`` taken over the selected heads. Heads ``0 .. Hs - 1`` are shared:
-always on, with weight 1. K and V are still projected for all ``G`` K/V heads.
-
-:class:`SparseHeads` is the router itself (an ``nn.Linear``, so ``layer.head_gate(x)`` gives
-the routing logits; ``head_gate``, MoH's name for it, is its state_dict key) plus the
-routed computation, which replaces the layer's ``attend -> out_proj`` steps.
+Each token's router ``G(x)`` (a linear ``E -> R`` without bias over the ``R = H - Hs``
+routed heads) picks its ``k`` best; only those are computed (query projection, scores and
+values, slice of ``W^O``), summed with weights ``softmax(G(x))`` over the selected heads.
+Heads ``0 .. Hs - 1`` are shared: always on, weight 1. K/V are projected for all ``G`` heads.
+:class:`SparseHeads` is the router (``layer.head_gate(x)``: the routing logits; MoH's name
+``head_gate`` is its state_dict key) plus the routed computation.
 
 Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active:
 
@@ -80,8 +77,7 @@ class SparseHeads(HeadDesign, nn.Linear):
     """The MoH router of a layer with ``num_heads`` heads, and the routed attention.
 
     Args:
-        embed_dim: ``E``.
-        num_heads: ``H``, the layer's query heads.
+        embed_dim, num_heads: ``E``, ``H``.
         top_k_heads: ``k``, the routed heads each token computes, in ``[1, H - Hs]``.
         num_shared_heads: ``Hs``, heads always on, in ``[0, H)``.
         device, dtype: for the router's weight.
@@ -89,7 +85,7 @@ class SparseHeads(HeadDesign, nn.Linear):
     In training mode each call sets :attr:`aux_loss`, the Switch Transformer's
     load-balancing loss over the routed heads, ``R * sum_i f_i P_i``: ``f_i`` is the fraction
     of the ``k`` selections per token that went to head ``i`` (every query token, padding
-    included), ``P_i`` the mean gate probability (softmax over all routed heads) of head
+    included), ``P_i`` the mean routing probability (softmax over all routed heads) of head
     ``i``. It is 1 for a perfectly balanced router; a model adds ``weight * aux_loss`` to
     its loss. It is ``None`` in eval mode. The packed buffers are sized from the routing,
     which reads two counts back to the host on every call (a sync on CUDA; shapes vary for
@@ -152,18 +148,11 @@ class SparseHeads(HeadDesign, nn.Linear):
         kv_cache: KVCache | None = None, need_weights: bool = False,
         head_mask: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """The layer's forward with sparse heads: shared heads densely, then only the
-        routed (token, head) pairs the gate selects.
-
-        ``head_mask`` ``(H,)`` scales each head's contribution: the shared heads' outputs,
-        and each routed pair's on top of its routing weight.
-
-        The routed heads' queries are projected for the selected pairs only (``M`` rows per
-        head, ``M`` the most pairs any head got in the batch, ``B * L * k / R`` for a
-        balanced router); their scores and values run in the layer's backend on
-        ``(B, R, C, D)`` queries, ``C`` the most positions any (sentence, head) got; their
-        ``W^O`` slices again on the ``M`` rows per head.
-        """
+        """Shared heads densely, then only the routed (token, head) pairs selected:
+        their queries and ``W^O`` slices on ``M`` rows per head (the most pairs any head got,
+        ``B * L * k / R`` when balanced), their attention in the layer's backend on
+        ``(B, R, C, D)`` queries (``C``: the most positions any (sentence, head) got).
+        ``head_mask`` scales the shared heads' outputs and each routed pair's weight."""
         B, L, E = query.shape
         H, D = layer.num_heads, layer.head_dim
         Hs, top_k, R = self.num_shared, self.top_k, self.out_features

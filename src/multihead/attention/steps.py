@@ -8,10 +8,9 @@ steps, each a public function here that the layer and every head design call::
     heads, weights = attend(layer, q, k, v, mask, need_weights)     # (B, H, L, D)
     out = layer.out_proj(merge_heads(heads))                   # (B, L, E)
 
-A head design (:class:`HeadDesign`) is a part the layer is built with; the layer's one hook
-calls its :meth:`~HeadDesign.attention`, which runs these steps with its own in place of
-the ones it changes. A positional part (:class:`PositionalPart`, e.g. rotary embeddings)
-is applied by :func:`project` to Q and K right after the projection, before K is cached.
+A head design (:class:`HeadDesign`) runs these steps in the layer's one hook, with its own
+in place of those it changes. A positional part (:class:`PositionalPart`, e.g. rotary
+embeddings) is applied by :func:`project` to Q and K, before K is cached.
 """
 
 from __future__ import annotations
@@ -32,12 +31,9 @@ if TYPE_CHECKING:
 
 # --------------------------------------------------------------------------- the interface
 class PositionalPart(Protocol):
-    """A position encoding applied to Q and K after the projection (rotary embeddings).
-
-    ``part(q, k, q_start, k_start)`` returns ``(q, k)`` for ``q`` ``(B, H, L, D)`` at
-    positions ``q_start ..`` and the new keys ``k`` ``(B, G, L', D)`` at ``k_start ..``
-    (the number of keys cached before them), before they are cached.
-    """
+    """A position encoding of Q ``(B, H, L, D)`` at positions ``q_start ..`` and of the new
+    keys ``(B, G, L, D)`` at ``k_start ..``, after the projection (the layer's
+    ``positions``; none by default)."""
 
     def __call__(
         self, q: Tensor, k: Tensor, q_start: int, k_start: int
@@ -45,20 +41,17 @@ class PositionalPart(Protocol):
 
 
 class HeadDesign:
-    """What a head design is: a part (an ``nn.Module`` subclassing this too) that owns its
-    parameters, its checks, its name tag and its computation.
+    """What a head design is: an ``nn.Module`` subclassing this that owns its parameters,
+    checks, tag and computation; the defaults here are a layer's without a design.
 
     Attributes:
         name: the design's name (``"moh"``, ``"talking_heads"``, ``"mla"``, ...).
-        attribute: where the layer holds it, the prefix of its parameters' state_dict keys.
-        kind: what it makes of the layer's heads in ``head_config["kind"]`` (MLA:
-            ``"mla"``), or ``None`` for the layer's own (mha, gqa, mqa).
+        attribute: where the layer holds it: the prefix of its state_dict keys.
+        kind: ``head_config["kind"]`` if not the layer's (mha, gqa, mqa): MLA's ``"mla"``.
         aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
-
-    Defaults: no options, the tag ``-<name>``, every head active, the layer's own cache.
     """
 
-    name: ClassVar[str] = ""  # the defaults' own: a layer without a design
+    name: ClassVar[str] = ""
     attribute: ClassVar[str] = ""
     kind: ClassVar[str | None] = None
     aux_loss: Tensor | None = None
@@ -157,7 +150,7 @@ def make_mask(
     ``(B, ·, S, ·)``, in the kernels' form (:func:`~.masks.build_attention_mask`).
 
     With a static ``kv_cache`` the keys are its whole buffers: the positions it hides
-    (:meth:`KVCache.hidden_keys`) join ``attn_mask``, causality included.
+    (:meth:`KVCache.hide_unwritten`) join ``attn_mask``, causality included.
     """
     if kv_cache is not None and kv_cache.static:
         attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
