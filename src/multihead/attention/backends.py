@@ -49,16 +49,10 @@ def math_attention(
 
 
 def math_attention_with_weights(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: AttentionMask,
-    dropout_p: float,
-    scale: float,
-    *,
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float, *,
     on_logits: Callable[[Tensor], Tensor] | None = None,
     on_weights: Callable[[Tensor, Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The math path, also returning the attention weights ``(B, H, L, S)``.
 
     Two hooks let a design change the formula without copying it (talking heads):
@@ -311,20 +305,17 @@ class Reroute:
 
 @dataclass(frozen=True)
 class Backend:
-    """One attention backend: its kernel and every rule about it, in one place.
+    """One attention backend: its kernel and every rule about it, in one place; called as
+    its kernel, with its reroute applied.
 
     Attributes:
-        name: the name layers and configs use.
-        kernel: the function of the module docstring's signature.
+        name, kernel: the name layers and configs use; the kernel (module docstring).
         available: ``available(device, dtype, head_dim)``: why it cannot run there, or
             ``None`` (``head_dim`` is ``None`` while not known).
         dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p``.
         package: the pip package it needs (imported with ``_`` for ``-``), if any.
-        attn_mask, padding_mask: it takes an arbitrary ``attn_mask``, a
-            ``key_padding_mask``, everywhere it runs.
+        attn_mask, padding_mask: it takes an ``attn_mask``, a ``key_padding_mask``.
         reroute: inputs it hands to another backend.
-
-    A backend is called as its kernel, with its reroute applied.
     """
 
     name: str
@@ -434,13 +425,9 @@ def _others(name: str, device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def unavailable_reason(
-    name: str,
-    device: torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    *,
-    dropout: float = 0.0,
-    head_dim: int | None = None,
-) -> str | None:
+    name: str, device: torch.device | None = None, dtype: torch.dtype | None = None, *,
+    dropout: float = 0.0, head_dim: int | None = None,
+) -> str | None:  # fmt: skip
     """Why backend ``name`` cannot run with ``dropout`` and ``head_dim`` on ``device`` in
     ``dtype``, or ``None``, by its registry entry. ``device=None`` checks only what holds
     everywhere: the name, the package and the dropout."""
@@ -469,13 +456,9 @@ def backend_rules() -> dict[str, str]:
 
 
 def check_backend(
-    name: str,
-    device: torch.device | None,
-    dtype: torch.dtype,
-    *,
-    dropout: float = 0.0,
+    name: str, device: torch.device | None, dtype: torch.dtype, *, dropout: float = 0.0,
     head_dim: int | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Raise if backend ``name`` cannot run, by :func:`unavailable_reason`: the layer
     calls it when built (``device=None``: its parameters may still move) and on its first
     call on each device and dtype. The kernels raise only for what depends on the inputs.

@@ -34,12 +34,9 @@ def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
 
 
 def rebuild(
-    layer: MultiHeadAttention,
-    *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
+    layer: MultiHeadAttention, *, num_heads: int | None = None, num_kv_heads: int | None = None,
     **design,
-) -> MultiHeadAttention:
+) -> MultiHeadAttention:  # fmt: skip
     """A new layer like ``layer`` (its width, head width ``D``, dropout, bias, backend,
     device, dtype and mode) with ``num_heads`` and ``num_kv_heads`` (default: ``layer``'s)
     and the head design of the constructor arguments ``design``; fresh parameters.

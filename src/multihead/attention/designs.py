@@ -1,12 +1,8 @@
 """Which head design a layer is built with: the one place that knows them all.
 
-A layer has at most one head design (:class:`~multihead.attention.steps.HeadDesign`), a
-part that owns its parameters, its checks, its tag and its computation, registered on the
-layer under its :attr:`~multihead.attention.steps.HeadDesign.attribute`, the name its
-parameters have always had in checkpoints: ``head_gate`` (the router of
-:class:`~multihead.attention.sparse.SparseHeads`) or ``head_mix``
-(:mod:`~multihead.attention.mixing`); latent attention, a design of K/V heads, as
-``kv_latent`` (:mod:`~multihead.attention.latent`).
+A layer has at most one (:class:`~multihead.attention.steps.HeadDesign`), held under its
+``attribute``, the name its parameters have always had in checkpoints: ``head_gate``
+(sparse heads' router), ``head_mix`` (a mixing) or ``kv_latent`` (latent attention).
 """
 
 from __future__ import annotations
@@ -18,21 +14,11 @@ from multihead.attention.steps import HeadDesign
 
 
 def build_head_design(
-    embed_dim: int,
-    num_heads: int,
-    *,
-    backend: str,
-    top_k_heads: int | None = None,
-    num_shared_heads: int = 0,
-    head_mixing: str | None = None,
-    mixing_groups: int | None = None,
-    kv_latent_dim: int | None = None,
-    num_kv_heads: int | None = None,
-    kv_latent_norm: bool = False,
-    bias: bool = True,
-    device=None,
-    dtype=None,
-) -> HeadDesign | None:
+    embed_dim: int, num_heads: int, *, backend: str, top_k_heads: int | None = None,
+    num_shared_heads: int = 0, head_mixing: str | None = None, mixing_groups: int | None = None,
+    kv_latent_dim: int | None = None, num_kv_heads: int | None = None,
+    kv_latent_norm: bool = False, bias: bool = True, device=None, dtype=None,
+) -> HeadDesign | None:  # fmt: skip
     """The part for the design the layer's arguments ask for, or ``None``.
 
     Raises:

@@ -39,14 +39,13 @@ class KVCache:
         static: the mode for ``torch.compile`` (below).
         share_kv: keys and values are one tensor, stored once (MLA's latent).
 
-    The default mode returns the filled ``(B, G, size, D)`` slices, a length that grows
-    each step (under ``torch.compile`` the step recompiles): the mode for eager decoding and
-    beam search (:meth:`select`). ``static=True`` is gpt-fast's cache, for compiled decoding:
-    the filled length is the 0-dim tensor :attr:`position`, new entries are written at it
-    with ``index_copy_``, and :meth:`update` and :meth:`get` return the whole
-    ``(B, G, max_len, D)`` buffers, the positions not written yet (and, for causal
-    attention, those after each query) masked by :meth:`hide_unwritten`; every step of one
-    query length then has the same shapes. A ``key_padding_mask`` covers all ``max_len``
+    By default :meth:`update` and :meth:`get` return the filled ``(B, G, size, D)``: the mode
+    for eager decoding and beam search (:meth:`select`). ``static=True`` is gpt-fast's cache,
+    for compiled decoding: the filled length is the 0-dim tensor :attr:`position`, new
+    entries are written there with ``index_copy_``, :meth:`update` and :meth:`get` return
+    the whole ``(B, G, max_len, D)`` buffers, and :meth:`hide_unwritten` masks the positions
+    not written yet (and, for causal attention, those after each query): every step of one
+    query length has the same shapes. A ``key_padding_mask`` covers all ``max_len``
     positions, and :attr:`size` is ``max_len`` once anything is written. Writing past
     ``max_len`` raises in eager mode only (a check would read the position back).
 
@@ -70,17 +69,10 @@ class KVCache:
     """
 
     def __init__(
-        self,
-        batch_size: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        static: bool = False,
-        share_kv: bool = False,
-    ) -> None:
+        self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        static: bool = False, share_kv: bool = False,
+    ) -> None:  # fmt: skip
         check_positive_int("batch_size", batch_size)
         check_positive_int("max_len", max_len)
         shape = (batch_size, num_kv_heads, max_len, head_dim)

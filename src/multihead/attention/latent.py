@@ -61,16 +61,9 @@ class LatentKV(HeadDesign, nn.Module):
     attribute = "kv_latent"
 
     def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        kv_latent_dim: int,
-        *,
-        bias: bool = True,
-        norm: bool = False,
-        device=None,
-        dtype=None,
-    ) -> None:
+        self, embed_dim: int, num_heads: int, kv_latent_dim: int, *, bias: bool = True,
+        norm: bool = False, device=None, dtype=None,
+    ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
         super().__init__()
         factory = {"device": device, "dtype": dtype}

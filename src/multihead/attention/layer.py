@@ -81,23 +81,13 @@ class MultiHeadAttention(HeadConversions, nn.Module):
     """
 
     def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        *,
-        dropout: float = 0.0,
-        bias: bool = True,
-        backend: str = "sdpa",
-        top_k_heads: int | None = None,
-        num_shared_heads: int = 0,
-        head_mixing: str | None = None,
-        mixing_groups: int | None = None,
-        kv_latent_dim: int | None = None,
-        kv_latent_norm: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+        self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
+        dropout: float = 0.0, bias: bool = True, backend: str = "sdpa",
+        top_k_heads: int | None = None, num_shared_heads: int = 0,
+        head_mixing: str | None = None, mixing_groups: int | None = None,
+        kv_latent_dim: int | None = None, kv_latent_norm: bool = False,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
         check_positive_int("num_heads", num_heads)
@@ -129,7 +119,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         kv_dim = 0 if kv_latent_dim is not None else num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias, device, dtype)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
-        # The (device, dtype) pairs the backend was checked on (steps.attend checks once each).
+        # Where the backend was checked: steps.attend checks once per (device, dtype).
         self.checked_backends: set[tuple[torch.device, torch.dtype]] = set()
         # Michel et al.'s per-head scale, (H,): None, or a tensor scaling each query head's
         # output before W^O (a plain attribute, not in the state_dict); see forward.
@@ -219,14 +209,9 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         return self._part.cache_layout(self)
 
     def make_kv_cache(
-        self,
-        batch_size: int,
-        max_len: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        static: bool = False,
-    ) -> KVCache:
+        self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None, static: bool = False,
+    ) -> KVCache:  # fmt: skip
         """An empty :class:`KVCache` of :attr:`cache_layout`, on the parameters' device and
         in the autocast dtype if on, else theirs; ``static``: for ``torch.compile``."""
         weight = self.in_proj.weight
@@ -242,17 +227,11 @@ class MultiHeadAttention(HeadConversions, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self,
-        query: Tensor,
-        key_value: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_cache: KVCache | None = None,
-        need_weights: bool = False,
+        self, query: Tensor, key_value: Tensor | None = None, *,
+        key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+        is_causal: bool = False, kv_cache: KVCache | None = None, need_weights: bool = False,
         head_mask: Tensor | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """Attend from ``query`` to itself, or to ``key_value`` (cross-attention).
 
         Args:
@@ -264,8 +243,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             is_causal: causal self-attention (with a KV cache: the queries are the last
                 ``L`` of ``S`` positions).
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
-            need_weights: also return the attention weights ``(B, H, L, S)``, computed
-                by the ``math`` path whatever the backend (a design's: see its part).
+            need_weights: also return the weights ``(B, H, L, S)``, by the ``math`` path.
             head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
                 (:func:`~.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
                 ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.

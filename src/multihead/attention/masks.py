@@ -127,31 +127,13 @@ def apply_mask(scores: Tensor, mask: AttentionMask) -> Tensor:
 
 
 def build_attention_mask(
-    *,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    batch_size: int,
-    num_heads: int,
-    q_len: int,
-    kv_len: int,
-    dtype: torch.dtype,
+    *, key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool,
+    batch_size: int, num_heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
     device: torch.device,
-) -> AttentionMask:
-    """Validate the user's masks and merge them into one kernel-ready mask.
-
-    Args:
-        key_padding_mask, attn_mask: as for
-            :meth:`~multihead.attention.MultiHeadAttention.forward`.
-        is_causal: causal attention. When ``L < S`` (decoding with a KV cache) the
-            queries are the *last* ``L`` positions, so query ``i`` sees keys ``<= S - L + i``.
-        batch_size, num_heads, q_len, kv_len: the sizes ``B, H, L, S``.
-        dtype: the dtype of the attention scores, used for float masks.
-        device: where a materialised causal mask is built.
-
-    Returns:
-        An :class:`AttentionMask`.
-    """
+) -> AttentionMask:  # fmt: skip
+    """Validate the user's masks (as for :meth:`MultiHeadAttention.forward`; with ``L < S``
+    the queries are the *last* ``L`` positions) and merge them into one
+    :class:`AttentionMask` for sizes ``B, H, L, S``, float masks in ``dtype``."""
     target = (batch_size, num_heads, q_len, kv_len)
     if is_causal and q_len > kv_len:
         raise ValueError(f"is_causal needs q_len <= kv_len, got L={q_len}, S={kv_len}")

@@ -65,14 +65,9 @@ class HeadMixing(HeadDesign, nn.Module):
         return (out, weights) if need_weights else out
 
     def attend(
-        self,
-        layer: MultiHeadAttention,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: AttentionMask,
+        self, layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
         need_weights: bool,
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """The heads ``(B, H, L, D)``: the layer's own kernel unless a mixing replaces it."""
         return attend(layer, q, k, v, mask, need_weights)
 
@@ -102,14 +97,9 @@ class TalkingHeads(HeadMixing):
         self.weight_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
 
     def attend(
-        self,
-        layer: MultiHeadAttention,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: AttentionMask,
+        self, layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
         need_weights: bool,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         def on_logits(scores: Tensor) -> Tensor:  # (B, H, L, S)
             # Mixed before masking: a masked (-inf) logit mixed into other heads gives NaN.
             return torch.einsum("bhls,hj->bjls", scores, self.logit_mix)

@@ -93,15 +93,9 @@ class SparseHeads(HeadDesign, nn.Linear):
     """
 
     def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        top_k_heads: int,
-        num_shared_heads: int = 0,
-        *,
-        device=None,
-        dtype=None,
-    ) -> None:
+        self, embed_dim: int, num_heads: int, top_k_heads: int, num_shared_heads: int = 0, *,
+        device=None, dtype=None,
+    ) -> None:  # fmt: skip
         check_positive_int(
             "num_shared_heads", num_shared_heads, minimum=0, maximum=num_heads - 1,
             why=f" (fewer than num_heads={num_heads})",

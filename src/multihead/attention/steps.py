@@ -137,15 +137,10 @@ def project_kv(
 
 
 def make_mask(
-    layer: MultiHeadAttention,
-    q: Tensor,
-    k: Tensor,
-    kv_cache: KVCache | None = None,
-    *,
-    key_padding_mask: Tensor | None = None,
-    attn_mask: Tensor | None = None,
+    layer: MultiHeadAttention, q: Tensor, k: Tensor, kv_cache: KVCache | None = None, *,
+    key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
     is_causal: bool = False,
-) -> AttentionMask:
+) -> AttentionMask:  # fmt: skip
     """Step 2: the caller's masks for queries ``q`` ``(B, ·, L, ·)`` and keys ``k``
     ``(B, ·, S, ·)``, in the kernels' form (:func:`~.masks.build_attention_mask`).
 
@@ -168,14 +163,9 @@ def make_mask(
 
 
 def attend(
-    layer: MultiHeadAttention,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: AttentionMask,
-    need_weights: bool,
-    **hooks,
-) -> tuple[Tensor, Tensor | None]:
+    layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+    need_weights: bool, **hooks,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Step 3: softmax(QK^T)V ``(B, H, L, D)`` by the layer's backend, or by the math path
     with the weights ``(B, H, L, S)`` when they are asked for or ``hooks``
     (``on_logits``, ``on_weights`` of :func:`~.backends.math_attention_with_weights`) are
