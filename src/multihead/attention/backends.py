@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,15 +92,9 @@ def sdpa_attention(
     is_causal = True if mask.kernel_causal(q.shape[2], k.shape[2]) else False
     grouped = True if k.shape[1] != q.shape[1] else False
     return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask.tensor,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
+        q, k, v, attn_mask=mask.tensor, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=grouped,
-    )
+    )  # fmt: skip
 
 
 def expand_kv(t: Tensor, num_heads: int) -> Tensor:
@@ -206,15 +201,8 @@ def flex_attention(
             # shapes once, rather than recompiled per shape until torch gives up on it.
             _compiled_flex = torch.compile(flex.flex_attention, dynamic=True)
         fn = _compiled_flex
-    return fn(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    grouped = k.shape[1] != q.shape[1]
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=grouped)
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -457,7 +445,7 @@ def backend_rules() -> dict[str, str]:
 
 def check_backend(
     name: str, device: torch.device | None, dtype: torch.dtype, *, dropout: float = 0.0,
-    head_dim: int | None = None,
+    head_dim: int | None = None, anywhere: bool = False,
 ) -> None:  # fmt: skip
     """Raise if backend ``name`` cannot run, by :func:`unavailable_reason`: the layer
     calls it when built (``device=None``: its parameters may still move) and on its first
@@ -467,6 +455,9 @@ def check_backend(
         ValueError: an unknown name, or a setting the backend lacks (dropout).
         BackendUnavailableError: what this machine lacks (a package, the device or dtype).
     """
+    if anywhere:  # deprecated (issue 49) for device=None, removed in the next release
+        warnings.warn("check_backend(anywhere=True): pass device=None", DeprecationWarning, 2)
+        device = None
     here = torch.device("cpu") if device is None else device
     reason = unavailable_reason(name, device, dtype, dropout=dropout, head_dim=head_dim)
     if reason is None:

@@ -120,11 +120,9 @@ def project_queries(layer: MultiHeadAttention, query: Tensor, heads: int | None 
 def project_kv(
     layer: MultiHeadAttention, source: Tensor, kv_cache: KVCache | None, *, cross: bool
 ) -> tuple[Tensor, Tensor]:
-    """K and V ``(B, G, S, D)`` of ``source`` alone, through ``kv_cache`` if given.
-
-    Self-attention appends the new positions to the cache; cross-attention stores the
-    memory at the first step and reads it back at every later one, unprojected.
-    """
+    """K and V ``(B, G, S, D)`` of ``source`` alone, through ``kv_cache`` if given: self-
+    attention appends the new positions; cross-attention stores the memory at the first
+    step and reads it back at every later one, unprojected."""
     if cross and kv_cache is not None and kv_cache.size > 0:
         return kv_cache.get()
     B, G, D = source.shape[0], layer.num_kv_heads, layer.head_dim
@@ -150,16 +148,10 @@ def make_mask(
     if kv_cache is not None and kv_cache.static:
         attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
     return build_attention_mask(
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        batch_size=q.shape[0],
-        num_heads=layer.num_heads,
-        q_len=q.shape[2],
-        kv_len=k.shape[2],
-        dtype=q.dtype,
-        device=q.device,
-    )
+        key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+        batch_size=q.shape[0], num_heads=layer.num_heads, q_len=q.shape[2], kv_len=k.shape[2],
+        dtype=q.dtype, device=q.device,
+    )  # fmt: skip
 
 
 def attend(
