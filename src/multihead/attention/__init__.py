@@ -8,7 +8,11 @@ from multihead.attention.backends import (
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.masks import AttentionMask, build_attention_mask
-from multihead.attention.torch_swap import TorchAttentionAdapter, replace_torch_attention
+from multihead.attention.torch_swap import (
+    TorchAttentionAdapter,
+    replace_torch_attention,
+    restore_torch_attention,
+)
 
 __all__ = [
     "BACKENDS",
@@ -20,4 +24,5 @@ __all__ = [
     "available_backends",
     "build_attention_mask",
     "replace_torch_attention",
+    "restore_torch_attention",
 ]
