@@ -42,12 +42,12 @@ def _padding(length: int) -> torch.Tensor:
     return torch.zeros(B, length, dtype=torch.bool, device=CUDA)
 
 
-def _full(*, cross: bool = False, **masks: Callable[[], torch.Tensor] | bool):
+def _full(*, cross: bool = False, **given: Callable[[], torch.Tensor] | bool):
     """Attention from 5 positions to themselves, or to a memory of 6 (``cross``), with
-    ``masks`` (each made on the fake device when the call runs)."""
+    the ``given`` masks (each made on the fake device when the call runs)."""
 
     def call(layer: MultiHeadAttention) -> Steps:
-        kwargs = {k: v() if callable(v) else v for k, v in masks.items()}
+        kwargs = {k: v() if callable(v) else v for k, v in given.items()}
         memory = _x(MEMORY) if cross else None
         return [(layer(_x(5), memory, **kwargs), 5, MEMORY if cross else 5)]
 

@@ -249,7 +249,7 @@ def _carry_hooks(old: nn.Module, new: nn.Module, path: str) -> None:
         warnings.warn(
             f"{path or 'the model'!r}: its {', '.join(left)} are not carried over to the new "
             "module, whose parameter names differ",
-            stacklevel=4,
+            stacklevel=2,
         )
 
 
