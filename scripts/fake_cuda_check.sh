@@ -6,20 +6,23 @@
 #
 #   scripts/fake_cuda_check.sh [PYTEST ARGS...]
 #
-# The virtualenv: $FAKE_CUDA_VENV, default .fake-cuda-venv in the checkout.
+# The virtualenv: $FAKE_CUDA_VENV, default .fake-cuda-venv in the checkout. The torch
+# version: $FAKE_CUDA_TORCH, default 2.13.0 (another where the index has that CUDA build
+# only, e.g. FAKE_CUDA_TORCH=2.14.1).
 # Run it after every change to device, dtype or kernel code (docs/gpu.md).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 venv=${FAKE_CUDA_VENV:-$repo/.fake-cuda-venv}
 
-ready='import torch, pytest, multihead; assert torch.__version__.split("+")[0] == "2.13.0" and torch.version.cuda'
+torch_version=${FAKE_CUDA_TORCH:-2.13.0}
+ready="import torch, pytest, multihead; assert torch.__version__.split('+')[0] == '$torch_version' and torch.version.cuda"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "$ready" 2>/dev/null; then
-    echo "fake_cuda_check: making $venv (torch 2.13.0, CUDA build)" >&2
+    echo "fake_cuda_check: making $venv (torch $torch_version, CUDA build)" >&2
     python3 -m venv "$venv"
     # `torch===2.13.0` (arbitrary equality) matches the release without a local tag, so pip
     # takes the CUDA build rather than a `2.13.0+cpu` file that find-links may offer.
-    "$venv/bin/python" -m pip install -q 'torch===2.13.0'
+    "$venv/bin/python" -m pip install -q "torch===$torch_version"
     # torch is already there and satisfies the project's range, so pip does not touch it.
     "$venv/bin/python" -m pip install -q -e ".[dev]"
 fi

@@ -2,6 +2,8 @@
 
 import copy
 import doctest
+import importlib
+from operator import attrgetter
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from torch import nn
 
 import multihead.attention.torch_swap
 from multihead import MultiHeadAttention, replace_torch_attention
-from multihead.attention import TorchAttentionAdapter
+from multihead.attention import TorchAttentionAdapter, restore_torch_attention
 
 E, H, B, L, S = 32, 4, 3, 7, 5
 
@@ -39,6 +41,15 @@ def some_masked(*shape: int) -> torch.Tensor:
 def seq(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
     """``(B, L, E)`` in the caller's layout."""
     return x if batch_first else x.transpose(0, 1).contiguous()
+
+
+def import_or_skip(name: str):
+    """``name`` imported, or the test skipped where it is missing or cannot load (torchvision
+    built for another torch raises RuntimeError: its operators do not register)."""
+    try:
+        return importlib.import_module(name)
+    except (ImportError, RuntimeError) as error:
+        pytest.skip(f"{name} cannot be imported here: {error}")
 
 
 def test_doctest() -> None:
@@ -124,13 +135,6 @@ def test_unbatched_input_matches_torch() -> None:
     got, got_w = adapter(x, memory, memory, **kwargs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=0)
-
-
-def test_separate_key_and_value_are_refused() -> None:
-    adapter = replace_torch_attention(nn.MultiheadAttention(E, H, batch_first=True))
-    x, k, v = torch.randn(B, L, E), torch.randn(B, S, E), torch.randn(B, S, E)
-    with pytest.raises(ValueError, match="key and value must be the same tensor"):
-        adapter(x, k, v)
 
 
 # ----------------------------------------------------------------------- whole models
@@ -308,13 +312,237 @@ def test_fully_masked_rows_are_zeros() -> None:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+# ------------------------------------------------ code written for nn.MultiheadAttention
+def test_the_adapter_has_what_torch_code_reads() -> None:
+    mha = nn.MultiheadAttention(E, H, dropout=0.1, batch_first=True)
+    adapter = replace_torch_attention(copy.deepcopy(mha))
+    for name in (
+        "embed_dim", "num_heads", "head_dim", "dropout", "batch_first", "kdim", "vdim",
+        "bias_k", "bias_v", "add_zero_attn",
+    ):  # fmt: skip
+        assert getattr(adapter, name) == getattr(mha, name), name
+    for name in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"):
+        torch.testing.assert_close(attrgetter(name)(adapter), attrgetter(name)(mha))
+    # The layer's own tensors, not copies: what is written to them is written to the layer.
+    assert adapter.in_proj_weight is adapter.attn.in_proj.weight
+    assert adapter.in_proj_bias is adapter.attn.in_proj.bias
+    assert adapter.out_proj is adapter.attn.out_proj
+    adapter.attn = adapter.attn.with_kv_heads(2)  # no longer torch's (3E, E) stack
+    assert adapter.in_proj_weight is None and adapter.in_proj_bias is None
+
+
+def init_as_open_clip(model: nn.Module) -> None:
+    """What open_clip's ``TextTransformer.init_parameters`` does to each block's attention."""
+    attn_std, proj_std = E**-0.5, E**-0.5 * (2 * 2) ** -0.5
+    for block in model.layers:
+        nn.init.normal_(block.self_attn.in_proj_weight, std=attn_std)
+        nn.init.normal_(block.self_attn.out_proj.weight, std=proj_std)
+
+
+def test_an_init_written_for_torch_writes_the_layer() -> None:
+    torch_model = encoder(batch_first=True).train()
+    ours = swapped(torch_model)
+    for model in (torch_model, ours):
+        torch.manual_seed(1)
+        init_as_open_clip(model)
+    x = torch.randn(B, L, E)
+    torch.testing.assert_close(ours(x), torch_model(x), atol=1e-5, rtol=0)
+    for theirs, mine in zip(torch_model.layers, ours.layers, strict=True):
+        torch.testing.assert_close(
+            mine.self_attn.attn.in_proj.weight, theirs.self_attn.in_proj_weight
+        )
+
+
+def test_open_clip_text_tower_init_parameters() -> None:
+    transformer = import_or_skip("open_clip.transformer")
+    torch.manual_seed(0)
+    theirs = transformer.TextTransformer(
+        context_length=8, vocab_size=50, width=E, heads=H, layers=2, output_dim=16
+    ).eval()
+    ours = swapped(theirs)
+    assert len(adapters(ours)) == 2
+    for model in (theirs, ours):  # a new seed: the swapped tower must be written again
+        torch.manual_seed(1)
+        model.init_parameters()
+    tokens = torch.randint(1, 50, (B, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens), atol=1e-5, rtol=0)
+
+
+def test_frozen_attention_stays_frozen() -> None:
+    model = encoder(batch_first=True)
+    for layer in model.layers:
+        layer.self_attn.requires_grad_(False)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    replace_torch_attention(model)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == trainable
+    assert not any(p.requires_grad for a in adapters(model) for p in a.parameters())
+
+
+def test_an_optimizer_built_before_the_swap_still_trains_the_attention() -> None:
+    torch_model = encoder(batch_first=True).train()
+    ours = copy.deepcopy(torch_model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (torch_model, ours)]
+    before = torch_model.layers[0].self_attn.in_proj_weight.detach().clone()
+    replace_torch_attention(ours)
+    x = torch.randn(B, L, E)
+    for model, optimizer in zip((torch_model, ours), optimizers, strict=True):
+        model(x).square().sum().backward()
+        optimizer.step()
+    for theirs, mine in zip(torch_model.layers, ours.layers, strict=True):
+        torch.testing.assert_close(mine.self_attn.in_proj_weight, theirs.self_attn.in_proj_weight)
+        torch.testing.assert_close(mine.self_attn.out_proj.weight, theirs.self_attn.out_proj.weight)
+    assert not torch.equal(torch_model.layers[0].self_attn.in_proj_weight, before)
+
+
+def test_hooks_on_the_old_module_fire_on_the_adapter() -> None:
+    model = encoder(batch_first=True).train()
+    calls = []
+    mha = model.layers[0].self_attn
+    pre = mha.register_forward_pre_hook(lambda m, args: calls.append(("pre", len(args))))
+    post = mha.register_forward_hook(lambda m, args, out: calls.append(("post", type(m))))
+    replace_torch_attention(model)
+    x = torch.randn(B, L, E)
+    model(x)
+    assert calls == [("pre", 3), ("post", TorchAttentionAdapter)]
+    pre.remove()  # the handles still reach the hooks
+    post.remove()
+    model(x)
+    assert len(calls) == 2
+
+
+def test_state_dict_hooks_are_named_in_a_warning() -> None:
+    model = encoder(batch_first=True)
+    model.layers[1].self_attn.register_load_state_dict_post_hook(lambda module, keys: None)
+    with pytest.warns(UserWarning, match="'layers.1.self_attn': its load_state_dict post-hooks"):
+        replace_torch_attention(model)
+
+
+class DoubledAttention(nn.MultiheadAttention):
+    def forward(self, query, key, value, **kwargs):
+        out, weights = super().forward(query, key, value, **kwargs)
+        return 2 * out, weights
+
+
+class RenamedAttention(nn.MultiheadAttention):
+    """A subclass that keeps torch's forward."""
+
+
+def test_a_subclass_with_its_own_forward_is_refused() -> None:
+    model = nn.Module()
+    model.blocks = nn.ModuleList([RenamedAttention(E, H), DoubledAttention(E, H)])
+    with pytest.raises(
+        ValueError, match="cannot replace 'blocks.1': DoubledAttention has its own forward"
+    ):
+        replace_torch_attention(model)
+    assert type(model.blocks[0]) is RenamedAttention  # nothing was replaced
+    del model.blocks[1]
+    replace_torch_attention(model)
+    assert isinstance(model.blocks[0], TorchAttentionAdapter)
+
+
+class DetrDecoderLayer(nn.Module):
+    """DETR's call: positions added to the key, not to the value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x, memory, positions):
+        return self.cross(x, memory + positions, memory)[0]
+
+
+def test_separate_key_and_value_name_the_module() -> None:
+    model = nn.Sequential(DetrDecoderLayer())
+    replace_torch_attention(model)
+    x, memory = torch.randn(B, L, E), torch.randn(B, S, E)
+    with pytest.raises(
+        ValueError, match="'0.cross' was called with key and value as different tensors"
+    ):
+        model[0](x, memory, torch.randn(B, S, E))
+
+
+def test_eval_mode_runs_the_layer_not_torchs_fused_kernel(monkeypatch) -> None:
+    # The conditions of nn.TransformerEncoderLayer's fused kernel: batch-first, eval mode, no
+    # grad, an even head count, and no hooks (a hook would turn it off: count by patching).
+    model = swapped(encoder(batch_first=True).eval())
+    calls = []
+    forward = MultiHeadAttention.forward
+    monkeypatch.setattr(
+        MultiHeadAttention,
+        "forward",
+        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k),
+    )
+    with torch.no_grad():
+        model(torch.randn(B, L, E))
+    assert len(calls) == 2
+
+
+# ------------------------------------------------------------------------------ going back
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_restore_gives_back_the_model_that_was_swapped(batch_first) -> None:
+    model = transformer(batch_first).eval()
+    parameters = {name: id(p) for name, p in model.named_parameters()}
+    nested = model.encoder.use_nested_tensor
+    src, tgt, masks = transformer_inputs(batch_first)
+    with torch.no_grad():
+        want = model(src, tgt, **masks)
+    model = restore_torch_attention(replace_torch_attention(model))
+    assert not adapters(model)
+    assert sum(type(m) is nn.MultiheadAttention for m in model.modules()) == 6
+    assert {name: id(p) for name, p in model.named_parameters()} == parameters
+    assert model.encoder.use_nested_tensor == nested
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt, **masks), want)
+
+
+def test_a_swapped_models_state_dict_loads_strictly_into_the_original() -> None:
+    original = transformer(batch_first=True)
+    ours = swapped(original)
+    with torch.no_grad():  # as if trained after the swap
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    state = restore_torch_attention(copy.deepcopy(ours)).state_dict()
+    original.load_state_dict(state, strict=True)
+    src, tgt, masks = transformer_inputs(batch_first=True)
+    torch.testing.assert_close(
+        original(src, tgt, **masks), ours(src, tgt, **masks), atol=1e-5, rtol=0
+    )
+    assert adapters(ours)  # the copy was restored, not the model
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.with_kv_heads(2), "its layer has 2 K/V heads for 4 query heads"),
+        (lambda a: a.with_kv_latent(16), "its layer has a head design"),
+        (lambda a: a.prune_heads([0]), r"its in_proj is \(72, 32\), not \(3E, E\)"),
+    ],
+)
+def test_restore_refuses_what_torch_cannot_hold(change, message) -> None:
+    model = swapped(encoder(batch_first=True))
+    model.layers[1].self_attn.attn = change(model.layers[1].self_attn.attn)
+    with pytest.raises(ValueError, match=f"cannot restore 'layers.1.self_attn': {message}"):
+        restore_torch_attention(model)
+    assert len(adapters(model)) == 2  # nothing was restored
+
+
 # ---------------------------------------------------------------- a vision transformer
 def test_torchvision_vit_b_16() -> None:
-    models = pytest.importorskip("torchvision.models")
+    models = import_or_skip("torchvision.models")
+    torch.manual_seed(0)
     torch_model = models.vit_b_16().eval()  # random weights
+    # The classifier starts at zero (torchvision's init), so compare the CLS features before it.
+    torch_model.heads = nn.Identity()
     ours = swapped(torch_model)
     assert len(adapters(ours)) == 12
+    broken = swapped(torch_model)  # what the comparison must catch: MQA, random out_proj
+    for adapter in adapters(broken):
+        adapter.attn = adapter.attn.with_kv_heads(1)
+        nn.init.normal_(adapter.attn.out_proj.weight)
     images = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
-        want, got = torch_model(images), ours(images)
+        want, got, wrong = torch_model(images), ours(images), broken(images)
+    assert want.shape == (1, 768) and want.abs().max() > 0.1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (wrong - want).abs().max() > 0.1

@@ -13,7 +13,11 @@ from multihead.attention.kv_cache import CacheLayout, KVCache
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.masks import AttentionMask, build_attention_mask
 from multihead.attention.steps import HeadDesign, PositionalPart
-from multihead.attention.torch_swap import TorchAttentionAdapter, replace_torch_attention
+from multihead.attention.torch_swap import (
+    TorchAttentionAdapter,
+    replace_torch_attention,
+    restore_torch_attention,
+)
 
 __all__ = [
     "BACKENDS",
@@ -32,4 +36,5 @@ __all__ = [
     "build_attention_mask",
     "register_backend",
     "replace_torch_attention",
+    "restore_torch_attention",
 ]

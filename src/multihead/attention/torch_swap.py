@@ -1,9 +1,9 @@
-"""Swap ``torch.nn.MultiheadAttention`` for :class:`MultiHeadAttention` inside any model.
+"""Swap ``torch.nn.MultiheadAttention`` for :class:`MultiHeadAttention` inside any model, and back.
 
 :func:`replace_torch_attention` puts a :class:`TorchAttentionAdapter` wherever a model holds an
-``nn.MultiheadAttention``. The adapter holds a :class:`MultiHeadAttention` with the same
-weights (:meth:`MultiHeadAttention.from_torch`) and takes ``nn.MultiheadAttention``'s call, so
-the code that calls it does not change. Then the layer's own features apply, GQA first:
+``nn.MultiheadAttention``. The adapter holds a :class:`MultiHeadAttention` made of the old
+module's own parameters and takes ``nn.MultiheadAttention``'s call, so the code that calls it
+does not change. Then the layer's own features apply, GQA first:
 
     >>> import torch
     >>> from torch import nn
@@ -21,12 +21,19 @@ the code that calls it does not change. Then the layer's own features apply, GQA
     ...         module.attn = module.attn.with_kv_heads(2)
     >>> encoder.layers[0].self_attn.attn.num_kv_heads
     2
+
+:func:`restore_torch_attention` goes back to ``nn.MultiheadAttention`` modules, for a model
+whose layers still have torch's shape.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from multihead.attention.convert import unsupported_torch_options
 from multihead.attention.layer import MultiHeadAttention
@@ -48,28 +55,43 @@ class TorchAttentionAdapter(nn.Module):
     torch gives NaN when it computes the weights (``need_weights=True``, and the fast path
     of ``nn.TransformerEncoderLayer``).
 
+    What code written for ``nn.MultiheadAttention`` reads is here: ``embed_dim``,
+    ``num_heads``, ``head_dim``, ``dropout``, ``batch_first``, ``kdim`` and ``vdim`` (both
+    ``embed_dim``), ``bias_k`` and ``bias_v`` (``None``), ``add_zero_attn`` (False),
+    ``out_proj`` (the layer's), and ``in_proj_weight`` and ``in_proj_bias``: the layer's
+    stacked Q/K/V projection itself while it has torch's ``(3E, E)`` shape, ``None`` after
+    a change of heads. So an init written for torch's module (open_clip's
+    ``nn.init.normal_(block.attn.in_proj_weight, std=...)``) writes the layer's weights.
+    ``_qkv_same_embed_dim`` is False although ``kdim == vdim == embed_dim``: only then does
+    ``nn.TransformerEncoderLayer`` in eval mode call this adapter instead of its fused
+    kernel, which would run torch's attention on ``in_proj_weight`` in place of the layer.
+
     K and V come from one input here: ``key`` must be ``value``, as in every
-    ``nn.Transformer*`` layer and vision transformer.
+    ``nn.Transformer*`` layer and vision transformer. A caller that passes them as two
+    tensors (DETR adds the positions to the key only) gets an error naming the module at
+    its first such call. The swap cannot refuse it earlier, because a module's calls are in
+    its caller's code. Projecting K from ``key`` and V from ``value`` would need a second
+    input path through the layer, its KV cache and every head design, for a call that no
+    ``torch.nn`` model makes.
 
     Args:
         attn: the layer that computes the attention. Replace it (for example by
             ``adapter.attn.with_kv_heads(2)``) and the adapter calls the new one.
         batch_first: as ``nn.MultiheadAttention``'s: the caller's tensors are ``(B, L, E)``
             when True, ``(L, B, E)`` when False.
+        name: the module's path in its model, for error messages.
     """
 
-    # nn.TransformerEncoderLayer's eval-mode fast path runs torch's fused kernel on
-    # self_attn.in_proj_weight and in_proj_bias. The adapter has no such tensors (the layer's
-    # projections are attn.in_proj and attn.out_proj, and after with_kv_heads not of torch's
-    # shape): with these the encoder layer takes its regular path, which calls forward below.
     _qkv_same_embed_dim = False
-    in_proj_weight = None
-    in_proj_bias = None
+    bias_k = None
+    bias_v = None
+    add_zero_attn = False
 
-    def __init__(self, attn: MultiHeadAttention, *, batch_first: bool) -> None:
+    def __init__(self, attn: MultiHeadAttention, *, batch_first: bool, name: str = "") -> None:
         super().__init__()
         self.attn = attn
         self.batch_first = batch_first
+        self.name = name
 
     @property
     def embed_dim(self) -> int:
@@ -78,6 +100,34 @@ class TorchAttentionAdapter(nn.Module):
     @property
     def num_heads(self) -> int:
         return self.attn.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn.head_dim
+
+    @property
+    def dropout(self) -> float:
+        return self.attn.dropout
+
+    @property
+    def kdim(self) -> int:
+        return self.attn.embed_dim
+
+    @property
+    def vdim(self) -> int:
+        return self.attn.embed_dim
+
+    @property
+    def out_proj(self) -> nn.Linear:
+        return self.attn.out_proj
+
+    @property
+    def in_proj_weight(self) -> Tensor | None:
+        return self.attn.in_proj.weight if _torch_shaped_projection(self.attn) else None
+
+    @property
+    def in_proj_bias(self) -> Tensor | None:
+        return self.attn.in_proj.bias if _torch_shaped_projection(self.attn) else None
 
     def extra_repr(self) -> str:
         return f"batch_first={self.batch_first}"
@@ -93,16 +143,18 @@ class TorchAttentionAdapter(nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
+        where = repr(self.name) if self.name else "the adapter"
         if query.is_nested:
             raise ValueError(
-                "got a nested tensor: nn.TransformerEncoder makes them on its fast path; "
-                "call replace_torch_attention on the model that holds the encoder, which "
-                "turns that path off (use_nested_tensor=False)"
+                f"{where} got a nested tensor: nn.TransformerEncoder makes them on its fast "
+                "path; call replace_torch_attention on the model that holds the encoder, "
+                "which turns that path off (use_nested_tensor=False)"
             )
         if key is not value:
             raise ValueError(
-                "key and value must be the same tensor: MultiHeadAttention projects K and V "
-                "from one input"
+                f"{where} was called with key and value as different tensors; "
+                "MultiHeadAttention projects K and V from one input, so key must be value "
+                "(keep this model's nn.MultiheadAttention)"
             )
         self_attention = key is query
         unbatched = query.dim() == 2
@@ -119,12 +171,14 @@ class TorchAttentionAdapter(nn.Module):
         # layer's own causal mask replaces it. Cross-attention keeps the mask itself.
         causal = is_causal and self_attention
         if is_causal and not self_attention and attn_mask is None:
-            raise ValueError("is_causal on cross-attention needs the causal attn_mask itself")
+            raise ValueError(
+                f"{where}: is_causal on cross-attention needs the causal attn_mask itself"
+            )
         mask = None if causal else attn_mask
         if mask is not None and mask.dim() == 3:
             if mask.shape[0] != B * H:
                 raise ValueError(
-                    f"a 3-D attn_mask must be (B*H, L, S) = {(B * H, L, S)}, "
+                    f"{where}: a 3-D attn_mask must be (B*H, L, S) = {(B * H, L, S)}, "
                     f"got {tuple(mask.shape)}"
                 )
             mask = mask.reshape(B, H, L, S)  # torch's row b*H + h is (batch b, head h)
@@ -160,17 +214,109 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
+def _torch_shaped_projection(attn: MultiHeadAttention) -> bool:
+    """Whether ``attn.in_proj`` stacks full Q, K and V, ``(3E, E)``, as torch's does."""
+    return tuple(attn.in_proj.weight.shape) == (3 * attn.embed_dim, attn.embed_dim)
+
+
+# The hooks a module's call runs. The adapter takes nn.MultiheadAttention's call and returns
+# its tuple, so they mean the same on either.
+_CALL_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_is_full_backward_hook",
+)
+# The hooks that see parameter names, which differ between the two.
+_STATE_DICT_HOOKS = {
+    "_state_dict_pre_hooks": "state_dict pre-hooks",
+    "_state_dict_hooks": "state_dict hooks",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
+    "_load_state_dict_post_hooks": "load_state_dict post-hooks",
+}
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module, path: str) -> None:
+    """Give ``new`` the call hooks of ``old``: the same dicts, so the handles that registered
+    them still remove them. State-dict hooks are left behind, with a warning."""
+    for name in _CALL_HOOKS:
+        setattr(new, name, getattr(old, name))
+    left = [kind for name, kind in _STATE_DICT_HOOKS.items() if getattr(old, name)]
+    if left:
+        warnings.warn(
+            f"{path or 'the model'!r}: its {', '.join(left)} are not carried over to the new "
+            "module, whose parameter names differ",
+            stacklevel=2,
+        )
+
+
+def _unsupported(module: nn.MultiheadAttention) -> str | None:
+    """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``."""
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        return f"{type(module).__name__} has its own forward, which the adapter would not run"
+    return unsupported_torch_options(module)
+
+
+def _no_torch_equivalent(attn: MultiHeadAttention) -> str | None:
+    """Why ``attn`` has no ``nn.MultiheadAttention`` equivalent, or ``None``."""
+    if attn.design is not None:
+        return f"its layer has a head design ({attn.head_tag})"
+    if attn.num_kv_heads != attn.num_heads:
+        return f"its layer has {attn.num_kv_heads} K/V heads for {attn.num_heads} query heads"
+    if not _torch_shaped_projection(attn):
+        return f"its in_proj is {tuple(attn.in_proj.weight.shape)}, not (3E, E) (pruned heads)"
+    if attn.head_mask is not None:
+        return "its layer has a head_mask"
+    return None
+
+
+def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb: str) -> nn.Module:
+    """Replace each module of type ``kind`` in ``model`` by ``make(module, path)``.
+
+    ``check(module)`` says why one cannot be replaced (an error naming its path, and nothing
+    is replaced: "cannot ``verb`` ...") or ``None``. A module shared at several places gets
+    one replacement, shared the same way. Returns ``model``, or its replacement when it is
+    itself of ``kind``.
+    """
+    found = {}  # id -> (path, module), the first path of each module
+    for path, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, kind):
+            found.setdefault(id(module), (path, module))
+    for path, module in found.values():
+        problem = check(module)
+        if problem is not None:
+            raise ValueError(f"cannot {verb} {path or 'the model'!r}: {problem}")
+    new = {key: make(module, path) for key, (path, module) in found.items()}
+    if id(model) in new:
+        return new[id(model)]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in new:
+                setattr(parent, name, new[id(child)])
+    return model
+
+
 def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Module:
     """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by a
-    :class:`TorchAttentionAdapter` holding ``MultiHeadAttention.from_torch(module, backend)``.
+    :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` with its weights.
 
-    The weights are the same, so the model computes what it did (within float rounding),
-    and its code does not change. A module shared at several places gets one adapter,
-    shared the same way. Parameter names change (``self_attn.in_proj_weight`` becomes
-    ``self_attn.attn.in_proj.weight``); hooks on the old modules are not carried over.
-    Every ``nn.TransformerEncoder`` that now holds an adapter has its nested-tensor fast
-    path turned off (``use_nested_tensor = False``): that path feeds padded batches to the
-    attention as nested tensors, which the layer does not take. Outputs at non-padded
+    The new layer is made of the old module's own parameter objects (``in_proj_weight`` and
+    ``in_proj_bias`` become ``attn.in_proj``'s, ``out_proj`` moves as it is). So the model
+    computes what it did (within float rounding), a frozen parameter stays frozen, and an
+    optimizer built before the swap goes on updating the attention. The old module's
+    forward and backward hooks move to the adapter, which takes the same call and returns
+    the same tuple; state-dict hooks do not (a warning names them). A module shared at
+    several places gets one adapter, shared the same way.
+
+    Parameter names change (``self_attn.in_proj_weight`` becomes
+    ``self_attn.attn.in_proj.weight``); :func:`restore_torch_attention` gives the old names
+    back. Every ``nn.TransformerEncoder`` that now holds an adapter has its nested-tensor
+    fast path turned off (``use_nested_tensor = False``): that path feeds padded batches to
+    the attention as nested tensors, which the layer does not take. Outputs at non-padded
     positions are unchanged; padded positions are computed instead of set to zero.
 
     Args:
@@ -181,34 +327,79 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
         ``model``, or the adapter when ``model`` is itself an ``nn.MultiheadAttention``.
 
     Raises:
-        ValueError: a module uses an option the layer cannot match (``kdim``/``vdim`` unequal
-            to ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``); the message names the
-            module's path. Nothing is replaced then.
+        ValueError: a module the layer cannot stand in for: a subclass with its own
+            ``forward``, ``kdim``/``vdim`` unequal to ``embed_dim``, ``add_bias_kv``,
+            ``add_zero_attn``. The message names the module's path; nothing is replaced.
     """
-    found = {}  # id -> (path, module), the first path of each module
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, nn.MultiheadAttention):
-            found.setdefault(id(module), (path, module))
-    for path, module in found.values():
-        problem = unsupported_torch_options(module)
-        if problem is not None:
-            raise ValueError(f"cannot replace {path or 'the model'!r}: {problem}")
 
-    adapters = {
-        key: TorchAttentionAdapter(
-            MultiHeadAttention.from_torch(module, backend), batch_first=module.batch_first
-        ).train(module.training)
-        for key, (_, module) in found.items()
-    }
-    if isinstance(model, nn.MultiheadAttention):
-        return adapters[id(model)]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in adapters:
-                setattr(parent, name, adapters[id(child)])
+    def adapter(module: nn.MultiheadAttention, path: str) -> TorchAttentionAdapter:
+        attn = MultiHeadAttention.from_torch(module, backend)  # checked, with copied weights
+        attn.in_proj.weight = module.in_proj_weight  # then the module's own, in their place
+        attn.in_proj.bias = module.in_proj_bias
+        attn.out_proj = module.out_proj
+        new = TorchAttentionAdapter(attn, batch_first=module.batch_first, name=path)
+        _carry_hooks(module, new, path)
+        return new.train(module.training)
+
+    model = _swap(model, nn.MultiheadAttention, _unsupported, adapter, verb="replace")
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder) and any(
             isinstance(m, TorchAttentionAdapter) for m in module.modules()
         ):
+            if not hasattr(module, "_use_nested_tensor_before_swap"):
+                module._use_nested_tensor_before_swap = module.use_nested_tensor
             module.use_nested_tensor = False
+    return model
+
+
+def restore_torch_attention(model: nn.Module) -> nn.Module:
+    """Put an ``nn.MultiheadAttention`` back wherever ``model`` holds a
+    :class:`TorchAttentionAdapter`: :func:`replace_torch_attention` undone.
+
+    Each new module is made of its layer's own parameter objects and takes the adapter's
+    hooks, so a swap and a restore give back the model that was swapped: the same
+    parameters under the same names, the same outputs, ``nn.TransformerEncoder``'s
+    nested-tensor setting as it was. The ``state_dict`` of a swapped model under the
+    original's names, for ``load_state_dict(..., strict=True)``, is
+    ``restore_torch_attention(copy.deepcopy(model)).state_dict()``.
+
+    Args:
+        model: changed in place.
+
+    Returns:
+        ``model``, or the new module when ``model`` is itself an adapter.
+
+    Raises:
+        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold: fewer K/V heads
+            than query heads, a head design, pruned heads, a head mask. The message names
+            the module's path; nothing is restored.
+    """
+
+    def torch_module(adapter: TorchAttentionAdapter, path: str) -> nn.MultiheadAttention:
+        attn = adapter.attn
+        weight, bias = attn.in_proj.weight, attn.in_proj.bias
+        module = nn.MultiheadAttention(
+            attn.embed_dim, attn.num_heads, dropout=attn.dropout, bias=bias is not None,
+            batch_first=adapter.batch_first, device="meta", dtype=weight.dtype,
+        )  # fmt: skip
+        # The layer's parameter objects in place of the placeholders made on "meta".
+        module.in_proj_weight, module.in_proj_bias = weight, bias
+        if isinstance(attn.out_proj, NonDynamicallyQuantizableLinear):
+            module.out_proj = attn.out_proj  # the one replace_torch_attention took
+        else:
+            module.out_proj.weight, module.out_proj.bias = attn.out_proj.weight, attn.out_proj.bias
+        _carry_hooks(adapter, module, path)
+        return module.train(adapter.training)
+
+    model = _swap(
+        model, TorchAttentionAdapter, lambda a: _no_torch_equivalent(a.attn), torch_module,
+        verb="restore",
+    )  # fmt: skip
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder) and not any(
+            isinstance(m, TorchAttentionAdapter) for m in module.modules()
+        ):
+            if hasattr(module, "_use_nested_tensor_before_swap"):
+                module.use_nested_tensor = module._use_nested_tensor_before_swap
+                del module._use_nested_tensor_before_swap
     return model
