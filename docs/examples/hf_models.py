@@ -1,11 +1,12 @@
 """Hugging Face models on the layer's kernels, and GPT-2 on the layer itself.
 
 Builds small random models (no Hub): a Llama-shaped one with GQA (4 query heads, 2 K/V
-heads) and a GPT-2, runs a left-padded batch through HF's ``eager`` attention and through
-``attn_implementation="multihead"`` (and GPT-2's module swap), and greedy-decodes 10 tokens
-with HF's cache each way. Prints the largest logit difference at the token positions and
-whether the generated tokens are identical; exits with status 1 if a difference reaches
-1e-5 or the tokens differ. Needs the ``hf`` extra: ``pip install 'multihead[hf]'``.
+heads) and a GPT-2, runs a left-padded batch through HF's ``eager`` attention, HF's ``sdpa``
+(for scale), ``attn_implementation="multihead"`` and ``"multihead_math"``, and GPT-2's
+module swap, and greedy-decodes 10 tokens with HF's cache each way. Prints the largest logit
+difference at the token positions and whether the generated tokens are identical; exits with
+status 1 if a difference reaches 1e-5 or the tokens differ. Needs the ``hf`` extra
+(``pip install 'multihead[hf]'``).
 
     OMP_NUM_THREADS=1 python docs/examples/hf_models.py
 """
@@ -50,14 +51,18 @@ def main(argv: list[str] | None = None) -> dict:
     llama = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, **TOKENS)  # fmt: skip
     eager = AutoModelForCausalLM.from_config(llama, attn_implementation="eager").eval()
-    ours = copy.deepcopy(eager)
-    ours.set_attn_implementation("multihead")  # or from_config(..., attn_implementation=...)
-    results = {"llama": compare("Llama (GQA), attn_implementation", ours, eager, ids, mask)}
+    results = {}
+    # HF's own SDPA first, for scale; then the layer's sdpa and math backends.
+    for implementation in ("sdpa", "multihead", "multihead_math"):
+        ours = copy.deepcopy(eager)
+        ours.set_attn_implementation(implementation)  # or from_config(attn_implementation=)
+        label = f"Llama (GQA), {implementation}"
+        results[implementation] = compare(label, ours, eager, ids, mask)
 
     gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **TOKENS)
     eager = AutoModelForCausalLM.from_config(gpt2, attn_implementation="eager").eval()
     swapped = replace_hf_attention(copy.deepcopy(eager))  # MultiHeadAttention inside
-    results["gpt2_swap"] = compare("GPT-2, module swap", swapped, eager, ids, mask)
+    results["gpt2_swap"] = compare("GPT-2, module swap (sdpa)", swapped, eager, ids, mask)
     if any(r["max_diff"] >= 1e-5 or not r["same_tokens"] for r in results.values()):
         sys.exit(1)
     return results

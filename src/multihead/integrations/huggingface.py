@@ -24,8 +24,8 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
-all, so padding is ignored: HF's own ``sdpa_attention_forward`` registered under a new name
-puts a left-padded row's logits 0.32 away from ``eager``.
+all, so a left-padded row attends to its padding
+(``tests/integrations/test_huggingface.py::test_without_the_mask_function_a_left_padded_row_is_wrong``).
 """
 
 from __future__ import annotations
