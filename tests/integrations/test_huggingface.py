@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
 from transformers import (  # noqa: E402
     AttentionInterface,

@@ -58,8 +58,9 @@ def hf_name(backend: str) -> str:
 
     HF reads every implementation name that contains ``"flash"`` as flash-attention and
     loads a kernel for it from the Hub, so ``flash`` and ``flash_attn`` are spelled ``fa``
-    there: ``"multihead_fa"``, ``"multihead_fa_attn"``. (A name containing ``"sdpa"`` makes
-    HF check the model's ``_supports_sdpa`` flag, which is harmless.)
+    there: ``"multihead_fa"``, ``"multihead_fa_attn"``. A name containing ``"sdpa"`` makes
+    HF check the model's ``_supports_sdpa`` flag: ``"multihead_sdpa"`` is refused by HF for a
+    model without an SDPA path (Gemma 2), ``"multihead"`` is not.
     """
     return "multihead_" + backend.replace("flash", "fa")
 
@@ -104,13 +105,14 @@ _checked: set[tuple[str, torch.device, torch.dtype, float, int]] = set()
 def _check_once(backend: str, query: Tensor, dropout: float) -> None:
     """``check_backend`` on the first call with each backend, device, dtype, dropout and
     head size: it costs 0.2 ms (it lists the backends that can run, for its message)."""
-    key = (backend, query.device, query.dtype, dropout, query.shape[-1])
+    head_dim = query.shape[-1]
+    key = (backend, query.device, query.dtype, dropout, head_dim)
     if torch.compiler.is_compiling():
         # Checked while tracing (Python only); adding to _checked would fail the compiled
         # code's guard on the set and recompile the next call.
-        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=key[-1])
+        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=head_dim)
     elif key not in _checked:
-        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=key[-1])
+        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=head_dim)
         _checked.add(key)
 
 
@@ -216,7 +218,6 @@ class HFAttentionAdapter(nn.Module):
         self.attn = attn
         self.layer_idx = layer_idx
         self.resid_dropout = resid_dropout
-        self.is_causal = True
 
     def forward(
         self,
