@@ -3,6 +3,8 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
 
@@ -25,3 +27,10 @@ def test_swapped_encoder_converts_to_mqa_and_recovers_by_uptraining() -> None:
     # 50 steps recover most of it; the same model from scratch is still far off.
     assert losses["uptrained"] < losses["converted"] / 10
     assert losses["uptrained"] < losses["scratch"] / 5
+
+
+def test_hf_models_match_eager_and_generate_the_same() -> None:
+    pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+    results = example("hf_models.py")["main"]([])
+    for result in results.values():  # what docs/reuse.md states
+        assert result["max_diff"] < 1e-5 and result["same_tokens"]

@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multihead"
 LAYERS = (
     "wandb_setup",  # wandb online/offline without prompts (standard library only)
     "attention",  # the reusable layer (torch only)
+    "integrations",  # the layer in other libraries' models (each imports its own extra)
     "model",  # the Transformer, its factory and its decoding
     "data",  # corpus loading, tokenizer, batching, DataModule
     "checkpoints",  # read, write atomically, load for translation, resume, average, convert
@@ -145,3 +146,14 @@ def test_using_a_checkpoint_does_not_import_lightning() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_the_layer_and_the_integrations_package_do_not_import_transformers() -> None:
+    """``transformers`` (the ``hf`` extra) is imported by ``integrations.huggingface`` alone."""
+    code = (
+        "import sys, multihead, multihead.model, multihead.integrations\n"
+        "print('transformers' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

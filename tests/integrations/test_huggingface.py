@@ -1,0 +1,259 @@
+"""HF models on the layer's kernels (``attn_implementation``) and on the layer (GPT-2's swap).
+
+The reference is the same HF model with ``attn_implementation="eager"``: HF's written-out
+attention, its own mask and cache. Models are built from small configs with random weights
+(no Hub). ``initializer_range=0.2`` (HF's default is 0.02) makes the logits far from uniform,
+so a greedy generation changes token from step to step and a wrong cache shows.
+
+Logits are compared at the positions that are tokens: at a padding position no key is left
+to attend to, where eager averages every value and the layer gives zeros (no later token
+reads them, both mask the padding keys).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from multihead.attention import (  # noqa: E402
+    BackendUnavailableError,
+    MultiHeadAttention,
+    available_backends,
+)
+from multihead.integrations import huggingface as hf  # noqa: E402
+
+COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+COMMON |= dict(initializer_range=0.2)
+DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(num_key_value_heads=2, **DECODER, **COMMON),  # GQA
+    "qwen2": lambda: Qwen2Config(num_key_value_heads=2, **DECODER, **COMMON),  # GQA, Q/K/V bias
+    "gpt2": lambda: GPT2Config(attn_pdrop=0.0, **GPT2, **COMMON),
+    # MQA and a window of 3 keys: HF's sliding-window mask function, through ours.
+    "mistral": lambda: MistralConfig(num_key_value_heads=1, sliding_window=3, **DECODER, **COMMON),
+    # The swap's per-layer scale, 1/sqrt(D) / (layer_idx + 1).
+    "gpt2-layer-scaled": lambda: GPT2Config(
+        attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=True, **GPT2, **COMMON
+    ),
+}
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return hf.register()
+
+
+def eager_model(family: str, **overrides):
+    torch.manual_seed(0)
+    config = CONFIGS[family]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def through(model, path: str, backend: str = hf.DEFAULT_BACKEND):
+    """A copy of ``model`` with its attention through ``path``: "interface" or "swap"."""
+    ours = copy.deepcopy(model)
+    if path == "swap":
+        return hf.replace_hf_attention(ours, backend=backend)
+    name = "multihead" if backend == hf.DEFAULT_BACKEND else hf.hf_name(backend)
+    ours.set_attn_implementation(name)
+    return ours
+
+
+def padded_batch():
+    """Three rows of 8: no padding, 3 left-padding tokens, 2 right-padding tokens."""
+    ids = torch.randint(2, 64, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, 6:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def left_padded_batch():
+    """Two prompts of 8, the second of 5 tokens after 3 left-padding ones: for generation."""
+    ids, mask = padded_batch()
+    return ids[:2], mask[:2]
+
+
+def max_token_difference(model, reference, ids, mask) -> float:
+    keep = mask.bool()
+    return (
+        (model(ids, attention_mask=mask).logits - reference(ids, attention_mask=mask).logits)[keep]
+        .abs()
+        .max()
+        .item()
+    )
+
+
+PATHS = [(f, "interface") for f in CONFIGS] + [("gpt2", "swap"), ("gpt2-layer-scaled", "swap")]
+
+
+@pytest.mark.parametrize(("family", "path"), PATHS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_logits_match_eager_with_padding(family: str, path: str, training: bool) -> None:
+    eager = eager_model(family)
+    ours = through(eager, path)
+    eager.train(training)
+    ours.train(training)
+    ids, mask = padded_batch()
+    assert max_token_difference(ours, eager, ids, mask) < TOLERANCE
+    assert max_token_difference(ours, eager, ids, torch.ones_like(mask)) < TOLERANCE
+
+
+@pytest.mark.parametrize("backend", available_backends("cpu", torch.float32))
+def test_every_backend_that_runs_here_matches_eager(backend: str) -> None:
+    eager = eager_model("llama").eval()
+    ours = through(eager, "interface", backend)
+    with torch.no_grad():  # flex has no backward on the CPU
+        assert max_token_difference(ours, eager, *padded_batch()) < TOLERANCE
+
+
+def test_without_the_mask_function_a_left_padded_row_is_wrong() -> None:
+    # Why register() registers a mask: under a name HF has no mask function for, the model
+    # gets no mask at all and the left-padded row attends to its padding.
+    AttentionInterface.register("multihead_unmasked", hf.attention_function("sdpa"))
+    try:
+        eager = eager_model("llama").eval()
+        ours = copy.deepcopy(eager)
+        ours.set_attn_implementation("multihead_unmasked")
+        ids, mask = padded_batch()
+        assert max_token_difference(ours, eager, ids[1:2], mask[1:2]) > 1e-2
+    finally:
+        del AttentionInterface._global_mapping["multihead_unmasked"]
+
+
+def test_attention_weights_match_eager() -> None:
+    eager = eager_model("llama").eval()
+    ours = through(eager, "interface")
+    ids, mask = padded_batch()
+    keep = mask.bool()[:, None, :, None]  # query rows that are tokens
+    got = ours(ids, attention_mask=mask, output_attentions=True).attentions
+    want = eager(ids, attention_mask=mask, output_attentions=True).attentions
+    for a, b in zip(got, want, strict=True):
+        assert ((a - b) * keep).abs().max() < TOLERANCE
+
+
+def generate(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    ("family", "path"), [("llama", "interface"), ("qwen2", "interface"), ("gpt2", "interface"),
+                         ("gpt2", "swap")],
+)  # fmt: skip
+def test_greedy_generation_equals_eager_with_hf_cache(family: str, path: str, cache: str) -> None:
+    # A static cache's prefill has fewer queries than keys with nothing cached: HF's SDPA
+    # mask skips it there (top-left causality), ours must not (the unpadded row alone).
+    eager = eager_model(family).eval()
+    ours = through(eager, path)
+    ids, mask = left_padded_batch()
+    for rows in (slice(None), slice(0, 1)):
+        want = generate(eager, ids[rows], mask[rows], cache_implementation=cache)
+        assert all(len(set(row[8:].tolist())) >= 3 for row in want)  # the test can tell
+        assert torch.equal(generate(ours, ids[rows], mask[rows], cache_implementation=cache), want)
+
+
+def test_a_cache_that_forgets_fails_the_generation_test(monkeypatch) -> None:
+    # The generation test catches a cache that drops what was written before.
+    eager = eager_model("gpt2").eval()
+    ours = through(eager, "swap")
+    monkeypatch.setattr(hf._CacheLayer, "update", lambda self, k, v: (k, v))
+    ids, mask = left_padded_batch()
+    assert not torch.equal(generate(ours, ids, mask), generate(eager, ids, mask))
+
+
+def test_swapped_gpt2_as_gqa_generates_with_hf_cache_as_without() -> None:
+    model = through(eager_model("gpt2").eval(), "swap")
+    for block in model.transformer.h:
+        block.attn.attn = block.attn.attn.with_kv_heads(2)  # HF's cache holds 2 K/V heads
+    ids, mask = left_padded_batch()
+    cached = generate(model, ids, mask)
+    assert model.transformer.h[0].attn.attn.num_kv_heads == 2
+    assert torch.equal(cached, generate(model, ids, mask, use_cache=False))
+
+
+@pytest.mark.parametrize(
+    ("family", "path"), [("llama", "interface"), ("gpt2", "interface"), ("gpt2", "swap")]
+)
+def test_compiles_without_graph_breaks(family: str, path: str) -> None:
+    torch._dynamo.reset()
+    eager = eager_model(family).eval()
+    ours = through(eager, path)
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")  # a graph break raises
+    with torch.no_grad():
+        assert max_token_difference(compiled, eager, *padded_batch()) < TOLERANCE
+    torch._dynamo.reset()
+
+
+def test_a_backend_that_cannot_run_here_raises_our_error() -> None:
+    missing = [b for b in hf.BACKENDS if b not in available_backends("cpu", torch.float32)]
+    ours = through(eager_model("llama"), "interface", missing[0])
+    with pytest.raises(BackendUnavailableError, match=f"'{missing[0]}' cannot run on cpu"):
+        ours(*padded_batch())
+
+
+def test_a_backend_without_dropout_refuses_the_models_attention_dropout() -> None:
+    ours = through(eager_model("llama", attention_dropout=0.1), "interface", "flex").train()
+    with pytest.raises(ValueError, match="backend 'flex' takes no attention dropout"):
+        ours(*padded_batch())
+
+
+def test_logit_softcapping_is_refused() -> None:
+    torch.manual_seed(0)
+    config = Gemma2Config(head_dim=8, num_key_value_heads=2, **DECODER, **COMMON)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
+    with pytest.raises(ValueError, match=r"passes softcap= \(logit softcapping"):
+        model(*padded_batch())
+
+
+def test_flash_backends_get_names_hf_leaves_alone() -> None:
+    names = hf.register()
+    assert names["multihead_fa"] == "flash" and names["multihead_fa_attn"] == "flash_attn"
+    assert not any("flash" in name for name in names)
+    assert names["multihead"] == hf.DEFAULT_BACKEND
+
+
+def test_the_swap_holds_the_layer_and_keeps_frozen_weights_frozen() -> None:
+    eager = eager_model("gpt2")
+    eager.transformer.h[0].attn.c_attn.requires_grad_(False)
+    model = hf.replace_hf_attention(copy.deepcopy(eager))
+    first, second = (block.attn.attn for block in model.transformer.h)
+    assert isinstance(first, MultiHeadAttention)
+    assert not first.in_proj.weight.requires_grad and not first.in_proj.bias.requires_grad
+    assert first.out_proj.weight.requires_grad and second.in_proj.weight.requires_grad
+
+
+def test_the_swap_refuses_rotary_families_naming_the_module() -> None:
+    model = eager_model("llama")
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(LlamaAttention\).*rotary"):
+        hf.replace_hf_attention(model)
+
+
+def test_the_swap_refuses_cross_attention_and_replaces_nothing() -> None:
+    model = eager_model("gpt2", add_cross_attention=True)
+    with pytest.raises(ValueError, match=r"'transformer.h.0.crossattention'.*cross-attention"):
+        hf.replace_hf_attention(model)
+    assert not any(isinstance(m, hf.HFAttentionAdapter) for m in model.modules())
+
+
+def test_the_swap_refuses_a_model_without_a_supported_attention() -> None:
+    with pytest.raises(ValueError, match="no attention module to replace in Linear"):
+        hf.replace_hf_attention(torch.nn.Linear(4, 4))
