@@ -55,6 +55,15 @@ def summary(kind: str, heads: int, kv: int, **figures) -> dict:
     }
 
 
+def when(start: float, end: float, host: str = "node1") -> dict:
+    """summary.json's run/start, run/end (hours after midnight) and run/host."""
+    return {
+        "run/start": f"2026-01-01T{int(start):02d}:{round(60 * (start % 1)):02d}:00+00:00",
+        "run/end": f"2026-01-01T{int(end):02d}:{round(60 * (end % 1)):02d}:00+00:00",
+        "run/host": host,
+    }
+
+
 @pytest.fixture
 def runs_dir(tmp_path: Path) -> Path:
     """A multirun directory: MHA and GQA with csv logs, MQA without any curves."""
@@ -64,7 +73,8 @@ def runs_dir(tmp_path: Path) -> Path:
         "1": summary("mqa", 4, 1, **{"decode/beam5_sentences_per_s": None}),
         "2": summary("mha", 4, 4),
     }
-    for job, figures in jobs.items():
+    for hour, (job, figures) in enumerate(jobs.items()):
+        figures |= when(hour, hour + 1)  # one after another: their own speeds are comparable
         (root / job).mkdir(parents=True)
         (root / job / "summary.json").write_text(json.dumps(figures))
     for job in ("0", "2"):
@@ -100,15 +110,22 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
     assert table[0].startswith(
         "| run | kind | heads tag | heads | heads active | kv heads | backend | params |"
     )
+    assert table[0].endswith(
+        "| test BLEU | train tgt tok/s (in training) | greedy sent/s (in training) "
+        "| beam sent/s (in training) |"
+    )
     assert table[1] == (
         "| mha-h4-kv4-sdpa | mha | mha | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "
-        "| 30,000 | 100.0 | 25.0 | 500 | 2.50 | 24.00 |"
+        "| 500 | 2.50 | 24.00 | 30,000 | 100.0 | 25.0 |"
     )
     assert table[3].startswith(
         "| mqa-h4-kv1-sdpa | mqa | mqa | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
     )
-    assert "| 400.0 | – | 500 |" in table[3]  # the missing beam speed
-    # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam ×, test BLEU Δ
+    assert table[3].endswith("| 400.0 | – |")  # the missing beam speed
+    assert "No two runs trained at the same time on one host." in md
+    # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam × (all measured
+    # in training, by runs that did not overlap), test BLEU Δ
+    assert "| greedy × (in training) |" in md
     assert "| gqa-h4-kv2-sdpa | mha-h4-kv4-sdpa | 0.50 | 0.92 | 1.00 | 2.00 | 2.00 | -2.00 |" in md
     assert "| mqa-h4-kv1-sdpa | mha-h4-kv4-sdpa | 0.25 | 0.88 | 1.00 | 4.00 | – | -3.00 |" in md
     for name in OUTPUT_FILES[2:]:
@@ -118,7 +135,8 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert [r["run"] for r in rows] == ["mha-h4-kv4-sdpa", "gqa-h4-kv2-sdpa", "mqa-h4-kv1-sdpa"]
     assert float(rows[2]["KV-cache ×"]) == 0.25 and rows[0]["KV-cache ×"] == ""
-    assert rows[2]["beam sent/s"] == "" and float(rows[2]["greedy sent/s"]) == 400.0
+    assert rows[2]["beam sent/s (in training)"] == ""
+    assert float(rows[2]["greedy sent/s (in training)"]) == 400.0
 
     for name in OUTPUT_FILES[2:]:
         data = (out / name).read_bytes()
@@ -222,7 +240,12 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
     assert "| gqa-h4-kv2-sdpa [gqa_s1] | mha-h4-kv4-sdpa [mha_s1] |" in md
     assert "| gqa-h4-kv2-sdpa [gqa_s2] | mha-h4-kv4-sdpa [mha_s2] |" in md
     means = md.split("## Means over seeds")[1]
-    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | 512 |" in means
-    assert "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | -0.50, +0.50 | 256 |" in means
+    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | – | – | 512 |" in means
+    # Δ -0.5 and +0.5: mean 0, standard deviation sqrt(0.5), t(0.975, 1 df) = 12.706, so
+    # the interval is 0 ± 12.706 * sqrt(0.5) / sqrt(2) = ±6.35.
+    assert (
+        "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | [-6.35, +6.35] | -0.50, +0.50 "
+        "| no detectable difference | 256 |"
+    ) in means
     # On the means, GQA ties MHA's BLEU with half the cache: MHA leaves the cache frontier.
     assert "- KV-cache bytes per token (fewer is better): gqa-h4-kv2-sdpa (2 runs)\n" in md
