@@ -261,7 +261,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
             summary["test/ckpt"] = tested or "final weights"
             summary["test/beam_size"] = module.beam_sizes["test"]
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and "test" in module.hypotheses:
                 text = "".join(f"{line}\n" for line in module.hypotheses["test"])
                 path = Path(run_dir) / "hypotheses.test.txt"
                 write_atomically(path, lambda f: f.write(text.encode()))
