@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> None:
         entity=cfg.entity,
         hypotheses=cfg.hypotheses,
         references=cfg.references,
+        local_dir=cfg.local_dir,
         significance=OmegaConf.to_container(cfg.significance),
         speed=cfg.speed,
         speed_options=OmegaConf.to_container(cfg.speed_options),

@@ -311,7 +311,6 @@ def test_speed_true_measures_every_run_side_by_side(
     shutil.copy(ckpt, root / "mha" / "checkpoints" / "last.ckpt")
     convert_kv_heads(ckpt, 1, root / "mqa" / "checkpoints" / "last.ckpt")
     options = {"rounds": 1, "limit": 8, "train_sentences": 16, "max_tokens": 256, "threads": 1}
-    options["local_dir"] = str(multi30k_dir)
     with pytest.raises(FileNotFoundError, match="speed=true: no checkpoint for mha-h4-kv4-sdpa"):
         compare(tmp_path / "out", runs=root, speed=True, speed_options=options)
     panels = {}
@@ -326,6 +325,7 @@ def test_speed_true_measures_every_run_side_by_side(
         speed=True,
         speed_options=options,
         checkpoint="checkpoints/last.ckpt",
+        local_dir=str(multi30k_dir),
     )
     md = (tmp_path / "out" / "comparison.md").read_text()
     assert "**Runs overlapped in time on one host**" in md

@@ -19,6 +19,8 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from multihead.analysis.comparison import compare
 from multihead.analysis.significance import paired_tests, t_quantile_975
 
+from helpers.scripts import assert_one_error_line, run_script
+
 N = 120  # test sentences
 
 
@@ -163,3 +165,28 @@ def test_bad_significance_input_is_one_clear_error(references, tmp_path: Path) -
     with pytest.raises(ValueError, match="significance.metric='chrf'; expected one of lc-tok"):
         compare(out, runs=root, significance={"metric": "chrf"})
     assert not out.exists()
+
+
+def test_script_takes_the_significance_options(references, tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    write_run(root, "mha", "mha", 4, 1, system(references, 3, 0), "eval/hyp.txt")
+    write_run(root, "gqa", "gqa", 2, 1, system(references, 2, 1), "eval/hyp.txt")
+    ref_file = tmp_path / "ref.de"
+    ref_file.write_text("".join(f"{line}\n" for line in references))
+    out = tmp_path / "out"
+    result = run_script(
+        "compare.py",
+        f"runs={root}",
+        f"out={out}",
+        "hypotheses=eval/hyp.txt",
+        f"references={ref_file}",
+        "significance.test=ar",
+        "significance.samples=300",
+        "significance.metric=sacrebleu",
+    )
+    assert result.returncode == 0, result.stderr
+    md = (out / "comparison.md").read_text()
+    assert "BLEU here is **sacrebleu**" in md
+    assert "paired approximate randomization (300 trials, SACREBLEU_SEED 12345" in md
+    bad = run_script("compare.py", f"runs={root}", f"out={out}", "significance.test=t")
+    assert_one_error_line(bad, "significance.test='t'; expected one of bs, ar")

@@ -318,12 +318,15 @@ def run_data_config(run: RunResult) -> dict[str, Any] | None:
     return {key: OmegaConf.select(data, key, default=None) for key in keys}
 
 
-def load_references(runs: list[RunResult], references: str | None) -> tuple[list[str], str, Any]:
+def load_references(
+    runs: list[RunResult], references: str | None, local_dir: str | None = None
+) -> tuple[list[str], str, Any]:
     """``(references, where from, target language)`` of the test split.
 
     ``references``: a file, one reference per line; ``None``: the test split named by the
     runs' saved data settings, loaded as ``scripts/evaluate.py`` loads it (all runs must
-    name the same corpus and languages).
+    name the same corpus and languages), from ``local_dir`` if given, else from the runs'
+    ``data.local_dir``.
     """
     configs = [c for run in runs if (c := run_data_config(run)) is not None]
     lang = configs[0]["tgt_lang"] if configs else None
@@ -353,7 +356,7 @@ def load_references(runs: list[RunResult], references: str | None) -> tuple[list
         name=data["name"],
         src_lang=data["src_lang"],
         tgt_lang=data["tgt_lang"],
-        local_dir=data["local_dir"],
+        local_dir=local_dir if local_dir is not None else data["local_dir"],
     )["test"]
     refs = list(split["tgt"])[: data["test_limit"]]
     where = f"the test split of {data['name']} {data['src_lang']}-{data['tgt_lang']}"
@@ -365,6 +368,7 @@ def add_significance(
     *,
     hypotheses: str = HYPOTHESES_FILE,
     references: str | None = None,
+    local_dir: str | None = None,
     test: str = "bs",
     metric: str = "lc-tok",
     samples: int = 0,
@@ -390,7 +394,7 @@ def add_significance(
             "(runs trained before they wrote them: score them with scripts/evaluate.py and "
             "give hypotheses=<its out dir>/hypotheses.test.txt)."
         )
-    refs, where, config_lang = load_references(runs, references)
+    refs, where, config_lang = load_references(runs, references, local_dir)
     lang = lang or config_lang
     for run in runs:
         if run.label in outputs:
@@ -1090,6 +1094,7 @@ def compare(
     *,
     hypotheses: str = HYPOTHESES_FILE,
     references: str | None = None,
+    local_dir: str | None = None,
     significance: dict[str, Any] | None = None,
     speed: bool = False,
     speed_options: dict[str, Any] | None = None,
@@ -1100,6 +1105,7 @@ def compare(
     """Read the runs below ``runs`` or in wandb ``group`` and write the comparison to ``out``.
 
     ``significance``: the options of :func:`add_significance` (test, metric, samples, lang).
+    ``local_dir``: where the raw corpus is (test references, speed); ``None``: the runs'.
     ``speed``: also measure every run side by side (:func:`multihead.analysis.speed.measure`
     with ``speed_options``), decoding each run's ``checkpoint`` (a path relative to the run
     directory; ``None``: the checkpoint its test used, ``test/ckpt``). ``wandb_log``: log
@@ -1116,14 +1122,18 @@ def compare(
         results = load_wandb_group(group, project, entity)
         source = f"wandb {entity + '/' if entity else ''}{project}, group {group}"
     notes = add_significance(
-        results, hypotheses=hypotheses, references=references, **(significance or {})
+        results,
+        hypotheses=hypotheses,
+        references=references,
+        local_dir=local_dir,
+        **(significance or {}),
     )
     setup = None
     if speed:
         from multihead.analysis.speed import measure
 
         checkpoints = {run.label: run_checkpoint(run, checkpoint) for run in results}
-        measured, setup = measure(checkpoints, **(speed_options or {}))
+        measured, setup = measure(checkpoints, local_dir=local_dir, **(speed_options or {}))
         for run in results:
             run.summary.update(measured[run.label])
     report = make_report(results, source, notes, setup)
