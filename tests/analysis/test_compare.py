@@ -225,9 +225,9 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
         "gqa_s1": ("gqa", 2, 1, 29.5),
         "gqa_s2": ("gqa", 2, 2, 28.5),
     }
-    for job, (kind, kv, seed, bleu) in jobs.items():
+    for hour, (job, (kind, kv, seed, bleu)) in enumerate(jobs.items()):
         (root / job).mkdir(parents=True)
-        figures = summary(kind, 4, kv, **{"test/bleu": bleu})
+        figures = summary(kind, 4, kv, **{"test/bleu": bleu}, **when(hour, hour + 1))
         if job == "gqa_s2":  # a run from before summary.json held the seed: Hydra's config
             (root / job / ".hydra").mkdir()
             (root / job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nother: 1\n")
@@ -245,10 +245,12 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
     assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | – | – | 512 |" in means
     # Δ -0.5 and +0.5: mean 0, standard deviation sqrt(0.5), t(0.975, 1 df) = 12.706, so
     # the interval is 0 ± 12.706 * sqrt(0.5) / sqrt(2) = ±6.35.
+    # ... then KV-cache bytes, params, and the speeds (in training: the runs did not overlap)
     assert (
         "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | [-6.35, +6.35] | -0.50, +0.50 "
-        "| no detectable difference | 256 |"
+        "| no detectable difference | 256 | 72,000 | 30,000 | 200.0 | 50.0 |"
     ) in means
+    assert "| params | train tgt tok/s (in training) | greedy sent/s (in training) |" in means
     # On the means, GQA ties MHA's BLEU with half the cache: MHA leaves the cache frontier.
     assert "- KV-cache bytes per token (fewer is better): gqa-h4-kv2-sdpa (2 runs)\n" in md
 

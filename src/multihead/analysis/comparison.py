@@ -702,8 +702,8 @@ def seed_means_markdown(report: Report) -> str:
         "params",
     ]
     if speeds is not None:
+        headers.append(f"train tgt tok/s ({speeds['as']})")
         headers += [f"{h} sent/s ({speeds['as']})" for h in ("greedy", "beam")]
-        headers.insert(-2, f"train tgt tok/s ({speeds['as']})")
     rows = []
     for (name, group), mean in zip(seed_groups(runs).items(), seed_means(runs), strict=True):
         deltas = paired_deltas(group, runs, key)
@@ -722,7 +722,7 @@ def seed_means_markdown(report: Report) -> str:
             format_cell(mean.get("params/total"), ",d"),
         ]
         if speeds is not None:
-            row.insert(-2, format_cell(value(mean, speeds["train"]), ",.0f"))
+            row.append(format_cell(value(mean, speeds["train"]), ",.0f"))
             row += [format_cell(value(mean, speeds[k]), ",.1f") for k in ("greedy", "beam")]
         rows.append(row)
     return "\n".join(
