@@ -949,9 +949,8 @@ def plot_deltas(report: Report, path: Path) -> None:
         for k, run in enumerate(group):
             if (r := run.paired) is not None:
                 err = [[r.delta - r.low], [r.high - r.delta]]
-                ax.errorbar(
-                    [r.delta], [y + 0.1 * (k + 1)], xerr=err, fmt=".", color="C0", alpha=0.6
-                )
+                offset = 0.4 * (k + 1) / (len(group) + 1)  # the seeds just below their mean
+                ax.errorbar([r.delta], [y + offset], xerr=err, fmt=".", color="C0", capsize=2)
         deltas = paired_deltas(group, report.runs, report.bleu_key)
         if (interval := t_interval(deltas)) is not None:
             mean, low, high = interval
@@ -963,10 +962,11 @@ def plot_deltas(report: Report, path: Path) -> None:
     if groups:
         ax.axvline(0.0, color="grey", lw=1)
         ax.set_yticks(range(len(groups)), [name for name, _ in groups], fontsize=7)
-        ax.invert_yaxis()
+        ax.set_ylim(len(groups) - 0.5, -0.5)  # the first configuration on top
     else:
         _no_data(ax, "paired runs (an MHA run of the same seed and heads)")
-    ax.set_xlabel(f"Δ {report.bleu_name} vs MHA (dots: seeds, bootstrap 95%; squares: mean, t 95%)")
+    ax.set_xlabel(f"Δ {report.bleu_name} vs MHA of the same seed")
+    ax.set_title("squares: mean over seeds, t 95%; dots: each seed, bootstrap 95%", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
