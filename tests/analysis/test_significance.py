@@ -112,7 +112,7 @@ def test_compare_gives_the_delta_and_p_of_the_sacrebleu_command_line(
     assert delta < -5  # a real difference: half of GQA's outputs are wrong, a third of MHA's
     assert float(row["paired Δ"]) == pytest.approx(delta, abs=1e-9)
     assert float(row["p"]) == pytest.approx(other["BLEU"]["p_value"], abs=1e-12)
-    assert float(row["test BLEU (hypotheses)"]) == pytest.approx(other["BLEU"]["score"])
+    assert float(row[f"test BLEU {metric} (hypotheses)"]) == pytest.approx(other["BLEU"]["score"])
     assert float(row["Δ low"]) <= float(row["Δ high"]) < 0 and row["verdict"] == "p<0.05"
     md = (out / "comparison.md").read_text()
     assert f"BLEU here is **{metric}**" in md

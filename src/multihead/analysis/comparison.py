@@ -568,9 +568,10 @@ COLUMNS = (
 )
 
 
-def columns(runs: list[RunResult]) -> tuple[tuple[str, str, str], ...]:
+def columns(report: Report) -> tuple[tuple[str, str, str], ...]:
     """COLUMNS, the speed columns, and the hypotheses' BLEU when the tests computed it."""
-    extra = (("test BLEU (hypotheses)", HYP_BLEU, ".2f"),)
+    runs = report.runs
+    extra = ((f"test BLEU {report.metric} (hypotheses)", HYP_BLEU, ".2f"),)
     return COLUMNS + speed_columns(runs) + (extra if any(r.get(HYP_BLEU) for r in runs) else ())
 
 
@@ -661,10 +662,11 @@ class Report:
     speed_setup: dict[str, Any] | None = None  # the side-by-side measurement's setup
     overlap: tuple[str, str] = ("unknown", "")
     bleu_key: str = "test/bleu"
+    metric: str = ""  # the BLEU of the hypotheses (the tests' metric)
 
     @property
     def bleu_name(self) -> str:
-        return "test BLEU (hypotheses)" if self.bleu_key == HYP_BLEU else "test BLEU"
+        return f"test BLEU {self.metric} (hypotheses)" if self.bleu_key == HYP_BLEU else "test BLEU"
 
     @property
     def speeds(self) -> dict[str, str] | None:
@@ -677,9 +679,10 @@ class Report:
 
 
 def make_report(
-    runs: list[RunResult], source: str, significance: str = "", speed_setup=None
+    runs: list[RunResult], source: str, significance: str, speed_setup, metric: str
 ) -> Report:
     report = Report(runs, source, significance, speed_setup, training_overlap(runs))
+    report.metric = metric
     if runs and all(run.get(HYP_BLEU) is not None for run in runs):
         report.bleu_key = HYP_BLEU
     return report
@@ -742,7 +745,7 @@ def comparison_markdown(report: Report) -> str:
     """The text of ``comparison.md``: notes on speeds, the runs table, ratios vs MHA, the
     tests, the seed means, plots and sources."""
     runs = report.runs
-    cols = columns(runs)
+    cols = columns(report)
     headers = ["run"] + [h for h, _, _ in cols]
     rows = [[run.label] + [format_cell(value(run, k), f) for _, k, f in cols] for run in runs]
     parts = [f"# Run comparison\n\n{len(runs)} runs from `{report.source}`.\n", speed_note(report)]
@@ -838,7 +841,7 @@ def table_rows(report: Report) -> tuple[list[str], list[list[Any]]]:
     """Every column, unformatted, the ratios vs MHA, the paired test and each run's source:
     the rows of ``comparison.csv`` and of the wandb table."""
     runs = report.runs
-    cols, spec = columns(runs), ratios(report)
+    cols, spec = columns(report), ratios(report)
     tests = ["paired Δ", "Δ low", "Δ high", "p", "verdict", "MHA run"]
     fields = ["run", *[h for h, _, _ in cols], *[h for h, _, _ in spec], *tests, "source"]
     rows = []
@@ -895,7 +898,12 @@ LOWER_IS_BETTER = {"kv_cache/bytes_per_token": True}
 
 
 def plot_bleu_against(
-    runs: list[RunResult], path: Path, panels: list[tuple[str, str]], bleu_key: str, why: str = ""
+    runs: list[RunResult],
+    path: Path,
+    panels: list[tuple[str, str]],
+    bleu_key: str,
+    ylabel: str,
+    why: str = "",
 ) -> None:
     """Test BLEU against each ``(key, x label)`` of ``panels``: an annotated scatter each,
     with its Pareto frontier drawn as a step line. Without panels, ``why`` says why not."""
@@ -927,7 +935,7 @@ def plot_bleu_against(
         if not ax.collections:
             _no_data(ax, f"test BLEU and {xlabel}")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("test BLEU (hypotheses)" if bleu_key == HYP_BLEU else "test BLEU")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1029,9 +1037,9 @@ def write_comparison(report: Report, out_dir: str | os.PathLike) -> list[Path]:
         f"speeds measured in training left out\n(overlap: {report.overlap[0]})\n"
         "measure them with compare.py speed=true"
     )
-    plot_bleu_against(report.points, speed, panels, report.bleu_key, why)
+    plot_bleu_against(report.points, speed, panels, report.bleu_key, report.bleu_name, why)
     kv_panel = [("kv_cache/bytes_per_token", "KV-cache bytes per token")]
-    plot_bleu_against(report.points, kv, kv_panel, report.bleu_key)
+    plot_bleu_against(report.points, kv, kv_panel, report.bleu_key, report.bleu_name)
     plot_validation_curves(report.runs, curves)
     plot_deltas(report, deltas)
     return paths
@@ -1136,7 +1144,8 @@ def compare(
         measured, setup = measure(checkpoints, local_dir=local_dir, **(speed_options or {}))
         for run in results:
             run.summary.update(measured[run.label])
-    report = make_report(results, source, notes, setup)
+    metric = (significance or {}).get("metric", "lc-tok")
+    report = make_report(results, source, notes, setup, metric)
     paths = write_comparison(report, out)
     if wandb_log:
         target = wandb_group or group or runs_wandb_group(results)
