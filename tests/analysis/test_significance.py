@@ -164,6 +164,8 @@ def test_bad_significance_input_is_one_clear_error(references, tmp_path: Path) -
         compare(out, runs=root, significance={"test": "t"})
     with pytest.raises(ValueError, match="significance.metric='chrf'; expected one of lc-tok"):
         compare(out, runs=root, significance={"metric": "chrf"})
+    with pytest.raises(ValueError, match="significance.samples=-1; expected >= 0"):
+        compare(out, runs=root, significance={"samples": -1})
     assert not out.exists()
 
 

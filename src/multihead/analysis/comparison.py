@@ -34,6 +34,7 @@ from multihead.analysis.significance import (
     METRICS,
     TESTS,
     PairedResult,
+    check_options,
     corpus_bleu,
     paired_tests,
     sacrebleu_seed,
@@ -380,10 +381,7 @@ def add_significance(
     Returns the paragraph that says how the tests were made, which runs had no partner,
     or why there are no tests.
     """
-    if test not in TESTS:
-        raise ValueError(f"significance.test={test!r}; expected one of {', '.join(TESTS)}")
-    if metric not in METRICS:
-        raise ValueError(f"significance.metric={metric!r}; expected one of {', '.join(METRICS)}")
+    check_options(test, metric, samples)
     outputs = {}
     for run in runs:
         if run.directory is not None and (run.directory / hypotheses).is_file():

@@ -68,15 +68,20 @@ def sacrebleu_seed() -> int | None:
     return None if seed.lower() == "none" else int(seed)
 
 
-def check_metric(metric: str) -> None:
+def check_options(test: str = "bs", metric: str = "lc-tok", samples: int = 0) -> None:
+    """Raise ``ValueError`` naming the option for a test, metric or sample count not known."""
+    if test not in TESTS:
+        raise ValueError(f"significance.test={test!r}; expected one of {', '.join(TESTS)}")
     if metric not in METRICS:
         raise ValueError(f"significance.metric={metric!r}; expected one of {', '.join(METRICS)}")
+    if samples < 0:
+        raise ValueError(f"significance.samples={samples}; expected >= 0 (0: sacreBLEU's default)")
 
 
 def prepare(lines: Sequence[str], metric: str, lang: str | None) -> list[str]:
     """The lines as ``metric`` scores them: lc-tok prepares them with
     :func:`~multihead.evaluation.metrics.lc_tok`, sacrebleu keeps them."""
-    check_metric(metric)
+    check_options(metric=metric)
     if metric == "sacrebleu":
         return list(lines)
     if not lang:
@@ -88,8 +93,10 @@ def prepare(lines: Sequence[str], metric: str, lang: str | None) -> list[str]:
 
 
 def bleu(metric: str) -> sacrebleu.metrics.BLEU:
-    check_metric(metric)
-    return sacrebleu.metrics.BLEU(tokenize="none" if metric == "lc-tok" else None)
+    check_options(metric=metric)
+    if metric == "lc-tok":  # tokenized on purpose: force=True silences sacreBLEU's warning
+        return sacrebleu.metrics.BLEU(tokenize="none", force=True)
+    return sacrebleu.metrics.BLEU()
 
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], metric: str, lang) -> float:
@@ -113,10 +120,7 @@ def paired_tests(
     ``samples``: resamples (``bs``) or trials (``ar``); 0 = sacreBLEU's default (1000 or
     10000). Returns the results by system name.
     """
-    if test not in TESTS:
-        raise ValueError(f"significance.test={test!r}; expected one of {', '.join(TESTS)}")
-    if samples < 0:
-        raise ValueError(f"significance.samples={samples}; expected >= 0 (0: sacreBLEU's default)")
+    check_options(test, metric, samples)
     refs = prepare(references, metric, lang)
     named = [("baseline", prepare(baseline, metric, lang))]
     named += [(name, prepare(hyps, metric, lang)) for name, hyps in systems.items()]
