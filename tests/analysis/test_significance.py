@@ -192,3 +192,29 @@ def test_script_takes_the_significance_options(references, tmp_path: Path) -> No
     assert "paired approximate randomization (300 trials, SACREBLEU_SEED 12345" in md
     bad = run_script("compare.py", f"runs={root}", f"out={out}", "significance.test=t")
     assert_one_error_line(bad, "significance.test='t'; expected one of bs, ar")
+
+
+def test_references_default_to_the_test_split_the_runs_name(
+    references, multi30k_dir: Path, tmp_path: Path
+) -> None:
+    """Without references=, the runs' saved data settings (.hydra/config.yaml) name the test
+    split and the language of lc-tok: the same results as with those references given."""
+    root = tmp_path / "runs"
+    write_run(root, "mha", "mha", 4, 1, system(references, 3, 0), "hypotheses.test.txt")
+    write_run(root, "gqa", "gqa", 2, 1, system(references, 2, 1), "hypotheses.test.txt")
+    for job in ("mha", "gqa"):
+        (root / job / ".hydra").mkdir()
+        (root / job / ".hydra" / "config.yaml").write_text(
+            f"seed: 1\ndata:\n  name: bentrevett/multi30k\n  src_lang: en\n  tgt_lang: de\n"
+            f"  local_dir: {multi30k_dir}\n  test_limit: {N}\n  cache_dir: ${{paths.cache_dir}}\n"
+        )
+    ref_file = tmp_path / "ref.de"
+    ref_file.write_text("".join(f"{line}\n" for line in references))
+    tables, notes = [], []
+    for options in ({}, {"references": str(ref_file), "significance": {"lang": "de"}}):
+        compare(tmp_path / "out", runs=root, **options)
+        tables.append((tmp_path / "out" / "comparison.csv").read_text())
+        notes.append((tmp_path / "out" / "comparison.md").read_text())
+    assert tables[0] == tables[1]
+    assert f"against {N} references (the test split of bentrevett/multi30k en-de)" in notes[0]
+    assert f"against {N} references ({ref_file})" in notes[1]
