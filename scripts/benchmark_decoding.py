@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from multihead.attention.latent import LatentKV
 from multihead.checkpoints import load_trained_model, search_settings
 from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, translate
+from multihead.host import cpu_info, cpu_model
 
 ENGINES = ("ours", "ours expanded", "ct2 fp32", "ct2 int8")
 
@@ -57,12 +57,8 @@ def host_report() -> str:
     """The CPU the figures come from, the vector ISA torch's kernels use, and the GEMM
     library CTranslate2 picks (src/cpu/backend.cc: Intel MKL on GenuineIntel CPUs, oneDNN on
     others, unless ``CT2_USE_MKL`` says otherwise)."""
-    info = {}
-    if Path("/proc/cpuinfo").is_file():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    name = info.get("model name") or platform.processor() or "unknown CPU"
+    info = cpu_info()
+    name = cpu_model()
     vendor = info.get("vendor_id", "unknown vendor")
     flags = set(info.get("flags", "").split())
     avx512 = sorted(f for f in flags if f.startswith("avx512"))

@@ -1,7 +1,10 @@
 """Compare training runs: python scripts/compare.py runs=MULTIRUN_DIR out=DIR.
 
-Writes comparison.md (table, ratios vs MHA, plots), comparison.csv and the PNG plots into
-DIR. ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online only).
+Writes comparison.md (table, ratios vs MHA, paired significance tests against MHA, seed
+means with t-intervals, plots), comparison.csv and the PNG plots into DIR.
+``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online only).
+``speed=true`` measures every run's speeds again side by side; ``wandb=true`` logs the
+comparison to a wandb run of its own. See configs/compare.yaml for every option.
 """
 
 from multihead.cli import exit_on_user_error
@@ -18,7 +21,20 @@ def main(cfg: DictConfig) -> None:
     if OmegaConf.is_missing(cfg, "out"):
         raise ValueError("out=DIR is required: the directory to write the comparison into")
     runs, paths = compare(
-        cfg.out, runs=cfg.runs, group=cfg.group, project=cfg.project, entity=cfg.entity
+        cfg.out,
+        runs=cfg.runs,
+        group=cfg.group,
+        project=cfg.project,
+        entity=cfg.entity,
+        hypotheses=cfg.hypotheses,
+        references=cfg.references,
+        local_dir=cfg.local_dir,
+        significance=OmegaConf.to_container(cfg.significance),
+        speed=cfg.speed,
+        speed_options=OmegaConf.to_container(cfg.speed_options),
+        checkpoint=cfg.checkpoint,
+        wandb_log=cfg.wandb,
+        wandb_group=cfg.wandb_group,
     )
     for run in runs:
         print(f"{run.label}: {run.source} (validation curves: {run.curve_source})")

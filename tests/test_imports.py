@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multihead"
 # Bottom first. "multihead" is the package's own __init__ (the layer's public names).
 LAYERS = (
     "wandb_setup",  # wandb online/offline without prompts (standard library only)
+    "host",  # the host's name, its CPU and the time (standard library only)
     "attention",  # the reusable layer (torch only)
     "integrations",  # the layer in other libraries' models (each imports its own extra)
     "model",  # the Transformer, its factory and its decoding

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from multihead.analysis import comparison
 from multihead.analysis.comparison import (
     OUTPUT_FILES,
     RunResult,
@@ -19,6 +20,7 @@ from multihead.analysis.comparison import (
     pareto_frontier,
     read_metrics_csv,
 )
+from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY
 
 from helpers.scripts import run_script
 
@@ -55,6 +57,15 @@ def summary(kind: str, heads: int, kv: int, **figures) -> dict:
     }
 
 
+def when(start: float, end: float, host: str = "node1") -> dict:
+    """summary.json's run/start, run/end (hours after midnight) and run/host."""
+    return {
+        "run/start": f"2026-01-01T{int(start):02d}:{round(60 * (start % 1)):02d}:00+00:00",
+        "run/end": f"2026-01-01T{int(end):02d}:{round(60 * (end % 1)):02d}:00+00:00",
+        "run/host": host,
+    }
+
+
 @pytest.fixture
 def runs_dir(tmp_path: Path) -> Path:
     """A multirun directory: MHA and GQA with csv logs, MQA without any curves."""
@@ -64,7 +75,8 @@ def runs_dir(tmp_path: Path) -> Path:
         "1": summary("mqa", 4, 1, **{"decode/beam5_sentences_per_s": None}),
         "2": summary("mha", 4, 4),
     }
-    for job, figures in jobs.items():
+    for hour, (job, figures) in enumerate(jobs.items()):
+        figures |= when(hour, hour + 1)  # one after another: their own speeds are comparable
         (root / job).mkdir(parents=True)
         (root / job / "summary.json").write_text(json.dumps(figures))
     for job in ("0", "2"):
@@ -100,15 +112,22 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
     assert table[0].startswith(
         "| run | kind | heads tag | heads | heads active | kv heads | backend | params |"
     )
+    assert table[0].endswith(
+        "| test BLEU | train tgt tok/s (in training) | greedy sent/s (in training) "
+        "| beam sent/s (in training) |"
+    )
     assert table[1] == (
         "| mha-h4-kv4-sdpa | mha | mha | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "
-        "| 30,000 | 100.0 | 25.0 | 500 | 2.50 | 24.00 |"
+        "| 500 | 2.50 | 24.00 | 30,000 | 100.0 | 25.0 |"
     )
     assert table[3].startswith(
         "| mqa-h4-kv1-sdpa | mqa | mqa | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
     )
-    assert "| 400.0 | – | 500 |" in table[3]  # the missing beam speed
-    # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam ×, test BLEU Δ
+    assert table[3].endswith("| 400.0 | – |")  # the missing beam speed
+    assert "No two runs trained at the same time on one host." in md
+    # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam × (all measured
+    # in training, by runs that did not overlap), test BLEU Δ
+    assert "| greedy × (in training) |" in md
     assert "| gqa-h4-kv2-sdpa | mha-h4-kv4-sdpa | 0.50 | 0.92 | 1.00 | 2.00 | 2.00 | -2.00 |" in md
     assert "| mqa-h4-kv1-sdpa | mha-h4-kv4-sdpa | 0.25 | 0.88 | 1.00 | 4.00 | – | -3.00 |" in md
     for name in OUTPUT_FILES[2:]:
@@ -118,7 +137,8 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert [r["run"] for r in rows] == ["mha-h4-kv4-sdpa", "gqa-h4-kv2-sdpa", "mqa-h4-kv1-sdpa"]
     assert float(rows[2]["KV-cache ×"]) == 0.25 and rows[0]["KV-cache ×"] == ""
-    assert rows[2]["beam sent/s"] == "" and float(rows[2]["greedy sent/s"]) == 400.0
+    assert rows[2]["beam sent/s (in training)"] == ""
+    assert float(rows[2]["greedy sent/s (in training)"]) == 400.0
 
     for name in OUTPUT_FILES[2:]:
         data = (out / name).read_bytes()
@@ -205,9 +225,9 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
         "gqa_s1": ("gqa", 2, 1, 29.5),
         "gqa_s2": ("gqa", 2, 2, 28.5),
     }
-    for job, (kind, kv, seed, bleu) in jobs.items():
+    for hour, (job, (kind, kv, seed, bleu)) in enumerate(jobs.items()):
         (root / job).mkdir(parents=True)
-        figures = summary(kind, 4, kv, **{"test/bleu": bleu})
+        figures = summary(kind, 4, kv, **{"test/bleu": bleu}, **when(hour, hour + 1))
         if job == "gqa_s2":  # a run from before summary.json held the seed: Hydra's config
             (root / job / ".hydra").mkdir()
             (root / job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nother: 1\n")
@@ -222,7 +242,131 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
     assert "| gqa-h4-kv2-sdpa [gqa_s1] | mha-h4-kv4-sdpa [mha_s1] |" in md
     assert "| gqa-h4-kv2-sdpa [gqa_s2] | mha-h4-kv4-sdpa [mha_s2] |" in md
     means = md.split("## Means over seeds")[1]
-    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | 512 |" in means
-    assert "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | -0.50, +0.50 | 256 |" in means
+    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | – | – | 512 |" in means
+    # Δ -0.5 and +0.5: mean 0, standard deviation sqrt(0.5), t(0.975, 1 df) = 12.706, so
+    # the interval is 0 ± 12.706 * sqrt(0.5) / sqrt(2) = ±6.35.
+    # ... then KV-cache bytes, params, and the speeds (in training: the runs did not overlap)
+    assert (
+        "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | [-6.35, +6.35] | -0.50, +0.50 "
+        "| no detectable difference | 256 | 72,000 | 30,000 | 200.0 | 50.0 |"
+    ) in means
+    assert "| params | train tgt tok/s (in training) | greedy sent/s (in training) |" in means
     # On the means, GQA ties MHA's BLEU with half the cache: MHA leaves the cache frontier.
     assert "- KV-cache bytes per token (fewer is better): gqa-h4-kv2-sdpa (2 runs)\n" in md
+
+
+@pytest.mark.parametrize(
+    "times, status",
+    [
+        ({"0": when(0, 2), "1": when(1, 3), "2": when(4, 5)}, "overlap"),
+        ({"0": when(0, 2), "1": when(1, 3, host="node2"), "2": when(4, 5)}, "no overlap"),
+        ({"0": when(0, 1), "1": {}, "2": when(4, 5)}, "unknown"),
+    ],
+)
+def test_speeds_of_overlapping_runs_stay_out_of_ratios_and_plots(
+    runs_dir: Path, tmp_path: Path, monkeypatch, times: dict, status: str
+) -> None:
+    """Runs 0 and 1 train at the same time on one host (overlap), on two hosts (no overlap),
+    or run 1 does not say when (unknown): only without overlap do the plots, frontiers and
+    ratios use the speeds the runs measured during training."""
+    for job, figures in times.items():
+        path = runs_dir / job / "summary.json"
+        summary = {k: v for k, v in json.loads(path.read_text()).items() if "run/" not in k}
+        path.write_text(json.dumps(summary | figures))
+    panels = {}
+    monkeypatch.setattr(
+        comparison,
+        "plot_bleu_against",
+        lambda runs, path, plotted, *_: panels.update({path.name: [k for k, _ in plotted]}),
+    )
+    compare(tmp_path / "out", runs=runs_dir)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    above_table = md.split("| run |")[0]
+    speeds = ["decode/greedy_sentences_per_s", "beam"]
+    if status == "overlap":
+        assert "**Runs overlapped in time on one host** (gqa-h4-kv2-sdpa and mqa-h4-kv1" in md
+    elif status == "unknown":
+        assert "Overlap unknown: 1 of 3 runs do not record when and where" in above_table
+    else:
+        assert "No two runs trained at the same time on one host." in above_table
+    assert panels["bleu_vs_decode_speed.png"] == (speeds if status == "no overlap" else [])
+    assert ("greedy × (in training)" in md) == (status == "no overlap")
+    assert ("greedy sentences/s, in training" in md) == (status == "no overlap")
+    assert "| greedy sent/s (in training) |" in md  # the table keeps them, labelled
+
+
+def test_speed_true_measures_every_run_side_by_side(
+    smoke_run_dir: Path, multi30k_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Two trained runs (the smoke run, MHA, and its MQA conversion): speed=true decodes each
+    run's checkpoint and trains it in this process, and the plots and ratios take those
+    figures; the in-training figures stay the summaries' own, labelled so."""
+    from multihead.checkpoints.conversion import convert_kv_heads
+    from multihead.host import cpu_model
+
+    root = tmp_path / "runs"
+    ckpt = smoke_run_dir / "checkpoints" / "last.ckpt"
+    for job, kind, kv in (("mha", "mha", 4), ("mqa", "mqa", 1)):
+        (root / job / "checkpoints").mkdir(parents=True)
+        figures = summary(kind, 4, kv, **when(0, 1), seed=1)  # overlapping runs
+        (root / job / "summary.json").write_text(json.dumps(figures))
+    shutil.copy(ckpt, root / "mha" / "checkpoints" / "last.ckpt")
+    convert_kv_heads(ckpt, 1, root / "mqa" / "checkpoints" / "last.ckpt")
+    options = {"rounds": 1, "limit": 8, "train_sentences": 16, "max_tokens": 256, "threads": 1}
+    with pytest.raises(FileNotFoundError, match="speed=true: no checkpoint for mha-h4-kv4-sdpa"):
+        compare(tmp_path / "out", runs=root, speed=True, speed_options=options)
+    panels = {}
+    monkeypatch.setattr(
+        comparison,
+        "plot_bleu_against",
+        lambda runs, path, plotted, *_: panels.update({path.name: [k for k, _ in plotted]}),
+    )
+    compare(
+        tmp_path / "out",
+        runs=root,
+        speed=True,
+        speed_options=options,
+        checkpoint="checkpoints/last.ckpt",
+        local_dir=str(multi30k_dir),
+    )
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "**Runs overlapped in time on one host**" in md
+    assert "measured by `compare.py speed=true` in one process, the runs interleaved" in md
+    assert f"on {cpu_model()} (" in md and "1 threads" in md and "decoding 8 test" in md
+    assert "| greedy × (side by side) |" in md and "greedy × (in training)" not in md
+    assert panels["bleu_vs_decode_speed.png"] == [GREEDY_KEY, BEAM_KEY]
+    with open(tmp_path / "out" / "comparison.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row, kv in zip(rows, (4, 1), strict=True):
+        for column in ("train tgt tok/s", "greedy sent/s", "beam sent/s"):
+            assert float(row[f"{column} (side by side)"]) > 0
+        assert float(row["greedy sent/s (in training)"]) == 400.0 / kv  # the summary's own
+
+
+def test_wandb_true_logs_the_table_and_plots_to_a_run_of_its_own(
+    runs_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Offline: the comparison is a run of its own in the group; its table and plots are
+    read back from wandb's files (the table in wandb's Table JSON, the images as PNG)."""
+    import wandb
+
+    started = []
+    init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: started.append(init(*a, **k)) or started[-1])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    compare(out, runs=runs_dir, wandb_log=True, wandb_group="sweep1")
+    (run,) = started
+    assert (run.group, run.job_type, run.name) == ("sweep1", "comparison", "comparison-sweep1")
+    assert wandb.run is None  # finished
+    (files,) = (out / "wandb").glob(f"offline-run-*-{run.id}/files")
+    (table_file,) = (files / "media" / "table").glob("comparison_*.table.json")
+    table = json.loads(table_file.read_text())
+    with open(out / "comparison.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert table["columns"] == rows[0]
+    assert [r[0] for r in table["data"]] == [r[0] for r in rows[1:]]
+    kv = table["columns"].index("KV-cache bytes/token")
+    assert [r[kv] for r in table["data"]] == [512, 256, 128]
+    images = sorted(p.name.split("_")[0] for p in (files / "media" / "images").glob("*.png"))
+    assert len(images) == 4 and {"bleu", "delta", "validation"} <= set(images)

@@ -139,13 +139,18 @@ def test_overlong_example_is_alone() -> None:
 
 
 def test_collate() -> None:
-    # Extra keys (callers may pass an "index" or a "length") are ignored.
+    # Extra keys (e.g. a "length") are ignored; evaluation examples' rows are kept.
     examples = [
         {"src_ids": [5, 6, 7], "tgt_ids": [8], "src": "a b c", "tgt": "x", "index": 4},
-        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "length": 6},
+        {"src_ids": [9], "tgt_ids": [10, 11, 12, 13], "src": "d", "tgt": "y z", "index": 1},
     ]
+    for ex in examples:
+        ex["length"] = 6
     batch = collate(examples, pad_id=0, bos_id=1, eos_id=2)
-    assert set(batch) == {"src", "tgt", "src_text", "tgt_text", "real_token_fraction"}
+    assert set(batch) == {"src", "tgt", "src_text", "tgt_text", "real_token_fraction", "index"}
+    assert batch["index"] == [4, 1]
+    training_example = {k: v for k, v in examples[0].items() if k != "index"}
+    assert "index" not in collate([training_example], pad_id=0, bos_id=1, eos_id=2)
     assert torch.equal(batch["src"], torch.tensor([[5, 6, 7, 2], [9, 2, 0, 0]]))
     assert torch.equal(batch["tgt"], torch.tensor([[1, 8, 2, 0, 0, 0], [1, 10, 11, 12, 13, 2]]))
     assert batch["src"].dtype == batch["tgt"].dtype == torch.long

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -241,3 +242,32 @@ def test_wall_clock_logs_minutes_and_checkpoints_at_marks(smoke_config, tmp_path
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]
     (clock,) = [v for k, v in state.items() if k.startswith("WallClock")]
     assert clock["marks"] == [1000] and clock["elapsed_min"] >= elapsed[1]
+
+
+def test_run_writes_test_hypotheses_in_order_and_when_where(smoke_config, tmp_path: Path) -> None:
+    """hypotheses.test.txt holds the tested checkpoint's outputs in the split's order (the
+    test batches decode longest first): the same lines as scripts/evaluate.py's decoding of
+    that checkpoint, sentence by sentence. summary.json says when and where the run ran."""
+    from datetime import datetime
+
+    from multihead.evaluation.scoring import evaluate_checkpoint
+
+    cfg = smoke_config(
+        "trainer.max_steps=10",
+        "trainer.val_check_interval=10",
+        "test_ckpt=last",
+        "module.test_beam_size=2",
+        "summary.decode_speed=false",
+    )
+    summary = train(cfg)
+    lines = (tmp_path / "hypotheses.test.txt").read_text().splitlines()
+    scores = evaluate_checkpoint(
+        summary["test/ckpt"], tmp_path / "eval", beam_size=2, limit=cfg.data.test_limit
+    )
+    assert lines == (tmp_path / "eval" / "hypotheses.test.txt").read_text().splitlines()
+    assert len(lines) == cfg.data.test_limit == scores["sentences"]
+    assert len(set(lines)) > 10  # outputs differ (in length at least): the order is tested
+    assert summary["test/bleu"] == pytest.approx(scores["bleu"])
+    start, end = (datetime.fromisoformat(summary[k]) for k in ("run/start", "run/end"))
+    assert start <= end and start.utcoffset().total_seconds() == 0
+    assert summary["run/host"] == socket.gethostname() and summary["run/cpu"]

@@ -279,7 +279,8 @@ def collate(
     """Pad a list of tokenized examples into a batch.
 
     Each example has ``src_ids``/``tgt_ids`` (subword ids without specials) and ``src``/``tgt``
-    (raw text); other keys are ignored. With ``encode`` (texts to subword ids, e.g. a
+    (raw text), and evaluation examples an ``index`` (their row in the split); other keys are
+    ignored. With ``encode`` (texts to subword ids, e.g. a
     BPE-dropout tokenizer's ``encode_batch``) the ids come from encoding ``src``/``tgt`` anew
     instead of from ``src_ids``/``tgt_ids``.
 
@@ -288,6 +289,7 @@ def collate(
         ``tgt``: (B, T) long, ``[bos] + tgt_ids + [eos]`` right-padded with ``pad_id``.
         ``src_text``, ``tgt_text``: lists of the B raw strings.
         ``real_token_fraction``: float, non-pad positions / all positions of ``src`` and ``tgt``.
+        ``index``: list of the B rows in the split, when the examples have one.
     """
     if not examples:
         raise ValueError("collate got an empty list of examples; expected at least one")
@@ -304,13 +306,16 @@ def collate(
         for rows in (src_rows, tgt_rows)
     )
     real = sum(map(len, src_rows)) + sum(map(len, tgt_rows))
-    return {
+    batch = {
         "src": src,
         "tgt": tgt,
         "src_text": [ex["src"] for ex in examples],
         "tgt_text": [ex["tgt"] for ex in examples],
         "real_token_fraction": real / (src.numel() + tgt.numel()),
     }
+    if "index" in examples[0]:
+        batch["index"] = [ex["index"] for ex in examples]
+    return batch
 
 
 def example_length(num_src_ids: int, num_tgt_ids: int) -> int:

@@ -304,6 +304,9 @@ class TranslationDataModule(L.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.tokenized[split]
+        # Batches come longest first: each example keeps its row, so that outputs can be put
+        # back in the split's order (the run's hypotheses.test.txt).
+        dataset = dataset.add_column("index", list(range(len(dataset))))
         trainer = self.trainer
         if self.shard_eval and trainer is not None and trainer.world_size > 1:
             # Under DDP rank r decodes examples r, r + W, r + 2W, ...: disjoint shares that

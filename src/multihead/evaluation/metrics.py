@@ -32,18 +32,22 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> Scores:
     return Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()))
 
 
+def lc_tok(lines: list[str], lang: str) -> list[str]:
+    """Lines as lc-tok BLEU scores them: ``MosesTokenizer(lang).tokenize(
+    MosesPunctNormalizer(lang).normalize(line.lower()), escape=True)``. This reproduces the
+    Multi30k's own ``.lc.norm.tok`` files."""
+    normalizer, tokenizer = MosesPunctNormalizer(lang), MosesTokenizer(lang)
+    return [
+        tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True)
+        for line in lines
+    ]
+
+
 def tokenized_bleu(hypotheses: list[str], references: list[str], lang: str) -> float:
     """BLEU as the Multi30k papers report it: lowercased, Moses-normalized and tokenized.
 
-    Hypotheses and raw references get ``MosesTokenizer(lang).tokenize(
-    MosesPunctNormalizer(lang).normalize(line.lower()), escape=True)`` and are scored with
-    sacreBLEU ``tokenize='none'``. This reproduces the dataset's own ``.lc.norm.tok`` files.
+    Hypotheses and raw references are prepared by :func:`lc_tok` and scored with sacreBLEU
+    ``tokenize='none'``.
     """
-    normalizer, tokenizer = MosesPunctNormalizer(lang), MosesTokenizer(lang)
-
-    def prep(line: str) -> str:
-        return tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True)
-
-    hyps = [prep(h) for h in hypotheses]
-    refs = [prep(r) for r in references]
-    return sacrebleu.corpus_bleu(hyps, [refs], tokenize="none").score
+    refs = lc_tok(references, lang)
+    return sacrebleu.corpus_bleu(lc_tok(hypotheses, lang), [refs], tokenize="none").score

@@ -113,6 +113,9 @@ class TranslationModule(pl.LightningModule):
         self._signatures_logged = False
         self._hyps: list[str] = []
         self._refs: list[str] = []
+        self._rows: list[int] = []
+        # The last BLEU evaluation's outputs per stage, in the split's order.
+        self.hypotheses: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ training
     def transfer_batch_to_device(
@@ -259,18 +262,24 @@ class TranslationModule(pl.LightningModule):
         if with_bleu:
             self._hyps += self.tokenizer.decode_batch(self.translate_ids(batch["src"], stage))
             self._refs += list(batch["tgt_text"])
+            self._rows += batch.get("index", [])
 
     def _gathered(self) -> tuple[list[str], list[str]]:
-        """Every rank's hypotheses and references (all of them on every rank)."""
-        hyps, refs = self._hyps, self._refs
-        self._hyps, self._refs = [], []
+        """Every rank's hypotheses and references (all of them on every rank), in the
+        split's order when the batches carried their rows (the datamodule's do)."""
+        outputs = (self._hyps, self._refs, self._rows)
+        self._hyps, self._refs, self._rows = [], [], []
         datamodule = self.trainer.datamodule
-        if self.trainer.world_size == 1 or not getattr(datamodule, "shard_eval", True):
-            return hyps, refs  # this rank decoded the whole split
-        # Corpus BLEU is not a mean of per-rank BLEUs: score the union of the ranks' outputs.
-        gathered: list = [None] * self.trainer.world_size
-        torch.distributed.all_gather_object(gathered, (hyps, refs))
-        return [h for hs, _ in gathered for h in hs], [r for _, rs in gathered for r in rs]
+        if self.trainer.world_size > 1 and getattr(datamodule, "shard_eval", True):
+            # Corpus BLEU is not a mean of per-rank BLEUs: score the union of the ranks' outputs.
+            gathered: list = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, outputs)
+            outputs = tuple([x for part in gathered for x in part[i]] for i in range(3))
+        hyps, refs, rows = outputs
+        if len(rows) == len(hyps):  # batches decode longest first: back to the split's order
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            hyps, refs = [hyps[i] for i in order], [refs[i] for i in order]
+        return hyps, refs
 
     def _eval_epoch_end(self, stage: str) -> None:
         nll = self.trainer.callback_metrics.get(f"{stage}/nll")
@@ -281,6 +290,7 @@ class TranslationModule(pl.LightningModule):
         hyps, refs = self._gathered()
         if not hyps:
             return
+        self.hypotheses[stage] = hyps
         scores = corpus_scores(hyps, refs)
         # Every rank scored the same gathered corpus: nothing to reduce.
         self.log(f"{stage}/bleu", scores.bleu)
@@ -298,7 +308,7 @@ class TranslationModule(pl.LightningModule):
                 self._signatures_logged = True
 
     def on_validation_epoch_start(self) -> None:
-        self._hyps, self._refs = [], []
+        self._hyps, self._refs, self._rows = [], [], []
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         with_bleu = self._val_runs % self.bleu_every_n_val == 0

@@ -27,6 +27,7 @@ from multihead.checkpoints import (
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
+from multihead.host import cpu_model, host_name, utc_now
 from multihead.model import build_model
 from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
 from multihead.training.checkpoint_io import AtomicCheckpointIO
@@ -201,8 +202,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     Returns the run summary (also written to ``<run dir>/summary.json``): head settings,
     parameter counts, KV-cache bytes per token, training and decoding throughput, peak
-    memory and the final metrics.
+    memory, the final metrics, and when and where the run ran (``run/start``, ``run/end``,
+    ``run/host``, ``run/cpu``: ``scripts/compare.py`` tells from them whether runs shared a
+    host at the same time, which makes their speeds meaningless). The test split's
+    outputs go to ``<run dir>/hypotheses.test.txt``, one line per source sentence, in order.
     """
+    started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
     # Lightning cannot see that our batch sampler resumes mid-epoch (the DataModule's
     # state_dict restores it), so its warning about it does not apply.
@@ -257,6 +262,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
             summary["test/ckpt"] = tested or "final weights"
             summary["test/beam_size"] = module.beam_sizes["test"]
+            if trainer.is_global_zero and "test" in module.hypotheses:
+                text = "".join(f"{line}\n" for line in module.hypotheses["test"])
+                path = Path(run_dir) / "hypotheses.test.txt"
+                write_atomically(path, lambda f: f.write(text.encode()))
         if trainer.is_global_zero:
             # Whole-run training throughput and peak memory.
             monitor = next((c for c in trainer.callbacks if isinstance(c, TokenThroughput)), None)
@@ -270,6 +279,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 forward_context = trainer.precision_plugin.forward_context
                 summary.update(decode_summary(module, datamodule, device, cfg, forward_context))
             summary.update(metrics)
+            summary |= {"run/start": started, "run/end": utc_now()}
+            summary |= {"run/host": host_name(), "run/cpu": cpu_model()}
             write_summary(run_dir, summary, trainer)
     finally:
         finish_wandb()

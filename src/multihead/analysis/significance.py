@@ -1,0 +1,200 @@
+"""Is a run's test BLEU different from its MHA baseline's? sacreBLEU's paired tests, and a
+Student-t interval over seeds.
+
+Per pair of runs (same seed, same test set): sacreBLEU's paired bootstrap resampling
+(Koehn 2004) or paired approximate randomization (Riezler and Maxwell 2005), through
+``sacrebleu.significance.PairedTest``, the code behind ``sacrebleu REF -i A B --paired-bs``
+(``--paired-ar``): the same resamples for the same ``SACREBLEU_SEED`` (default 12345), so
+the p-values equal the command line's. Over seeds: the mean of the paired differences with a
+Student-t 95% interval.
+
+The interval of the difference is the one figure ``PairedTest`` does not give: it reports
+each system's own mean and interval, not those of the difference. We draw the resamples as
+sacreBLEU's bootstrap draws them (``numpy.random.default_rng(seed).choice``, the same seed,
+so the same resamples) and score them with the sacreBLEU metric's own sufficient statistics,
+as its ``_paired_bs_test`` does; the interval's ends are the 2.5 and 97.5 percentiles by
+sacreBLEU's own rule (``estimate_ci``: the ``n // 40``-th resample from either end).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import sacrebleu
+from sacrebleu.significance import PairedTest
+
+from multihead.evaluation.metrics import lc_tok
+
+# What the BLEU of the tests is, by name: how the lines are prepared, and sacreBLEU's tokenizer.
+METRICS = {
+    "lc-tok": "lowercased, Moses-normalized and -tokenized BLEU (sacreBLEU tokenize=none), "
+    "as the Multi30k papers and this project's docs report it",
+    "sacrebleu": "cased, detokenized sacreBLEU (tokenize=13a)",
+}
+TESTS = {"bs": "paired bootstrap resampling", "ar": "paired approximate randomization"}
+DEFAULT_SAMPLES = {"bs": 1000, "ar": 10000}  # sacreBLEU's own defaults
+BOOTSTRAP_SAMPLES = 1000  # resamples for the interval of the difference under ``ar``
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """One system against its baseline on the same sentences."""
+
+    score: float  # the system's corpus BLEU
+    baseline: float  # the baseline's
+    low: float  # the 95% interval of the difference (paired bootstrap)
+    high: float
+    p_value: float  # sacreBLEU's
+    test: str  # "bs" or "ar"
+    samples: int  # resamples (bs) or trials (ar)
+
+    @property
+    def delta(self) -> float:
+        return self.score - self.baseline
+
+    @property
+    def holds_zero(self) -> bool:
+        return self.low <= 0.0 <= self.high
+
+
+def sacrebleu_seed() -> int | None:
+    """The seed sacreBLEU's tests use: ``SACREBLEU_SEED``, default 12345, ``none`` = unseeded."""
+    seed = os.environ.get("SACREBLEU_SEED", "12345")
+    return None if seed.lower() == "none" else int(seed)
+
+
+def check_options(test: str = "bs", metric: str = "lc-tok", samples: int = 0) -> None:
+    """Raise ``ValueError`` naming the option for a test, metric or sample count not known."""
+    if test not in TESTS:
+        raise ValueError(f"significance.test={test!r}; expected one of {', '.join(TESTS)}")
+    if metric not in METRICS:
+        raise ValueError(f"significance.metric={metric!r}; expected one of {', '.join(METRICS)}")
+    if samples < 0:
+        raise ValueError(f"significance.samples={samples}; expected >= 0 (0: sacreBLEU's default)")
+
+
+def prepare(lines: Sequence[str], metric: str, lang: str | None) -> list[str]:
+    """The lines as ``metric`` scores them: lc-tok prepares them with
+    :func:`~multihead.evaluation.metrics.lc_tok`, sacrebleu keeps them."""
+    check_options(metric=metric)
+    if metric == "sacrebleu":
+        return list(lines)
+    if not lang:
+        raise ValueError(
+            "significance.metric=lc-tok needs the target language for the Moses tokenizer: "
+            "set significance.lang (e.g. de) or give runs with a .hydra/config.yaml"
+        )
+    return lc_tok(list(lines), lang)
+
+
+def bleu(metric: str) -> sacrebleu.metrics.BLEU:
+    check_options(metric=metric)
+    if metric == "lc-tok":  # tokenized on purpose: force=True silences sacreBLEU's warning
+        return sacrebleu.metrics.BLEU(tokenize="none", force=True)
+    return sacrebleu.metrics.BLEU()
+
+
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], metric: str, lang) -> float:
+    """Corpus BLEU of ``metric`` (the score the tests compare)."""
+    refs = prepare(references, metric, lang)
+    return bleu(metric).corpus_score(prepare(hypotheses, metric, lang), [refs]).score
+
+
+def paired_tests(
+    baseline: Sequence[str],
+    systems: dict[str, Sequence[str]],
+    references: Sequence[str],
+    *,
+    metric: str = "lc-tok",
+    lang: str | None = None,
+    test: str = "bs",
+    samples: int = 0,
+) -> dict[str, PairedResult]:
+    """Each of ``systems`` against ``baseline`` (hypotheses, one per reference, in order).
+
+    ``samples``: resamples (``bs``) or trials (``ar``); 0 = sacreBLEU's default (1000 or
+    10000). Returns the results by system name.
+    """
+    check_options(test, metric, samples)
+    refs = prepare(references, metric, lang)
+    named = [("baseline", prepare(baseline, metric, lang))]
+    named += [(name, prepare(hyps, metric, lang)) for name, hyps in systems.items()]
+    for name, hyps in named:
+        if len(hyps) != len(refs):
+            raise ValueError(
+                f"{name}: {len(hyps)} hypotheses for {len(refs)} references; expected one "
+                "hypothesis per test sentence, in order"
+            )
+    samples = samples or DEFAULT_SAMPLES[test]
+    _, scores = PairedTest(named, {"BLEU": bleu(metric)}, [refs], test, samples)()
+    (key,) = [k for k in scores if k != "System"]
+    base, *results = scores[key]
+    draws = samples if test == "bs" else BOOTSTRAP_SAMPLES
+    intervals = delta_intervals(named, refs, metric, draws)
+    return {
+        name: PairedResult(r.score, base.score, *intervals[name], r.p_value, test, samples)
+        for (name, _), r in zip(named[1:], results, strict=True)
+    }
+
+
+def delta_intervals(
+    named: list[tuple[str, list[str]]], refs: list[str], metric: str, samples: int
+) -> dict[str, tuple[float, float]]:
+    """The 95% paired-bootstrap interval of each system's BLEU minus the first's, on the
+    resamples sacreBLEU's paired bootstrap draws (see the module's docstring)."""
+    scorer = bleu(metric)
+    stats = {
+        name: np.array(scorer._extract_corpus_statistics(hyps, [refs]), dtype="float32")
+        for name, hyps in named
+    }
+    seed = sacrebleu_seed()
+    rng = np.random.default_rng(seed if seed else None)  # as PairedTest passes it on
+    rows = rng.choice(len(refs), size=(samples, len(refs)), replace=True)
+
+    def resampled(name: str) -> np.ndarray:
+        return np.array(
+            [scorer._compute_score_from_stats(s.sum(0)).score for s in stats[name][rows]]
+        )
+
+    base = resampled(named[0][0])
+    lower = samples // 40
+    intervals = {}
+    for name, _ in named[1:]:
+        deltas = np.sort(resampled(name) - base)
+        intervals[name] = (float(deltas[lower]), float(deltas[samples - lower - 1]))
+    return intervals
+
+
+# Student t's 0.975 quantile by degrees of freedom (any statistics table).
+T_975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064,
+    25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042,
+}  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """Student t's 0.975 quantile: the table up to 30 degrees of freedom, beyond it the
+    Cornish-Fisher expansion around the normal quantile (error below 1e-4 there)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom {df}; expected >= 1")
+    if df in T_975:
+        return T_975[df]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
+    """``(mean, low, high)``: the mean and its Student-t 95% interval; ``None`` for fewer
+    than two values (no spread to estimate)."""
+    if len(values) < 2:
+        return None
+    mean = statistics.fmean(values)
+    half = t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
