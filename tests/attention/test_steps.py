@@ -57,11 +57,8 @@ def test_every_design_is_a_head_design_with_its_state_dict_name():
 class ScaleByPosition:
     """A toy positional part: Q and K at position p scaled by 1 + p / 10."""
 
-    def __call__(self, q, k, q_start, k_start):
-        def scale(t, start):
-            return 1.0 + (start + torch.arange(t.shape[2], dtype=t.dtype)) / 10  # (L,)
-
-        return q * scale(q, q_start)[:, None], k * scale(k, k_start)[:, None]
+    def __call__(self, x, positions):
+        return x * (1.0 + positions.to(x.dtype) / 10)[:, None]  # positions (L,)
 
 
 def test_a_positional_part_acts_on_q_and_k_after_the_projection_and_before_the_cache():

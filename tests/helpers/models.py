@@ -50,13 +50,13 @@ def tiny_model(seed: int = 0, **overrides: Any) -> Transformer:
     return Transformer(**kwargs).eval()
 
 
-def decoding_model(seed: int = 1) -> Transformer:
+def decoding_model(seed: int = 1, **overrides: Any) -> Transformer:
     """A random model whose outputs vary and end at varied lengths.
 
     With tied embeddings a random post-LN decoder mostly repeats its input token, so the
     output projection is untied and sharpened, and eos is made likelier.
     """
-    model = tiny_model(seed, share_embeddings=False, tie_output=False)
+    model = tiny_model(seed, share_embeddings=False, tie_output=False, **overrides)
     with torch.no_grad():
         model.output_projection.weight.mul_(3.0)
         model.output_projection.weight[EOS].mul_(2.0)

@@ -88,9 +88,9 @@ def test_output_lengths_respect_the_limit():
     assert zero == [[]] * 6
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_greedy_matches_uncached_reference(seed):
-    model = decoding_model(seed)
+@pytest.mark.parametrize("seed, positional", [(1, "sinusoidal"), (2, "sinusoidal"), (1, "rope")])
+def test_greedy_matches_uncached_reference(seed, positional):
+    model = decoding_model(seed, positional=positional)
     src = random_src(8, 9, seed=seed, min_len=2)
     outputs = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
     expected = [naive_greedy(model, row, _max_len(row, **LIMITS, max_positions=64)) for row in src]
@@ -109,9 +109,12 @@ def test_beam_size_one_is_greedy(norm_first):
     assert beam == greedy
 
 
-@pytest.mark.parametrize(("beam_size", "length_penalty"), [(3, 1.0), (4, 0.0), (2, 0.6)])
-def test_beam_matches_uncached_reference(beam_size, length_penalty):
-    model = decoding_model(2)
+@pytest.mark.parametrize(
+    ("beam_size", "length_penalty", "positional"),
+    [(3, 1.0, "sinusoidal"), (4, 0.0, "sinusoidal"), (2, 0.6, "sinusoidal"), (3, 1.0, "rope")],
+)
+def test_beam_matches_uncached_reference(beam_size, length_penalty, positional):
+    model = decoding_model(2, positional=positional)
     src = random_src(6, 8, seed=7, min_len=2)
     outputs = beam_search(
         model,

@@ -20,7 +20,7 @@ def test_forward_shapes_and_pad_mask():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
 def test_post_and_pre_ln_train_step(norm_first, positional):
     model = tiny_model(norm_first=norm_first, positional=positional, dropout=0.1).train()
     assert isinstance(model.encoder_norm, torch.nn.LayerNorm) == norm_first
@@ -152,11 +152,13 @@ def test_padding_does_not_change_other_positions():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("norm_first, positional", [(False, "sinusoidal"), (True, "sinusoidal"),
+    (False, "rope")])  # fmt: skip
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_incremental_decoding_matches_full_forward(norm_first, variant):
+def test_incremental_decoding_matches_full_forward(norm_first, positional, variant):
     model = tiny_model(
         norm_first=norm_first,
+        positional=positional,
         attention={"num_heads": 4, "num_kv_heads": VARIANTS[variant]},
     )
     B, S, T = 3, 7, 6
@@ -283,3 +285,18 @@ def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     )
     assert decoder["kind"] == "mha" and model.head_config["cross_attention"]["num_heads"] == 4
     assert model.head_tag == "enc-mha4_dec-mha4+mha3_cross-mha4_sdpa"
+
+
+def test_rope_rotates_both_self_attentions_and_is_refused_elsewhere():
+    model = tiny_model(positional="rope", attention={"num_heads": 4, "rotary_dim": 4})
+    for layer in [*model.encoder_layers, *model.decoder_layers]:
+        assert layer.self_attn.positions.rotary_dim == 4
+        assert getattr(layer, "cross_attn", None) is None or layer.cross_attn.positions is None
+    assert model.encoder_embedding.positional is None  # nothing added to the embeddings
+    assert tiny_model(positional="rope").encoder_layers[0].self_attn.positions.rotary_dim == 8
+    with pytest.raises(ValueError, match="rotary_dim=8 is not used with positional='sinusoidal'"):
+        tiny_model(attention={"num_heads": 4, "rotary_dim": 8})
+    with pytest.raises(ValueError, match="cross_attention: rotary_dim=8 is not used with cross"):
+        tiny_model(positional="rope", cross_attention={"rotary_dim": 8})
+    with pytest.raises(ValueError, match="start_pos=2 without caches"):
+        model.decode(torch.tensor([[BOS]]), *model.encode(random_src(1, 3)), start_pos=2)

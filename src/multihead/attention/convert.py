@@ -51,12 +51,13 @@ def rebuild(
     factory = {"device": w.device, "dtype": w.dtype}
     common = {"dropout": layer.dropout, "bias": bias, "backend": layer.backend, **factory}
     if H * D == E:
-        return type(layer)(E, H, G, **common, **design).train(layer.training)
-    # Pruned: built with all E / D heads, then its projections cut to H heads of D.
-    new = type(layer)(E, E // D, **common, **design)
-    new.num_heads, new.num_kv_heads = H, G
-    new.in_proj = nn.Linear(E, (H + 2 * G) * D, bias, **factory)
-    new.out_proj = nn.Linear(H * D, E, bias, **factory)
+        new = type(layer)(E, H, G, **common, **design)
+    else:  # pruned: built with all E / D heads, then its projections cut to H heads of D
+        new = type(layer)(E, E // D, **common, **design)
+        new.num_heads, new.num_kv_heads = H, G
+        new.in_proj = nn.Linear(E, (H + 2 * G) * D, bias, **factory)
+        new.out_proj = nn.Linear(H * D, E, bias, **factory)
+    new.positions = layer.positions  # the positions (no parameters) stay the layer's
     return new.train(layer.training)
 
 
@@ -147,6 +148,11 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
             f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
         )
     _check_unpruned(layer, "with_kv_latent")
+    if layer.positions is not None:
+        raise ValueError(
+            "with_kv_latent converts a layer without rotary positions: its rotated keys are "
+            "not a linear map of a latent (build MLA with rotary_dim for a decoupled rotary key)"
+        )
     E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
     bytes_now = layer.kv_cache_bytes_per_token()
     bytes_latent = CacheLayout(1, kv_latent_dim, shared_kv=True).bytes_per_token(torch.float32)

@@ -17,7 +17,8 @@ def build_head_design(
     embed_dim: int, num_heads: int, *, backend: str, top_k_heads: int | None = None,
     num_shared_heads: int = 0, head_mixing: str | None = None, mixing_groups: int | None = None,
     kv_latent_dim: int | None = None, num_kv_heads: int | None = None,
-    kv_latent_norm: bool = False, bias: bool = True, device=None, dtype=None,
+    kv_latent_norm: bool = False, rotary_dim: int | None = None, rope_theta: float = 10000.0,
+    rope_interleaved: bool = False, bias: bool = True, device=None, dtype=None,
 ) -> HeadDesign | None:  # fmt: skip
     """The part for the design the layer's arguments ask for, or ``None``.
 
@@ -55,8 +56,10 @@ def build_head_design(
                 "head design)"
             )
         return LatentKV(
-            embed_dim, num_heads, kv_latent_dim, bias=bias, norm=kv_latent_norm, **factory
-        )
+            embed_dim, num_heads, kv_latent_dim, bias=bias, norm=kv_latent_norm,
+            rope_dim=rotary_dim, rope_theta=rope_theta, rope_interleaved=rope_interleaved,
+            **factory,
+        )  # fmt: skip
     if top_k_heads is not None:
         return SparseHeads(embed_dim, num_heads, top_k_heads, num_shared_heads, **factory)
     if head_mixing is None:

@@ -8,15 +8,26 @@ numbers; DeepSeek and HF call ``r`` ``kv_lora_rank``), through per-head up-proje
     V_h = c W_UV_h^T                   (B, S, D)    W_UV_h: (D, r), no bias
 
 The KV cache holds ``c`` alone: ``r`` numbers per token and layer instead of MHA's ``2 H D``.
-This Transformer has absolute positions, so no decoupled RoPE keys are needed, and an MLA
-layer is exactly an MHA layer whose K/V weights are the products ``W_UK W_DKV`` and
-``W_UV W_DKV`` (without the norm).
+Without positions in the layer an MLA layer is exactly an MHA layer whose K/V weights are the
+products ``W_UK W_DKV`` and ``W_UV W_DKV`` (without the norm).
+
+Decoupled rotary positions (DeepSeek-V2, section 2.1.3; ``rope_dim = d_R``). Rotating K_h
+would put a position-dependent matrix between ``W_UK`` and the query, so it could not be
+folded. Instead each head's query gets ``d_R`` more features and all heads share one small
+rotary key, cached beside the latent; the latent part stays position-free::
+
+    q_h = [q_h^C ; RoPE(x W_QR_h^T)]   (B, H, L, D + d_R)     W_QR: (H d_R, E)
+    k_h = [K_h   ; RoPE(x W_KR^T)]     (B, H, S, D + d_R)     W_KR: (d_R, E), one for all heads
+    scores scaled by 1 / sqrt(D + d_R); the cache holds [c ; k_R]: r + d_R numbers per token.
 
 Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
 W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
 query and output projections once per search (kept in the KV cache: :attr:`KVCache.derived`)
 and each step attends over the cached latent as one shared K/V head of width ``r`` with the
-original ``1/sqrt(D)`` scale: no per-step up-projection of the cache.
+original ``1/sqrt(D)`` scale: no per-step up-projection of the cache. With the rotary key,
+queries ``[W_UK_h^T q_h^C ; q_h^R]`` attend over the cached ``[c ; k_R]`` as K and V, and
+the first ``r`` features of each head's output are its latent head (the rotary part is only
+scored, never a value): absorbed decoding stays exact.
 """
 
 from __future__ import annotations
@@ -29,11 +40,13 @@ from torch import Tensor, nn
 
 from multihead.attention.checks import check_positive_int
 from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.rotary import RotaryPositions
 from multihead.attention.steps import (
     HeadDesign,
     attend,
     make_mask,
     merge_heads,
+    new_positions,
     project_queries,
     scale_heads,
 )
@@ -50,6 +63,9 @@ class LatentKV(HeadDesign, nn.Module):
         kv_latent_dim: ``r``, the latent's width, at least 1.
         bias: a bias on the down-projection (as the layer's projections).
         norm: RMSNorm on the latent, as DeepSeek-V2 (no MHA equivalent then).
+        rope_dim: ``d_R``, the width of the decoupled rotary key and of each head's rotary
+            query features; ``None``: no positions. ``rope_theta``, ``rope_interleaved``: as
+            :class:`~multihead.attention.rotary.RotaryPositions`.
         device, dtype: for the parameters.
 
     Attributes:
@@ -62,7 +78,8 @@ class LatentKV(HeadDesign, nn.Module):
 
     def __init__(
         self, embed_dim: int, num_heads: int, kv_latent_dim: int, *, bias: bool = True,
-        norm: bool = False, device=None, dtype=None,
+        norm: bool = False, rope_dim: int | None = None, rope_theta: float = 10000.0,
+        rope_interleaved: bool = False, device=None, dtype=None,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
         super().__init__()
@@ -73,19 +90,36 @@ class LatentKV(HeadDesign, nn.Module):
         self.norm = nn.RMSNorm(kv_latent_dim, **factory) if norm else None
         self.up = nn.Linear(kv_latent_dim, 2 * embed_dim, bias=False, **factory)  # [W_UK; W_UV]
         self.absorb = True
+        self.rope_dim = 0
+        self.rope = None
+        if rope_dim is not None:
+            # RotaryPositions checks rope_dim (even, >= 2).
+            self.rope = RotaryPositions(rope_dim, theta=rope_theta, interleaved=rope_interleaved)
+            self.rope_dim = rope_dim
+            self.q_rope = nn.Linear(embed_dim, num_heads * rope_dim, bias, **factory)  # W_QR
+            self.k_rope = nn.Linear(embed_dim, rope_dim, bias, **factory)  # W_KR, shared
+
+    @property
+    def positions(self) -> RotaryPositions | None:
+        """The decoupled rotary key's rotation, or ``None``."""
+        return self.rope
 
     @property
     def options(self) -> dict[str, int | bool]:
         norm = {"kv_latent_norm": True} if self.norm is not None else {}
-        return {"kv_latent_dim": self.latent_dim, **norm}
+        rope = {} if self.positions is None else {"rotary_dim": self.rope_dim}
+        rope |= {} if self.positions is None else self.positions.options
+        return {"kv_latent_dim": self.latent_dim, **norm, **rope}
 
     @property
     def tag(self) -> str:
-        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "")
+        rope = f"rope{self.rope_dim}" if self.rope_dim else ""
+        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + rope
 
     def cache_layout(self, layer: MultiHeadAttention) -> CacheLayout:
-        """One latent of width ``r``, stored once for K and V."""
-        return CacheLayout(1, self.latent_dim, shared_kv=True)
+        """One latent of width ``r`` (and the rotary key, ``r + d_R``), stored once for K
+        and V."""
+        return CacheLayout(1, self.latent_dim + self.rope_dim, shared_kv=True)
 
     def latent(self, source: Tensor) -> Tensor:
         """``c`` ``(B, S, r)`` of ``source`` ``(B, S, E)``."""
@@ -125,36 +159,53 @@ class LatentKV(HeadDesign, nn.Module):
     def attention(
         self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, **masks,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """The layer's forward with latent K/V: the latent through the cache, then either
-        the expanded heads (training, full passes) or the absorbed ones (cached decoding).
+        """The layer's forward with latent K/V: the latent (and rotary key) through the
+        cache, then either the expanded heads (training, full passes) or the absorbed ones
+        (cached decoding).
 
         ``head_mask`` ``(H,)`` scales each head's output; on the absorbed path it scales
         the latent heads, the same by linearity (``W_UV`` is folded into ``W^O``)."""
         B, L, E = query.shape
-        H, r = self.num_heads, self.latent_dim
+        H, r, d_R = self.num_heads, self.latent_dim, self.rope_dim
         cross = key_value is not None
+        q_rope, scale = None, None
         if cross and kv_cache is not None and kv_cache.size > 0:
             c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
         else:
             c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
+            if self.positions is not None:  # self-attention only (the layer checks)
+                positions = new_positions(kv_cache, L, query.device, position_ids)
+                k_rope = self.positions(self.k_rope(query).unsqueeze(1), positions)  # (B,1,L,d_R)
+                c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + d_R)
+                q_rope = self.q_rope(query).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
+                q_rope = self.positions(q_rope, positions)
+                scale = (E // H + d_R) ** -0.5  # the scores are D + d_R wide
             if kv_cache is not None:
-                c, _ = kv_cache.update(c, None)  # (B, 1, S, r), the new positions appended
+                c, _ = kv_cache.update(c, None)  # (B, 1, S, r [+ d_R]), new positions appended
 
         if self.absorb and kv_cache is not None and not self.training:
             w_q, b_q, w_o = self.folded(layer, kv_cache)
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
-            heads, weights = attend(
-                layer, q, c, c, make_mask(layer, q, c, kv_cache, **masks), need_weights
-            )
+            if q_rope is not None:
+                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + d_R)
+            mask = make_mask(layer, q, c, kv_cache, **masks)
+            heads, weights = attend(layer, q, c, c, mask, need_weights, scale)
+            heads = heads[..., :r]  # (B, H, L, r): the rotary key is scored, not a value
             # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
             out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
             q = project_queries(layer, query)  # (B, H, L, D)
-            k, v = self.expand(c.squeeze(1))  # (B, H, S, D) each
-            heads, weights = attend(
-                layer, q, k, v, make_mask(layer, q, k, kv_cache, **masks), need_weights
-            )
+            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, D) each
+            if q_rope is not None:
+                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, D + d_R)
+                k_rope = c[..., r:].expand(B, H, -1, d_R)  # (B, H, S, d_R): one for all heads
+                k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, D + d_R)
+                # Kernels take one head width for K and V: V padded, the padding dropped.
+                v = F.pad(v, (0, d_R))  # (B, H, S, D + d_R)
+            mask = make_mask(layer, q, k, kv_cache, **masks)
+            heads, weights = attend(layer, q, k, v, mask, need_weights, scale)
+            heads = heads[..., : E // H]  # (B, H, L, D)
             out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out

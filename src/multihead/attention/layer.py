@@ -27,6 +27,7 @@ from multihead.attention.checks import check_positive_int
 from multihead.attention.convert import HeadConversions
 from multihead.attention.designs import build_head_design
 from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.rotary import RotaryPositions
 from multihead.attention.steps import (
     HeadDesign,
     PositionalPart,
@@ -63,6 +64,12 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             ``"head_attention"``; see :mod:`~multihead.attention.mixing` (``head_mix``).
         kv_latent_dim, kv_latent_norm: multi-head latent attention (MLA), see
             :mod:`~multihead.attention.latent`. A layer has at most one head design.
+        rotary_dim: rotary position embeddings (:mod:`~multihead.attention.rotary`) on Q
+            and K of self-attention, rotating the first ``rotary_dim`` features of each head
+            (``head_dim``: all of them); ``None`` (the default): no positions in the layer.
+            With ``kv_latent_dim``: the width of MLA's decoupled rotary key, added to each
+            head's query and key (DeepSeek-V2's ``qk_rope_head_dim``).
+        rope_theta, rope_interleaved: the rotary base and pairing, with ``rotary_dim``.
         device, dtype: for the parameters.
 
     Example:
@@ -86,6 +93,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         top_k_heads: int | None = None, num_shared_heads: int = 0,
         head_mixing: str | None = None, mixing_groups: int | None = None,
         kv_latent_dim: int | None = None, kv_latent_norm: bool = False,
+        rotary_dim: int | None = None, rope_theta: float = 10000.0, rope_interleaved: bool = False,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -124,8 +132,18 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         # Michel et al.'s per-head scale, (H,): None, or a tensor scaling each query head's
         # output before W^O (a plain attribute, not in the state_dict); see forward.
         self.head_mask: Tensor | None = None
-        # A position encoding applied to Q and K after the projection: none by default.
+        # A position encoding applied to Q and K after the projection: none by default
+        # (torchtune's pos_embeddings). MLA keeps its decoupled rotary key in its own part.
+        if rotary_dim is None and (rope_theta != 10000.0 or rope_interleaved):
+            raise ValueError(
+                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
+                "positions; set rotary_dim too"
+            )
         self.positions: PositionalPart | None = None
+        if rotary_dim is not None and kv_latent_dim is None:
+            self.positions = RotaryPositions(
+                self.head_dim, rotary_dim=rotary_dim, theta=rope_theta, interleaved=rope_interleaved
+            )
         self._reset_parameters()
 
         # The head design comes after the projections' init, so a layer with one draws the
@@ -135,6 +153,8 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             num_shared_heads=num_shared_heads, head_mixing=head_mixing,
             mixing_groups=mixing_groups, kv_latent_dim=kv_latent_dim, num_kv_heads=num_kv_heads,
             kv_latent_norm=kv_latent_norm, bias=bias, device=device, dtype=dtype,
+            **({} if kv_latent_dim is None else dict(rotary_dim=rotary_dim, rope_theta=rope_theta,
+               rope_interleaved=rope_interleaved)),
         )  # fmt: skip
         self._design_name = None if design is None else design.attribute
         if design is not None:
@@ -167,9 +187,10 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
         kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
         kind = self._part.kind or kind
+        rotary = {} if self.positions is None else getattr(self.positions, "options", {})
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            **self._part.options,
+            **self._part.options, **rotary,
         )  # fmt: skip
 
     @property
@@ -180,6 +201,11 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         config = self.head_config
         kv = f"kv{self.num_kv_heads}" if config["kind"] == "gqa" else ""
         return f"{config['kind']}{self.num_heads}{kv}{self._part.tag}"
+
+    @property
+    def has_positions(self) -> bool:
+        """Whether the layer places Q and K at positions (rotary, or MLA's rotary key)."""
+        return self.positions is not None or self._part.positions is not None
 
     @property
     def active_head_fraction(self) -> float:
@@ -230,7 +256,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         self, query: Tensor, key_value: Tensor | None = None, *,
         key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
         is_causal: bool = False, kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """Attend from ``query`` to itself, or to ``key_value`` (cross-attention).
 
@@ -247,12 +273,21 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
                 (:func:`~.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
                 ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
+            position_ids: ``(L,)`` or ``(B, L)`` positions of the queries, for rotary
+                positions (a left-padded batch); ``None``: those after the positions in
+                ``kv_cache`` (``0 .. L-1`` without a cache).
 
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
         self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
+        if position_ids is not None and not self.has_positions:
+            raise ValueError("position_ids are for rotary positions; this layer has none")
+        if key_value is not None and self.has_positions:
+            raise ValueError(
+                "rotary positions are for self-attention; got a key_value (cross-attention)"
+            )
         head_mask = check_head_mask(
             self.head_mask if head_mask is None else head_mask, self.num_heads
         )
@@ -262,9 +297,9 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             return self.design.attention(
                 self, query, key_value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                 is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights,
-                head_mask=head_mask,
+                head_mask=head_mask, position_ids=position_ids,
             )  # fmt: skip
-        q, k, v = project(self, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
+        q, k, v = project(self, query, key_value, kv_cache, position_ids)  # (B,H,L,D), (B,G,S,D)
         mask = make_mask(
             self, q, k, kv_cache,
             key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,

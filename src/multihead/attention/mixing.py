@@ -45,7 +45,7 @@ class HeadMixing(HeadDesign, nn.Module):
     def attention(
         self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, **masks,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """``project -> mask -> attend -> mix -> W^O``. ``head_mask`` scales each head's
         output after :meth:`attend`; a mixing that replaces :meth:`mix` refuses it (its
@@ -57,7 +57,7 @@ class HeadMixing(HeadDesign, nn.Module):
                 "after the scale, so a head has no contribution of its own to scale; use "
                 "a layer without a mixing, or talking_heads"
             )
-        q, k, v = project(layer, query, key_value, kv_cache)  # (B, H, L, D), (B, G, S, D)
+        q, k, v = project(layer, query, key_value, kv_cache, position_ids)  # (B,H,L,D), (B,G,S,D)
         mask = make_mask(layer, q, k, kv_cache, **masks)
         heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
         heads = self.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)

@@ -35,6 +35,7 @@ from multihead.attention.steps import (
     attend,
     make_mask,
     merge_heads,
+    new_positions,
     project_kv,
     project_queries,
     scale_heads,
@@ -140,7 +141,7 @@ class SparseHeads(HeadDesign, nn.Linear):
     def attention(
         self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, **masks,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """Shared heads densely, then only the routed (token, head) pairs selected:
         their queries and ``W^O`` slices on ``M`` rows per head (the most pairs any head got,
@@ -153,10 +154,16 @@ class SparseHeads(HeadDesign, nn.Linear):
         w, b = layer.in_proj.weight, layer.in_proj.bias
         w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
 
-        # Project: the shared heads' queries densely, K/V for every K/V head.
-        q_shared = project_queries(layer, query, Hs)  # (B, Hs, L, D)
+        # Project: the shared heads' queries densely, K/V for every K/V head; self-attention
+        # places them at their positions if the layer has a positional part.
+        positions = None
+        if layer.positions is not None and key_value is None:
+            positions = new_positions(kv_cache, L, query.device, position_ids)  # (L,) or (B, L)
+        q_shared = project_queries(layer, query, Hs, positions)  # (B, Hs, L, D)
         source = query if key_value is None else key_value
-        k, v = project_kv(layer, source, kv_cache, cross=key_value is not None)  # (B, G, S, D)
+        k, v = project_kv(
+            layer, source, kv_cache, cross=key_value is not None, positions=positions
+        )  # (B, G, S, D)
         S = k.shape[2]
         mask = make_mask(layer, q_shared, k, kv_cache, **masks)
 
@@ -199,6 +206,9 @@ class SparseHeads(HeadDesign, nn.Linear):
         q = torch.bmm(x, w[Hs * D : E].view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b is not None:
             q = q + b[Hs * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
+        if positions is not None:  # each pair's query at its token's position
+            pair_position = positions.expand(B, L).reshape(B * L)[pair_token]  # (R, M)
+            q = layer.positions(q.unsqueeze(1), pair_position).squeeze(1)  # (R, M, D)
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
         q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)

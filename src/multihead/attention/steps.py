@@ -31,13 +31,23 @@ if TYPE_CHECKING:
 
 # --------------------------------------------------------------------------- the interface
 class PositionalPart(Protocol):
-    """A position encoding of Q ``(B, H, L, D)`` at positions ``q_start ..`` and of the new
-    keys ``(B, G, L, D)`` at ``k_start ..``, after the projection (the layer's
-    ``positions``; none by default)."""
+    """A position encoding of queries ``(B, H, L, D)`` or new keys ``(B, G, L, D)`` at
+    ``positions`` ``(L,)`` or ``(B, L)``, applied after the projection, before keys are
+    cached (the layer's ``positions``: none by default; rotary embeddings,
+    :class:`~multihead.attention.rotary.RotaryPositions`)."""
 
-    def __call__(
-        self, q: Tensor, k: Tensor, q_start: int, k_start: int
-    ) -> tuple[Tensor, Tensor]: ...
+    def __call__(self, x: Tensor, positions: Tensor) -> Tensor: ...
+
+
+def new_positions(
+    kv_cache: KVCache | None, length: int, device: torch.device, position_ids: Tensor | None
+) -> Tensor:
+    """The positions of ``length`` new tokens: ``position_ids`` ``(L,)`` or ``(B, L)`` if
+    given (a left-padded batch), else those after the positions in ``kv_cache``."""
+    if position_ids is not None:
+        return position_ids
+    start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
+    return start + torch.arange(length, device=device)  # (L,)
 
 
 class HeadDesign:
@@ -49,12 +59,15 @@ class HeadDesign:
         attribute: where the layer holds it: the prefix of its state_dict keys.
         kind: ``head_config["kind"]`` if not the layer's (mha, gqa, mqa): MLA's ``"mla"``.
         aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
+        positions: a positional part of the design's own (MLA's decoupled rotary key), or
+            ``None``; the layer's ``positions`` is for the designs that use :func:`project`.
     """
 
     name: ClassVar[str] = ""
     attribute: ClassVar[str] = ""
     kind: ClassVar[str | None] = None
     aux_loss: Tensor | None = None
+    positions: PositionalPart | None = None
 
     @property
     def options(self) -> dict[str, object]:
@@ -78,21 +91,23 @@ class HeadDesign:
     def attention(
         self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, **masks,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """The layer's forward with this design: the arguments and result of
         :meth:`MultiHeadAttention.forward` (``key_value`` ``None`` for self-attention);
         ``masks``, its ``key_padding_mask``, ``attn_mask`` and ``is_causal``, go to
-        :func:`make_mask`."""
+        :func:`make_mask`; ``position_ids`` to the projection steps."""
         raise NotImplementedError
 
 
 # --------------------------------------------------------------------------- the steps
 def project(
-    layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, kv_cache: KVCache | None
-) -> tuple[Tensor, Tensor, Tensor]:
+    layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, kv_cache: KVCache | None,
+    position_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Step 1: Q ``(B, H, L, D)`` of ``query``, and K, V ``(B, G, S, D)`` of ``key_value``
-    (``None``: of ``query``), the cached positions included."""
+    (``None``: of ``query``), the cached positions included. Self-attention places Q and
+    the new K at their positions (:func:`new_positions`) if the layer has a positional part."""
     B, L, _ = query.shape
     H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     if key_value is not None:
@@ -103,26 +118,34 @@ def project(
     k = k.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
     v = v.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
     if layer.positions is not None:  # none by default
-        start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
-        q, k = layer.positions(q, k, start, start)
+        # Before the cache: each key is placed once, at its own position.
+        positions = new_positions(kv_cache, L, query.device, position_ids)
+        q, k = layer.positions(q, positions), layer.positions(k, positions)
     return (q, k, v) if kv_cache is None else (q, *kv_cache.update(k, v))
 
 
-def project_queries(layer: MultiHeadAttention, query: Tensor, heads: int | None = None) -> Tensor:
-    """Q ``(B, h, L, D)`` of the first ``heads`` query heads (``None``: all ``H``)."""
+def project_queries(
+    layer: MultiHeadAttention, query: Tensor, heads: int | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """Q ``(B, h, L, D)`` of the first ``heads`` query heads (``None``: all ``H``), placed at
+    ``positions`` by the layer's positional part when given (self-attention)."""
     B, L, _ = query.shape
     h = layer.num_heads if heads is None else heads
     w, b = layer.in_proj.weight[: h * layer.head_dim], layer.in_proj.bias
     q = F.linear(query, w, None if b is None else b[: h * layer.head_dim])  # (B, L, h*D)
-    return q.view(B, L, h, layer.head_dim).transpose(1, 2)  # (B, h, L, D)
+    q = q.view(B, L, h, layer.head_dim).transpose(1, 2)  # (B, h, L, D)
+    return q if positions is None else layer.positions(q, positions)
 
 
 def project_kv(
-    layer: MultiHeadAttention, source: Tensor, kv_cache: KVCache | None, *, cross: bool
-) -> tuple[Tensor, Tensor]:
+    layer: MultiHeadAttention, source: Tensor, kv_cache: KVCache | None, *, cross: bool,
+    positions: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """K and V ``(B, G, S, D)`` of ``source`` alone, through ``kv_cache`` if given: self-
-    attention appends the new positions; cross-attention stores the memory at the first
-    step and reads it back at every later one, unprojected."""
+    attention appends the new positions (K placed at ``positions`` first, when given);
+    cross-attention stores the memory at the first step and reads it back at every later
+    one, unprojected."""
     if cross and kv_cache is not None and kv_cache.size > 0:
         return kv_cache.get()
     B, G, D = source.shape[0], layer.num_kv_heads, layer.head_dim
@@ -131,6 +154,8 @@ def project_kv(
     k, v = F.linear(source, w[HD:], None if b is None else b[HD:]).split([G * D, G * D], -1)
     k = k.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
     v = v.view(B, -1, G, D).transpose(1, 2)  # (B, G, S, D)
+    if positions is not None:
+        k = layer.positions(k, positions)
     return (k, v) if kv_cache is None else kv_cache.update(k, v)
 
 
@@ -156,16 +181,18 @@ def make_mask(
 
 def attend(
     layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
-    need_weights: bool, **hooks,
+    need_weights: bool, scale: float | None = None, **hooks,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Step 3: softmax(QK^T)V ``(B, H, L, D)`` by the layer's backend, or by the math path
     with the weights ``(B, H, L, S)`` when they are asked for or ``hooks``
     (``on_logits``, ``on_weights`` of :func:`~.backends.math_attention_with_weights`) are
-    given. Query rows with no key to attend to come out as zeros."""
+    given. Query rows with no key to attend to come out as zeros. ``scale``: the layer's
+    ``1/sqrt(D)`` unless a design's scores are wider (MLA's decoupled rotary key)."""
     dropout_p = layer.dropout if layer.training else 0.0
+    scale = layer.scale if scale is None else scale
     weights = None
     if need_weights or hooks:
-        out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, layer.scale, **hooks)
+        out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, scale, **hooks)
     else:
         if torch.compiler.is_compiling():
             # Checked while tracing (Python only); adding to the checked set would fail the
@@ -174,7 +201,7 @@ def attend(
         elif (q.device, q.dtype) not in layer.checked_backends:
             check_backend(layer.backend, q.device, q.dtype, head_dim=layer.head_dim)
             layer.checked_backends.add((q.device, q.dtype))
-        out = BACKENDS[layer.backend](q, k, v, mask, dropout_p, layer.scale)
+        out = BACKENDS[layer.backend](q, k, v, mask, dropout_p, scale)
     if mask.empty_rows is not None:
         # Rows with no key to attend to: zeros, not the mean of unmasked values.
         out = out.masked_fill(mask.empty_rows, 0.0)

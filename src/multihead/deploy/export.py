@@ -139,6 +139,11 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
+    if model.encoder_embedding.positional is None:
+        raise ExportError(
+            "positional='rope' cannot be exported yet; expected sinusoidal or learned positions "
+            "(the export writes a position table)"
+        )
     sublayers: dict[str, list] = {}  # kind -> its layers, from the model's one enumeration
     for kind, _, _, attn in model.attention_sublayers():
         sublayers.setdefault(kind, []).append(attn)

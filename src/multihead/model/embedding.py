@@ -91,6 +91,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 POSITIONAL = {"sinusoidal": SinusoidalPositionalEncoding, "learned": LearnedPositionalEmbedding}
+# Rotary positions live in the self-attention layers, not in the embedding.
+POSITIONS = (*POSITIONAL, "rope")
 
 
 class TransformerEmbedding(nn.Module):
@@ -99,7 +101,8 @@ class TransformerEmbedding(nn.Module):
     Args:
         token: the token embedding, possibly shared with another stack and with the output
             projection (see :func:`make_token_embedding`).
-        positional: ``"sinusoidal"`` or ``"learned"``.
+        positional: ``"sinusoidal"``, ``"learned"``, or ``"rope"``: no positions added here,
+            the self-attention layers rotate Q and K instead.
         max_positions: the longest sequence (including positions reached while decoding).
         dropout: applied to the sum.
 
@@ -111,18 +114,26 @@ class TransformerEmbedding(nn.Module):
         self, token: nn.Embedding, *, positional: str, max_positions: int, dropout: float
     ) -> None:
         super().__init__()
-        if positional not in POSITIONAL:
+        if positional not in POSITIONS:
             raise ValueError(
-                f"unknown positional {positional!r}; expected one of {', '.join(POSITIONAL)}"
+                f"unknown positional {positional!r}; expected one of {', '.join(POSITIONS)}"
             )
         self.token = token
         self.embed_dim = token.embedding_dim
         self.scale = math.sqrt(self.embed_dim)
-        self.positional = POSITIONAL[positional](self.embed_dim, max_positions)
+        self.max_positions = max_positions
+        self.positional = (
+            POSITIONAL[positional](self.embed_dim, max_positions)
+            if positional in POSITIONAL
+            else None
+        )
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Tensor, start_pos: int = 0) -> Tensor:
         """Embed ``tokens`` ``(B, L)`` placed at positions ``start_pos ..`` (for decoding)."""
         x = self.token(tokens) * self.scale  # (B, L, E)
-        x = x + self.positional(tokens.shape[1], start_pos)  # (L, E) broadcast over B
+        if self.positional is None:  # rotary: the attention layers place the tokens
+            _check_positions(start_pos, tokens.shape[1], self.max_positions)
+        else:
+            x = x + self.positional(tokens.shape[1], start_pos)  # (L, E) broadcast over B
         return self.dropout(x)

@@ -272,6 +272,32 @@ def _attention_config(
     return config
 
 
+def _place_rotary(
+    configs: dict[str, dict[str, Any]], positional: str, d_model: int, cross: Mapping | None
+) -> None:
+    """With ``positional="rope"``, rotary positions in both self-attentions: every feature of
+    a head unless ``rotary_dim`` says fewer. Never in cross-attention (its queries and keys
+    are positions of two different sentences); ``attention.rotary_dim`` is for the others."""
+    asked_cross = (cross or {}).get("rotary_dim")
+    if asked_cross is not None:
+        raise ValueError(
+            f"cross_attention: rotary_dim={asked_cross} is not used with cross-attention; "
+            "rotary positions are for self-attention (model.positional=rope)"
+        )
+    configs["cross_attention"]["rotary_dim"] = None
+    for sublayer in ("encoder_self_attention", "decoder_self_attention"):
+        config = configs[sublayer]
+        asked = config.get("rotary_dim")
+        if positional != "rope":
+            if asked is not None:
+                raise ValueError(
+                    f"{sublayer}: rotary_dim={asked} is not used with positional={positional!r}; "
+                    "rotary positions come from model.positional=rope"
+                )
+            continue
+        config["rotary_dim"] = d_model // config["num_heads"] if asked is None else asked
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer for translation.
 
@@ -297,7 +323,9 @@ class Transformer(nn.Module):
         activation_dropout: after the FFN activation.
         activation: ``"relu"`` or ``"gelu"``.
         norm_first: pre-LN instead of post-LN.
-        positional: ``"sinusoidal"`` or ``"learned"``.
+        positional: ``"sinusoidal"``, ``"learned"`` (added to the embeddings) or ``"rope"``
+            (rotary positions in every self-attention sublayer, all of each head's features
+            rotated unless ``attention.rotary_dim`` says fewer; cross-attention has none).
         max_positions: the longest source or target sequence (bos included).
         share_embeddings: tie the source, target and output embeddings (one matrix); needs
             ``src_vocab_size == tgt_vocab_size`` (a joint vocabulary).
@@ -381,6 +409,7 @@ class Transformer(nn.Module):
             sublayer: _attention_config(sublayer, attention, override)
             for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True)
         }
+        _place_rotary(self.attention_config, positional, d_model, cross_attention)
         # The encoder and cross-attention always mask padded source tokens: their backends
         # must take a padding mask (the registry says which do).
         padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
@@ -532,6 +561,11 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"memory must be (N, S, E) with N dividing the {tgt_in.shape[0]} rows of "
                 f"tgt_in, got shape {tuple(memory.shape)}"
+            )
+        if caches is None and start_pos and self.decoder_embedding.positional is None:
+            raise ValueError(
+                f"start_pos={start_pos} without caches: rotary positions are taken from the "
+                "caches; decode incrementally with make_decoder_cache"
             )
         x = self.decoder_embedding(tgt_in, start_pos)  # (B, T, E)
         for i, layer in enumerate(self.decoder_layers):

@@ -1,0 +1,111 @@
+"""Rotary position embeddings (RoPE; Su et al., "RoFormer", 2021).
+
+RoPE encodes a position by rotating pairs of query and key features by angles that grow
+with it, ``angle_i(p) = p * theta^(-2i / R)`` for pair ``i`` of the ``R`` rotated features.
+A rotation keeps the dot product's dependence on the *difference* of the two positions
+only, so attention scores become relative without any table added to the embeddings::
+
+    <rot(q, m), rot(k, n)> = <rot(q, m - n), k>
+
+Two ways of pairing the features are in use, and checkpoints differ by which one:
+
+* ``interleaved=False``, "rotate half" (GPT-NeoX, HF Llama, Qwen2, Mistral): feature ``j``
+  pairs with ``j + R/2``;
+* ``interleaved=True``, neighbouring pairs ``(2i, 2i + 1)`` (the RoFormer paper, Meta's
+  original Llama, HF Cohere).
+
+``rotary_dim < head_dim`` rotates the first ``R`` features of each head and leaves the rest
+as they are ("partial rotary", GPT-NeoX, Phi). The layer builds one part, applies it to Q
+and K right after the projection (before K is cached, so each key is rotated once) and
+takes the positions from the KV cache's length unless the caller gives ``position_ids``
+(left-padded batches).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RotaryPositions(nn.Module):
+    """Rotate Q and K by their positions.
+
+    Args:
+        head_dim: ``D``, the width of one head.
+        rotary_dim: ``R``, the rotated features of each head: even, at most ``D``;
+            ``None`` means ``D``.
+        theta: the base of the angles' geometric progression (10,000 in RoFormer and
+            Llama 2; 500,000 in Llama 3; 1,000,000 in Qwen2).
+        interleaved: pair neighbouring features instead of the two halves (see the module).
+
+    The part has no parameters and no buffers: the angles are computed in the inputs'
+    precision, fp32 at least, at every call, so a checkpoint holds nothing of it.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        rotary_dim: int | None = None,
+        theta: float = 10000.0,
+        interleaved: bool = False,
+    ) -> None:
+        super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+            raise ValueError(f"rotary_dim must be an int, got {rotary_dim!r}")
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(
+                f"rotary_dim must be an even number in [2, head_dim={head_dim}], got {rotary_dim}"
+            )
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
+            raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.theta = float(theta)
+        self.interleaved = bool(interleaved)
+
+    @property
+    def options(self) -> dict[str, int | float | bool]:
+        """The constructor arguments, as the layer's ``head_config`` reports them."""
+        return dict(rotary_dim=self.rotary_dim, rope_theta=self.theta, interleaved=self.interleaved)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos`` and ``sin`` of every rotated feature's angle, ``(..., L, R)`` in ``dtype``.
+
+        ``positions`` is ``(L,)`` or ``(B, L)``. The angles are computed in fp32, or in
+        ``dtype`` when it is wider (fp64 stays fp64; bf16 is not precise enough for angles
+        of hundreds of radians), then cast, as HF Llama does.
+        """
+        work = torch.promote_types(dtype, torch.float32)
+        R = self.rotary_dim
+        # The same operations as HF's default rope init: 1 / theta^(2i / R), i < R/2.
+        exponents = torch.arange(0, R, 2, device=positions.device, dtype=work) / R  # (R/2,)
+        inv_freq = 1.0 / (self.theta**exponents)  # (R/2,)
+        angles = positions.to(work)[..., None] * inv_freq  # (..., L, R/2)
+        if self.interleaved:
+            angles = angles.repeat_interleave(2, dim=-1)  # (..., L, R): pair i at 2i, 2i+1
+        else:
+            angles = torch.cat((angles, angles), dim=-1)  # (..., L, R): pair i at i, i + R/2
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``x`` ``(B, heads, L, D)`` rotated by ``positions``, ``(L,)`` or ``(B, L)``."""
+        cos, sin = self.cos_sin(positions, x.dtype)  # (L, R) or (B, L, R)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, L, R): one angle for all heads
+        R = self.rotary_dim
+        rot, rest = x[..., :R], x[..., R:]  # (B, heads, L, R), (B, heads, L, D - R)
+        # Each pair (a, b) becomes (a cos - b sin, a sin + b cos): x cos + turn(x) sin, where
+        # turn(x) maps every pair (a, b) to (-b, a).
+        if self.interleaved:
+            a, b = rot[..., 0::2], rot[..., 1::2]  # (B, heads, L, R/2) each
+            turned = torch.stack((-b, a), dim=-1).flatten(-2)  # (B, heads, L, R)
+        else:
+            a, b = rot[..., : R // 2], rot[..., R // 2 :]
+            turned = torch.cat((-b, a), dim=-1)  # (B, heads, L, R)
+        rotated = rot * cos + turned * sin
+        return rotated if R == x.shape[-1] else torch.cat((rotated, rest), dim=-1)

@@ -1,0 +1,226 @@
+"""Rotary positions: the rotation against a written-out reference and HF's own functions,
+the layer's cached decoding and left padding, and its refusals."""
+
+import cmath
+
+import pytest
+import torch
+
+from multihead import MultiHeadAttention
+from multihead.attention.rotary import RotaryPositions
+
+
+def reference_rotation(x, positions, rotary_dim, theta, interleaved):
+    """Each feature pair as a complex number z, times e^(i p theta^(-2j/R)): the RoFormer
+    paper's definition, one number at a time (fp64 Python complex arithmetic)."""
+    out = x.clone()
+    half = rotary_dim // 2
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:-1])):
+        idx = tuple(idx.tolist())
+        p = float(positions[idx[-1]])
+        for j in range(half):
+            a_at, b_at = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+            z = complex(x[idx + (a_at,)], x[idx + (b_at,)])
+            z *= cmath.exp(1j * p * theta ** (-2 * j / rotary_dim))
+            out[idx + (a_at,)], out[idx + (b_at,)] = z.real, z.imag
+    return out
+
+
+@pytest.mark.parametrize(
+    "rotary_dim, interleaved", [(8, False), (8, True), (4, False), (6, True)], ids=str
+)
+def test_rotation_equals_the_written_out_reference(rotary_dim, interleaved):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)  # (B, heads, L, D)
+    positions = torch.tensor([0, 1, 2, 7, 300])
+    rope = RotaryPositions(8, rotary_dim=rotary_dim, theta=500.0, interleaved=interleaved)
+    expected = reference_rotation(x, positions, rotary_dim, 500.0, interleaved)
+    torch.testing.assert_close(rope(x, positions), expected, rtol=0, atol=1e-12)
+
+
+def _hf_rotary(module_name, config_class, rotary_class, **config):
+    modeling = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}")
+    import transformers
+
+    cfg = getattr(transformers, config_class)(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **config
+    )
+    return getattr(modeling, rotary_class)(cfg), modeling.apply_rotary_pos_emb
+
+
+@pytest.mark.parametrize(
+    "family, rotary_dim, interleaved",
+    [
+        # HF Llama: rotate half, every feature; theta as Llama 3.
+        (("llama", "LlamaConfig", "LlamaRotaryEmbedding", {}), 16, False),
+        # GPT-NeoX: rotate half of the first quarter of each head's features.
+        (
+            ("gpt_neox", "GPTNeoXConfig", "GPTNeoXRotaryEmbedding", {"rotary_pct": 0.25}),
+            4,
+            False,
+        ),
+        # Cohere: neighbouring pairs (the RoFormer paper's and Meta's original Llama's).
+        (("cohere", "CohereConfig", "CohereRotaryEmbedding", {}), 16, True),
+    ],
+    ids=["llama", "gpt_neox_partial", "cohere_interleaved"],
+)
+def test_rotation_equals_hugging_face(family, rotary_dim, interleaved):
+    module_name, config_class, rotary_class, extra = family
+    theta = 500000.0
+    hf_rope, hf_apply = _hf_rotary(
+        module_name, config_class, rotary_class, rope_parameters={"rope_type": "default",
+        "rope_theta": theta, **({"partial_rotary_factor": 0.25} if "rotary_pct" in extra else {})},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)  # (B, H, L, D), (B, G, L, D)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])  # left-padded row
+    cos, sin = hf_rope(q, position_ids)
+    hf_q, hf_k = hf_apply(q, k, cos, sin)
+    ours = RotaryPositions(16, rotary_dim=rotary_dim, theta=theta, interleaved=interleaved)
+    torch.testing.assert_close(ours(q, position_ids), hf_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours(k, position_ids), hf_k, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["cache", "static_cache"])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_cached_decoding_with_rotary_equals_the_full_pass(static, num_kv_heads):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, num_kv_heads, rotary_dim=6, rope_interleaved=True).eval()
+    x = torch.randn(2, 7, 32)
+    full = attn(x, is_causal=True)
+    cache = attn.make_kv_cache(2, 8, static=static)
+    prefix = attn(x[:, :3], is_causal=True, kv_cache=cache)  # a prefill of 3, then steps
+    steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+    torch.testing.assert_close(torch.cat([prefix, *steps], 1), full, rtol=0, atol=1e-5)
+
+
+def test_left_padded_rows_with_their_own_positions_equal_the_unpadded_rows():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2, rotary_dim=8).eval()
+    x = torch.randn(2, 5, 32)
+    padded = torch.cat([torch.zeros(1, 2, 32), x[1:, :3]], dim=1)  # row 1: 2 pads, 3 tokens
+    batch = torch.cat([x[:1], padded])
+    pad = torch.tensor([[False] * 5, [True, True, False, False, False]])
+    position_ids = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]])
+    out = attn(batch, key_padding_mask=pad, is_causal=True, position_ids=position_ids)
+    alone = attn(x[1:, :3], is_causal=True)
+    torch.testing.assert_close(out[1, 2:], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[0], attn(x[:1], is_causal=True)[0], rtol=0, atol=1e-5)
+    # The positions are used: spread the real tokens apart and the row changes (a uniform
+    # shift would not: rotary scores depend on differences of positions only).
+    spread = attn(batch, key_padding_mask=pad, is_causal=True, position_ids=position_ids * 3)
+    assert (spread[1, 2:] - alone[0]).abs().max() > 1e-3
+
+
+def test_the_rotation_makes_scores_relative():
+    """q at m and k at n score as q at m + s and k at n + s, for any shift s."""
+    torch.manual_seed(0)
+    rope = RotaryPositions(8)
+    q, k = (
+        torch.randn(1, 1, 1, 8, dtype=torch.float64),
+        torch.randn(1, 1, 1, 8, dtype=torch.float64),
+    )
+    scores = [
+        (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()
+        for m, n in [(3, 1), (13, 11), (403, 401)]
+    ]
+    torch.testing.assert_close(scores[1], scores[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(scores[2], scores[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rotary_dim": 5}, "rotary_dim must be an even number in [2, head_dim=8], got 5"),
+        ({"rotary_dim": 10}, "rotary_dim must be an even number in [2, head_dim=8], got 10"),
+        ({"rotary_dim": 8, "rope_theta": 0.5}, "rope_theta must be a number > 1, got 0.5"),
+        ({"rope_theta": 1e6}, "need rotary positions; set rotary_dim too"),
+        ({"rope_interleaved": True}, "need rotary positions; set rotary_dim too"),
+        ({"rotary_dim": 3, "kv_latent_dim": 8}, "rotary_dim must be an even number"),
+    ],
+    ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd"],
+)
+def test_bad_rotary_options_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        MultiHeadAttention(32, 4, **kwargs)
+
+
+def test_position_ids_need_rotary_and_rotary_needs_self_attention():
+    x = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match="position_ids are for rotary positions"):
+        MultiHeadAttention(32, 4)(x, position_ids=torch.arange(3))
+    for layer in (MultiHeadAttention(32, 4, rotary_dim=8), MultiHeadAttention(32, 4,
+                  kv_latent_dim=8, rotary_dim=4)):  # fmt: skip
+        with pytest.raises(ValueError, match="rotary positions are for self-attention"):
+            layer(x, torch.randn(1, 4, 32))
+    with pytest.raises(ValueError, match="with_kv_latent converts a layer without rotary"):
+        MultiHeadAttention(32, 4, rotary_dim=8).with_kv_latent(8)
+
+
+# --------------------------------------------------------------------------- MLA + RoPE
+def rotate_half_by_complex(x, positions, theta=10000.0):
+    """RoPE written as complex multiplication: features j and j + d/2 are one number."""
+    d = x.shape[-1]
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :])
+    angles = positions[:, None].double() * theta ** (-torch.arange(d // 2).double() * 2 / d)
+    z = z * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+def decoupled_mla_reference(layer, x):
+    """DeepSeek-V2's equations (section 2.1.3) from the layer's weights, causal, no cache."""
+    B, L, E = x.shape
+    H, latent = layer.num_heads, layer.kv_latent
+    D, r, d_R = E // H, latent.latent_dim, latent.rope_dim
+    positions = torch.arange(L)
+    w, b = layer.in_proj.weight, layer.in_proj.bias
+    q_c = (x @ w.T + b).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+    q_r = latent.q_rope(x).view(B, L, H, d_R).transpose(1, 2)
+    q_r = rotate_half_by_complex(q_r, positions)
+    c = latent.down(x)  # (B, L, r)
+    w_uk, w_uv = latent.up.weight.view(2, H, D, r)
+    k_c = torch.einsum("blr,hdr->bhld", c, w_uk)  # (B, H, L, D)
+    v = torch.einsum("blr,hdr->bhld", c, w_uv)
+    k_r = rotate_half_by_complex(latent.k_rope(x), positions)[:, None]  # (B, 1, L, d_R)
+    scores = (q_c @ k_c.transpose(-2, -1) + q_r @ k_r.transpose(-2, -1)) / (D + d_R) ** 0.5
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    heads = scores.softmax(-1) @ v  # (B, H, L, D)
+    return layer.out_proj(heads.transpose(1, 2).reshape(B, L, E))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_mla_with_decoupled_rope_follows_deepseek_v2_and_absorbs_exactly(backend):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, kv_latent_dim=12, rotary_dim=4, backend=backend)
+    layer = layer.double().eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x, is_causal=True)
+        torch.testing.assert_close(full, decoupled_mla_reference(layer, x), rtol=0, atol=1e-12)
+        for absorb, static in [(True, False), (False, False), (True, True)]:
+            layer.kv_latent.absorb = absorb
+            cache = layer.make_kv_cache(2, 8, static=static)
+            steps = [layer(x[:, :3], is_causal=True, kv_cache=cache)]
+            steps += [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+def test_mla_caches_its_latent_and_rotary_key_beside_mha_gqa_and_mqa():
+    # E = 512, H = 8 (D = 64), fp16: bytes per token and layer, counted by hand.
+    def fp16_bytes(**kwargs):
+        return MultiHeadAttention(512, 8, **kwargs).kv_cache_bytes_per_token(torch.float16)
+
+    assert fp16_bytes() == 2 * 8 * 64 * 2  # MHA: K and V of 8 heads
+    assert fp16_bytes(num_kv_heads=2) == 2 * 2 * 64 * 2  # GQA
+    assert fp16_bytes(num_kv_heads=1) == 2 * 1 * 64 * 2  # MQA
+    assert fp16_bytes(kv_latent_dim=128, rotary_dim=32) == (128 + 32) * 2  # c and k_R once
+    layer = MultiHeadAttention(512, 8, kv_latent_dim=128, rotary_dim=32)
+    cache = layer.make_kv_cache(1, 5)
+    layer(torch.randn(1, 5, 512), is_causal=True, kv_cache=cache)
+    assert cache.nbytes() == 5 * (128 + 32) * 4  # what the cache really holds (fp32)
+    plain = MultiHeadAttention(512, 8, kv_latent_dim=128)
+    assert set(layer.state_dict()) - set(plain.state_dict()) == {
+        "kv_latent.q_rope.weight", "kv_latent.q_rope.bias",
+        "kv_latent.k_rope.weight", "kv_latent.k_rope.bias",
+    }  # fmt: skip
+    assert layer.head_tag == "mla8r128rope32"
