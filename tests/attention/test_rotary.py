@@ -81,17 +81,31 @@ def test_rotation_equals_hugging_face(family, rotary_dim, interleaved):
     torch.testing.assert_close(ours(k, position_ids), hf_k, rtol=0, atol=1e-6)
 
 
+DESIGNS = {
+    "mha": {},
+    "gqa": {"num_kv_heads": 2},
+    "mqa": {"num_kv_heads": 1},
+    "moh": {"top_k_heads": 2, "num_shared_heads": 1},
+    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
+}
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["cache", "static_cache"])
-@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_cached_decoding_with_rotary_equals_the_full_pass(static, num_kv_heads):
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_cached_decoding_with_rotary_equals_the_full_pass(static, design):
     torch.manual_seed(0)
-    attn = MultiHeadAttention(32, 4, num_kv_heads, rotary_dim=6, rope_interleaved=True).eval()
+    attn = MultiHeadAttention(32, 4, rotary_dim=6, rope_interleaved=True, **DESIGNS[design])
+    attn = attn.eval()
     x = torch.randn(2, 7, 32)
     full = attn(x, is_causal=True)
     cache = attn.make_kv_cache(2, 8, static=static)
     prefix = attn(x[:, :3], is_causal=True, kv_cache=cache)  # a prefill of 3, then steps
     steps = [attn(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
     torch.testing.assert_close(torch.cat([prefix, *steps], 1), full, rtol=0, atol=1e-5)
+    # The positions are applied: without them the same weights give another output.
+    plain = MultiHeadAttention(32, 4, **DESIGNS[design]).eval()
+    plain.load_state_dict(attn.state_dict())
+    assert (plain(x, is_causal=True) - full).abs().max() > 1e-3
 
 
 def test_left_padded_rows_with_their_own_positions_equal_the_unpadded_rows():
