@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from torch import Tensor, nn
 from multihead import MultiHeadAttention
 from multihead.attention import BackendUnavailableError, available_backends, backend_rules
 from multihead.attention.backends import BACKENDS, unavailable_reason
+from multihead.timing import interleaved_medians
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -160,27 +159,6 @@ def why_not(backend: str, device: torch.device, dtype: torch.dtype, training: bo
 
 
 # --------------------------------------------------------------------------- measuring
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(steps: dict[str, Step], repeats: int, warmup: int, device) -> dict:
-    """Median seconds per step; each repeat runs every step once, in turn."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    for _ in range(repeats):
-        for name, step in steps.items():
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def peak_bytes(step: Step, device: torch.device) -> int:
     """Peak bytes allocated while ``step`` runs, above what was allocated before."""
     if device.type == "cuda":
@@ -268,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = training_steps(args, B, L, device, dtype)
         runnable = {k: v for k, v in steps.items() if not isinstance(v, str)}
         print(f"timing B={B} L={L}: {len(runnable)} candidates", file=sys.stderr)
-        medians = time_interleaved(runnable, args.repeats, args.warmup, device)
+        medians = interleaved_medians(runnable, args.repeats, warmup=args.warmup, device=device)
         base = medians["nn.MHA (float mask)"]
         for name, step in steps.items():
             t = step if isinstance(step, str) else medians[name]
@@ -338,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     decode = decode_steps(args, device, dtype)
     runnable = {k: v[0] for k, v in decode.items() if not isinstance(v[0], str)}
     with torch.no_grad():
-        medians = time_interleaved(runnable, args.repeats * 3, args.warmup, device)
+        medians = interleaved_medians(runnable, args.repeats * 3, warmup=args.warmup, device=device)
     base = medians["nn.MHA (no cache)"]
     for name, (step, nbytes) in decode.items():
         t = step if isinstance(step, str) else medians[name]

@@ -31,6 +31,7 @@ search spends its time, op by op, grouped by what a decoding step does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -49,6 +50,7 @@ from multihead.checkpoints import load_trained_model, search_settings
 from multihead.data import load_parallel_dataset
 from multihead.evaluation import corpus_scores, translate
 from multihead.host import cpu_info, cpu_model
+from multihead.timing import interleaved_seconds
 
 ENGINES = ("ours", "ours expanded", "ct2 fp32", "ct2 int8")
 
@@ -328,15 +330,18 @@ def main() -> None:
                     s, beam_size=beam, **o
                 )
 
-    seconds = {(key, s): [] for key in engines for s in searches}
-    outputs = {}
-    for _ in range(args.repeats):
-        for key, run in engines.items():
-            for name, beam in searches.items():
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    outputs[key, name] = run(sources, beam)
-                seconds[key, name].append(time.perf_counter() - start)
+    outputs = {}  # (engine key, search) -> the last round's translations
+
+    def search(key, name: str, beam: int) -> None:
+        with torch.inference_mode():
+            outputs[key, name] = engines[key](sources, beam)
+
+    jobs = {
+        (key, name): functools.partial(search, key, name, beam)
+        for key in engines
+        for name, beam in searches.items()
+    }
+    seconds = interleaved_seconds(jobs, args.repeats, warmup=0)
     tmp.cleanup()
 
     if args.json:

@@ -21,9 +21,7 @@ exactly balanced. Example (the table of docs/benchmarks.md)::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import MultiHeadAttention
 from multihead.attention import BACKENDS
+from multihead.timing import interleaved_medians
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,17 +87,6 @@ def packed_share(layer: MultiHeadAttention, x: torch.Tensor) -> float:
     return counts.max().item() / x.shape[1]
 
 
-def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict:
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(warmup + repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
@@ -122,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         with FlopCounterMode(display=False) as counter:
             step(layer)()
         flops[name] = counter.get_total_flops()
-    times = time_interleaved(
-        {name: step(layer) for name, layer in layers.items()}, args.repeats, args.warmup
+    times = interleaved_medians(
+        {name: step(layer) for name, layer in layers.items()}, args.repeats, warmup=args.warmup
     )
 
     print(

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
+import functools
 from pathlib import Path
 
 from multihead.cli import register_resolvers
@@ -45,6 +44,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.model import build_model
+from multihead.timing import interleaved_medians, wall_seconds
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -121,16 +121,8 @@ def gemm_peak(device: torch.device, dtype: torch.dtype, size: int = 2048) -> flo
     """GFLOP/s of a square ``size`` GEMM, the median of 5 after a warm-up."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = []
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(seconds[1:]) / 1e9
+    seconds = interleaved_medians({"gemm": lambda: a @ b}, 5, device=device)["gemm"]
+    return 2 * size**3 / seconds / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,14 +233,8 @@ def main(argv: list[str] | None = None) -> None:
             module.zero_grad(set_to_none=True)
             step_gflop[preset] = counter.get_total_flops() / len(batches) / 1e9
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def step_block(name: str) -> float:
+    def step_block(name: str) -> None:
         precision, options, module, optimizer, scaler = runs[name]
-        sync()
-        start = time.perf_counter()
         for batch in batches:
             with autocast(precision, device):
                 loss = loss_fn(module, batch, options)
@@ -258,16 +244,14 @@ def main(argv: list[str] | None = None) -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - start
 
-    for name in runs:  # warm-up (and compilation)
-        print(f"warm-up (and compilation) of {name}: {step_block(name):.1f} s", flush=True)
+    blocks = {name: functools.partial(step_block, name) for name in runs}
+    for name, block in blocks.items():  # warm-up (and compilation), timed to show its cost
+        print(
+            f"warm-up (and compilation) of {name}: {wall_seconds(block, device):.1f} s", flush=True
+        )
     peak = gemm_peak(device, torch.float32) if args.peak else None
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.blocks):
-        for name in runs:
-            times[name].append(step_block(name))
+    times = interleaved_medians(blocks, args.blocks, warmup=0, device=device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
@@ -282,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     base = None
     for (preset, *_), name in zip(variants, runs, strict=True):
-        seconds = statistics.median(times[name])
+        seconds = times[name]
         base = base or seconds
         gflops = step_gflop[preset] * len(batches) / seconds
         params = runs[name][2].model.num_parameters()

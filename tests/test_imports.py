@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multihead"
 LAYERS = (
     "wandb_setup",  # wandb online/offline without prompts (standard library only)
     "host",  # the host's name, its CPU and the time (standard library only)
+    "timing",  # every job once per round, in turn: the one timer of the speed figures (torch only)
     "attention",  # the reusable layer (torch only)
     "integrations",  # the layer in other libraries' models (each imports its own extra)
     "model",  # the Transformer, its factory and its decoding

@@ -4,8 +4,8 @@ A run's own speeds (``perf/...`` and ``decode/...`` in its ``summary.json``) wer
 while it trained, on whatever else the machine was doing then; runs of a sweep that shared
 a host slowed each other. ``scripts/compare.py speed=true`` measures every run again here,
 in one process, round by round (each round times every run once), so that noise hits them
-alike, as ``scripts/benchmark_training.py --attention`` and
-``scripts/benchmark_decoding.py`` do:
+alike, with the timer of ``scripts/benchmark_training.py --attention`` and
+``scripts/benchmark_decoding.py`` (:mod:`multihead.timing`):
 
 - training: forward, backward, gradient clipping and the run's own optimizer step, on the
   same training sentences for every run (each tokenized by the run's own tokenizer), in
@@ -19,8 +19,6 @@ Each figure is the median over the rounds, after one untimed warm-up round.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,25 +31,12 @@ from multihead.data import load_parallel_dataset
 from multihead.data.batching import collate, pack_batches
 from multihead.evaluation import translate
 from multihead.host import cpu_model, host_name
+from multihead.timing import interleaved_medians
 
 # The summary keys of the side-by-side figures (compare.py's columns and plots).
 TRAIN_KEY = "speed/train_tgt_tokens_per_s"
 GREEDY_KEY = "speed/greedy_sentences_per_s"
 BEAM_KEY = "speed/beam_sentences_per_s"
-
-
-def interleaved_seconds(jobs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Wall seconds of each job, ``rounds`` times, every job once per round, after one
-    untimed warm-up round (first calls pay for allocation and kernel choices)."""
-    for job in jobs.values():
-        job()
-    seconds: dict[str, list[float]] = {name: [] for name in jobs}
-    for _ in range(rounds):
-        for name, job in jobs.items():
-            start = time.perf_counter()
-            job()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
 
 
 def training_batches(trained, pairs: list[tuple[str, str]], max_tokens: int) -> list[dict]:
@@ -150,12 +135,12 @@ def measure(
         jobs[label, "train"], targets[label] = training_step_job(
             t, training_batches(t, pairs, max_tokens)
         )
-    seconds = interleaved_seconds(jobs, rounds)
+    seconds = interleaved_medians(jobs, rounds)
     speeds = {
         label: {
-            TRAIN_KEY: targets[label] / statistics.median(seconds[label, "train"]),
-            GREEDY_KEY: len(sources) / statistics.median(seconds[label, "greedy"]),
-            BEAM_KEY: len(sources) / statistics.median(seconds[label, "beam"]),
+            TRAIN_KEY: targets[label] / seconds[label, "train"],
+            GREEDY_KEY: len(sources) / seconds[label, "greedy"],
+            BEAM_KEY: len(sources) / seconds[label, "beam"],
         }
         for label in trained
     }
