@@ -297,6 +297,12 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     return adapter.train(module.training)
 
 
+def _bias_or_zeros(linear: nn.Linear) -> Tensor:
+    """``linear``'s bias, or a zero one that no gradient moves (``zeros_like`` of a
+    parameter does not require grad): Qwen2's ``o_proj`` beside its biased Q/K/V."""
+    return torch.zeros_like(linear.weight[:, 0]) if linear.bias is None else linear.bias
+
+
 def _from_llama(
     module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
 ) -> HFAttentionAdapter:
@@ -318,7 +324,8 @@ def _from_llama(
       refused, the layer's head width is ``E / H``.
     * Qwen2's ``o_proj`` has no bias while ``q/k/v_proj`` have one, and the layer's ``bias``
       covers both projections: the out-projection gets a zero bias, frozen
-      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's.
+      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
+      (any projection without a bias beside one with a bias gets the same).
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
     """
     config = module.config
@@ -335,25 +342,22 @@ def _from_llama(
             f"head_dim ({module.head_dim}) * num_attention_heads ({heads}) must equal "
             f"hidden_size ({config.hidden_size}), the layer's head width is E / H"
         )
-    weight, bias = module.q_proj.weight, module.q_proj.bias is not None
-    if not bias and module.o_proj.bias is not None:
-        raise ValueError("an o_proj bias without q/k/v_proj biases is not supported")
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    weight, bias = (
+        module.q_proj.weight,
+        any(p.bias is not None for p in (*projections, module.o_proj)),
+    )
     attn = MultiHeadAttention(
         config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
         device=weight.device, dtype=weight.dtype,
     )  # fmt: skip
     attn.scale = module.scaling
-    projections = (module.q_proj, module.k_proj, module.v_proj)
     _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
     _copy_into(attn.out_proj.weight, module.o_proj.weight)
     if bias:
-        _copy_into(attn.in_proj.bias, *(p.bias for p in projections))
-        # Qwen2's o_proj has none: a zero bias that no gradient moves (zeros_like is frozen).
-        o_bias = module.o_proj.bias
-        _copy_into(
-            attn.out_proj.bias, torch.zeros_like(attn.out_proj.bias) if o_bias is None else o_bias
-        )
+        _copy_into(attn.in_proj.bias, *(_bias_or_zeros(p) for p in projections))
+        _copy_into(attn.out_proj.bias, _bias_or_zeros(module.o_proj))
     adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
     return adapter.train(module.training)
 
