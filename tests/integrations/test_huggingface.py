@@ -262,6 +262,34 @@ def test_the_swap_takes_hf_position_ids() -> None:
     assert difference() > 1e-3
 
 
+def _hf_attention_reference(eager, x, positions):
+    """HF's eager Llama attention of layer 0 on ``x`` ``(1, L, E)`` at ``positions``
+    ``(1, L)``, causal: the reference for the adapter called directly."""
+    L = x.shape[1]
+    causal = torch.full((L, L), float("-inf")).triu(1)[None, None]  # (1, 1, L, L), additive
+    rotary = eager.model.rotary_emb(x, positions)
+    return eager.model.layers[0].self_attn(x, rotary, attention_mask=causal)[0], causal
+
+
+def test_without_position_ids_the_swap_takes_cache_position_or_the_cache_length() -> None:
+    from transformers import DynamicCache
+
+    eager = eager_model("llama").eval()
+    adapter = through(eager, "swap").model.layers[0].self_attn
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(2))
+    # cache_position (older HF models pass it): two sequences packed in one row.
+    packed = torch.cat([torch.arange(5), torch.arange(3)])[None]
+    want, causal = _hf_attention_reference(eager, x, packed)
+    got = adapter(x, attention_mask=causal == 0, cache_position=packed)[0]
+    assert (got - want).abs().max() < TOLERANCE
+    # Neither: the positions after the cache's, 5, 6, 7 after a prompt of 5.
+    want, causal = _hf_attention_reference(eager, x, torch.arange(8)[None])
+    cache, mask = DynamicCache(), causal == 0  # bool, True = attend
+    adapter(x[:, :5], attention_mask=mask[..., :5, :5], cache=cache)
+    got = adapter(x[:, 5:], attention_mask=mask[..., 5:, :], cache=cache)[0]
+    assert (got - want[:, 5:]).abs().max() < TOLERANCE
+
+
 def _dropping_position_ids(forward):
     return lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
 
