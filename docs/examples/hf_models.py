@@ -1,9 +1,10 @@
-"""Hugging Face models on the layer's kernels, and GPT-2 on the layer itself.
+"""Hugging Face models on the layer's kernels, and on the layer itself.
 
 Builds small random models (no Hub): a Llama-shaped one with GQA (4 query heads, 2 K/V
 heads) and a GPT-2, runs a left-padded batch through HF's ``eager`` attention, HF's ``sdpa``
-(for scale), ``attn_implementation="multihead"`` and ``"multihead_math"``, and GPT-2's
-module swap, and greedy-decodes 10 tokens with HF's cache each way. Prints the largest logit
+(for scale), ``attn_implementation="multihead"`` and ``"multihead_math"``, and the module
+swap of each (the Llama's with the layer's own rotary positions), and greedy-decodes 10
+tokens with HF's cache each way. Prints the largest logit
 difference at the token positions and whether the generated tokens are identical; exits with
 status 1 if a difference reaches 1e-5 or the tokens differ. Needs the ``hf`` extra
 (``pip install 'multihead[hf]'``).
@@ -58,10 +59,12 @@ def main(argv: list[str] | None = None) -> dict:
         ours.set_attn_implementation(implementation)  # or from_config(attn_implementation=)
         label = f"Llama (GQA), {implementation}"
         results[implementation] = compare(label, ours, eager, ids, mask)
+    swapped = replace_hf_attention(copy.deepcopy(eager))  # MultiHeadAttention with RoPE inside
+    results["llama_swap"] = compare("Llama (GQA), module swap (sdpa)", swapped, eager, ids, mask)
 
     gpt2 = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **TOKENS)
     eager = AutoModelForCausalLM.from_config(gpt2, attn_implementation="eager").eval()
-    swapped = replace_hf_attention(copy.deepcopy(eager))  # MultiHeadAttention inside
+    swapped = replace_hf_attention(copy.deepcopy(eager))
     results["gpt2_swap"] = compare("GPT-2, module swap (sdpa)", swapped, eager, ids, mask)
     if any(r["max_diff"] >= 1e-5 or not r["same_tokens"] for r in results.values()):
         sys.exit(1)

@@ -1,4 +1,4 @@
-"""HF models on the layer's kernels (``attn_implementation``) and on the layer (GPT-2's swap).
+"""HF models on the layer's kernels (``attn_implementation``) and on the layer (the swap).
 
 The reference is the same HF model with ``attn_implementation="eager"``: HF's written-out
 attention, its own mask and cache. Models are built from small configs with random weights
@@ -102,7 +102,8 @@ def max_token_difference(model, reference, ids, mask) -> float:
     )
 
 
-PATHS = [(f, "interface") for f in CONFIGS] + [("gpt2", "swap"), ("gpt2-layer-scaled", "swap")]
+SWAPPED = ["llama", "qwen2", "mistral", "gpt2", "gpt2-layer-scaled"]
+PATHS = [(f, "interface") for f in CONFIGS] + [(f, "swap") for f in SWAPPED]
 
 
 @pytest.mark.parametrize(("family", "path"), PATHS)
@@ -156,9 +157,10 @@ def generate(model, ids, mask, **kwargs):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize(
-    ("family", "path"), [("llama", "interface"), ("qwen2", "interface"), ("gpt2", "interface"),
-                         ("gpt2", "swap")],
-)  # fmt: skip
+    ("family", "path"),
+    [(f, "interface") for f in ("llama", "qwen2", "gpt2")]
+    + [(f, "swap") for f in ("llama", "qwen2", "mistral", "gpt2")],
+)
 def test_greedy_generation_equals_eager_with_hf_cache(family: str, path: str, cache: str) -> None:
     # A static cache's prefill has fewer queries than keys with nothing cached: HF's SDPA
     # mask skips it there (top-left causality), ours must not (the unpadded row alone).
@@ -191,7 +193,8 @@ def test_swapped_gpt2_as_gqa_generates_with_hf_cache_as_without() -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "path"), [("llama", "interface"), ("gpt2", "interface"), ("gpt2", "swap")]
+    ("family", "path"),
+    [("llama", "interface"), ("gpt2", "interface"), ("llama", "swap"), ("gpt2", "swap")],
 )
 def test_compiles_without_graph_breaks(family: str, path: str) -> None:
     torch._dynamo.reset()
@@ -241,9 +244,117 @@ def test_the_swap_holds_the_layer_and_keeps_frozen_weights_frozen() -> None:
     assert first.out_proj.weight.requires_grad and second.in_proj.weight.requires_grad
 
 
-def test_the_swap_refuses_rotary_families_naming_the_module() -> None:
+def test_the_swap_takes_hf_position_ids() -> None:
+    # Rotary scores depend on position differences only, so a left-padded row's offset does
+    # not show; two sequences packed in one row (positions restarting at 0) do.
+    eager = eager_model("llama").eval()
+    ours = through(eager, "swap")
+    ids = padded_batch()[0][:1]
+    positions = torch.cat([torch.arange(5), torch.arange(3)])[None]  # (1, 8)
+
+    def difference():
+        got, want = (m(ids, position_ids=positions).logits for m in (ours, eager))
+        return (got - want).abs().max().item()
+
+    assert difference() < TOLERANCE
+    for layer in ours.model.layers:
+        layer.self_attn.forward = _dropping_position_ids(layer.self_attn.forward)
+    assert difference() > 1e-3
+
+
+def _hf_attention_reference(eager, x, positions):
+    """HF's eager Llama attention of layer 0 on ``x`` ``(1, L, E)`` at ``positions``
+    ``(1, L)``, causal: the reference for the adapter called directly."""
+    L = x.shape[1]
+    causal = torch.full((L, L), float("-inf")).triu(1)[None, None]  # (1, 1, L, L), additive
+    rotary = eager.model.rotary_emb(x, positions)
+    return eager.model.layers[0].self_attn(x, rotary, attention_mask=causal)[0], causal
+
+
+def test_without_position_ids_the_swap_takes_cache_position_or_the_cache_length() -> None:
+    from transformers import DynamicCache
+
+    eager = eager_model("llama").eval()
+    adapter = through(eager, "swap").model.layers[0].self_attn
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(2))
+    # cache_position (older HF models pass it): two sequences packed in one row.
+    packed = torch.cat([torch.arange(5), torch.arange(3)])[None]
+    want, causal = _hf_attention_reference(eager, x, packed)
+    got = adapter(x, attention_mask=causal == 0, cache_position=packed)[0]
+    assert (got - want).abs().max() < TOLERANCE
+    # Neither: the positions after the cache's, 5, 6, 7 after a prompt of 5.
+    want, causal = _hf_attention_reference(eager, x, torch.arange(8)[None])
+    cache, mask = DynamicCache(), causal == 0  # bool, True = attend
+    adapter(x[:, :5], attention_mask=mask[..., :5, :5], cache=cache)
+    got = adapter(x[:, 5:], attention_mask=mask[..., 5:, :], cache=cache)[0]
+    assert (got - want[:, 5:]).abs().max() < TOLERANCE
+
+
+def _dropping_position_ids(forward):
+    return lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
+
+
+def test_qwen2s_missing_out_projection_bias_stays_zero_in_training() -> None:
+    # Qwen2: q/k/v_proj have a bias, o_proj none; the layer's out-projection gets a frozen
+    # zero one (logits: test_logits_match_eager_with_padding[...qwen2-swap]).
+    eager = eager_model("qwen2")
+    assert eager.model.layers[0].self_attn.o_proj.bias is None
+    ours = through(eager, "swap").train()
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=0.1, weight_decay=0.1)
+    ours(*padded_batch(), labels=padded_batch()[0]).loss.backward()
+    optimizer.step()
+    for layer in ours.model.layers:
+        bias = layer.self_attn.attn.out_proj.bias
+        assert not bias.requires_grad and torch.equal(bias, torch.zeros_like(bias))
+        assert layer.self_attn.attn.in_proj.bias.requires_grad
+
+
+def test_a_partial_rotary_factor_that_hf_ignores_is_ignored_too() -> None:
+    # transformers 5.24's Llama rotates every head feature whatever partial_rotary_factor
+    # says; the swap follows the model's angles, not the config's word.
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    eager = eager_model("llama", rope_parameters=rope).eval()
+    ours = through(eager, "swap")
+    assert ours.model.layers[0].self_attn.attn.positions.rotary_dim == 8  # head_dim
+    assert max_token_difference(ours, eager, *padded_batch()) < TOLERANCE
+
+
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+    high_freq_factor=4.0, original_max_position_embeddings=16,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "message"),
+    [
+        ("llama", dict(rope_parameters=LLAMA3_ROPE), r"rope_type='llama3' \(scaled rotary"),
+        ("qwen2", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+         r"rope_type='linear'"),
+        ("mistral", dict(head_dim=16), r"head_dim \(16\) \* num_attention_heads \(4\) must equal"),
+    ],
+    ids=["llama3-rope", "linear-rope", "head-dim"],
+)  # fmt: skip
+def test_the_swap_refuses_what_the_layer_does_not_compute(family, overrides, message) -> None:
+    model = eager_model(family, **overrides)
+    with pytest.raises(ValueError, match=r"cannot replace 'model.layers.0.self_attn': " + message):
+        hf.replace_hf_attention(model)
+    assert not any(isinstance(m, hf.HFAttentionAdapter) for m in model.modules())
+
+
+def test_the_swap_refuses_rotary_angles_other_than_the_models() -> None:
+    # The adapters ignore HF's position_embeddings: the swap compares them with the layer's.
     model = eager_model("llama")
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(LlamaAttention\).*rotary"):
+    model.model.rotary_emb.attention_scaling = 0.5  # cos and sin scaled, as yarn does
+    with pytest.raises(ValueError, match=r"'model.rotary_emb' \(LlamaRotaryEmbedding\) gives"):
+        hf.replace_hf_attention(model)
+    assert not any(isinstance(m, hf.HFAttentionAdapter) for m in model.modules())
+
+
+def test_the_swap_refuses_a_partly_frozen_qkv_stack() -> None:
+    model = eager_model("llama")
+    model.model.layers[1].self_attn.k_proj.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn': .*partly frozen"):
         hf.replace_hf_attention(model)
 
 

@@ -19,8 +19,8 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   supported family for an :class:`HFAttentionAdapter` holding a
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
-  GPT-2 is supported; the Llama family (Llama, Qwen2, Mistral) needs rotary positions inside
-  the layer and is refused, naming the module, until the layer has them.
+  Supported: GPT-2, and the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
+  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -190,6 +190,12 @@ class _CacheLayer:
         self.cache = cache
         self.layer_idx = layer_idx
 
+    @property
+    def size(self) -> int:
+        """The positions cached so far: where the layer's rotary positions start when the
+        caller gives no ``position_ids``."""
+        return self.cache.get_seq_length(self.layer_idx)
+
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.update(k, v, self.layer_idx)
 
@@ -203,21 +209,27 @@ class HFAttentionAdapter(nn.Module):
     model's implementation to one of :func:`register`'s names) and HF's ``Cache``, which
     receives this layer's K and V at ``layer_idx``.
 
+    A layer with rotary positions takes HF's ``position_ids`` ``(B, L)`` (left-padded rows
+    start at 0 after their padding), else ``cache_position``, else the positions after the
+    cache's; it ignores HF's ``position_embeddings`` (HF's ``cos`` and ``sin``): the layer
+    rotates Q and K itself, and :func:`replace_hf_attention` checked at the swap that its
+    angles are the model's.
+
     Args:
         attn: the layer that computes the attention (replace it, e.g. by
             ``adapter.attn.with_kv_heads(2)``, and the adapter calls the new one).
         layer_idx: the module's index in HF's cache.
         resid_dropout: the dropout the HF module applies after its output projection
-            (GPT-2's ``resid_dropout``), kept as it was.
+            (GPT-2's ``resid_dropout``), kept as it was; ``None``: none (Llama).
     """
 
     def __init__(
-        self, attn: MultiHeadAttention, *, layer_idx: int, resid_dropout: nn.Module
+        self, attn: MultiHeadAttention, *, layer_idx: int, resid_dropout: nn.Module | None = None
     ) -> None:
         super().__init__()
         self.attn = attn
         self.layer_idx = layer_idx
-        self.resid_dropout = resid_dropout
+        self.resid_dropout = nn.Identity() if resid_dropout is None else resid_dropout
 
     def forward(
         self,
@@ -227,18 +239,37 @@ class HFAttentionAdapter(nn.Module):
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         **kwargs,
     ) -> tuple[Tensor, None]:
-        if position_embeddings is not None:
+        position_ids = None
+        if self.attn.has_positions:
+            position_ids = kwargs.get("position_ids")
+            position_ids = kwargs.get("cache_position") if position_ids is None else position_ids
+        elif position_embeddings is not None:
             raise ValueError(
-                "HFAttentionAdapter got position_embeddings (rotary positions), which "
-                "MultiHeadAttention does not apply"
+                "HFAttentionAdapter got position_embeddings (rotary positions), but its "
+                "MultiHeadAttention has none (rotary_dim=None)"
             )
         out = self.attn(
             hidden_states,
             attn_mask=_layer_mask(attention_mask),
             is_causal=attention_mask is None,  # HF's mask holds causality when there is one
             kv_cache=None if cache is None else _CacheLayer(cache, self.layer_idx),
+            position_ids=position_ids,
         )
         return self.resid_dropout(out), None
+
+
+def _copy_into(ours: nn.Parameter, *theirs: Tensor) -> None:
+    """``ours`` := ``theirs`` stacked by rows, frozen if they are: frozen stays frozen, and a
+    stack of frozen and trainable tensors is refused (one parameter has one flag)."""
+    trainable = {t.requires_grad for t in theirs}
+    if len(trainable) > 1:
+        raise ValueError(
+            "the projections stacked into one parameter are partly frozen "
+            "(requires_grad differs); freeze all or none of them"
+        )
+    with torch.no_grad():
+        ours.copy_(torch.cat(theirs) if len(theirs) > 1 else theirs[0])
+    ours.requires_grad_(trainable.pop())
 
 
 def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
@@ -256,26 +287,123 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     )  # fmt: skip
     # 1/sqrt(D), or 1, over layer_idx + 1 under scale_attn_by_inverse_layer_idx.
     attn.scale = module.scaling
-    pairs = [
-        (attn.in_proj.weight, module.c_attn.weight.T),
-        (attn.in_proj.bias, module.c_attn.bias),
-        (attn.out_proj.weight, module.c_proj.weight.T),
-        (attn.out_proj.bias, module.c_proj.bias),
-    ]
-    with torch.no_grad():
-        for ours, theirs in pairs:
-            ours.copy_(theirs)
-            ours.requires_grad_(theirs.requires_grad)  # frozen stays frozen
+    _copy_into(attn.in_proj.weight, module.c_attn.weight.T)
+    _copy_into(attn.in_proj.bias, module.c_attn.bias)
+    _copy_into(attn.out_proj.weight, module.c_proj.weight.T)
+    _copy_into(attn.out_proj.bias, module.c_proj.bias)
     adapter = HFAttentionAdapter(
         attn, layer_idx=module.layer_idx, resid_dropout=module.resid_dropout
     )
     return adapter.train(module.training)
 
 
+def _bias_or_zeros(linear: nn.Linear) -> Tensor:
+    """``linear``'s bias, or a zero one that no gradient moves (``zeros_like`` of a
+    parameter does not require grad): Qwen2's ``o_proj`` beside its biased Q/K/V."""
+    return torch.zeros_like(linear.weight[:, 0]) if linear.bias is None else linear.bias
+
+
+def _from_llama(
+    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
+) -> HFAttentionAdapter:
+    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter with the same weights.
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) stacked
+    by rows are the layer's ``in_proj``; ``o_proj`` is its ``out_proj``; HF's
+    ``num_key_value_heads`` is ``num_kv_heads`` (GQA, MQA). Rotary positions are the layer's
+    own, "rotate half" as HF's ``apply_rotary_pos_emb``, ``rope_theta`` from the config.
+
+    * Only HF's ``rope_type="default"``: a scaled RoPE (llama3, yarn, linear, dynamic, ...)
+      changes the angles or scales ``cos`` and ``sin``, which the layer does not; refused.
+    * ``partial_rotary_factor``: these three families rotate every feature of a head
+      whatever the config says (``apply_rotary_pos_emb`` multiplies the whole head by a
+      ``head_dim``-wide ``cos``; transformers 5.24), so ``rotary_dim`` is ``head_dim`` and the
+      factor is ignored, as HF ignores it. :func:`replace_hf_attention` compares the model's
+      ``cos`` and ``sin`` with the layer's and refuses a difference, should HF change that.
+    * ``head_dim * num_attention_heads != hidden_size`` (a config's explicit ``head_dim``):
+      refused, the layer's head width is ``E / H``.
+    * Qwen2's ``o_proj`` has no bias while ``q/k/v_proj`` have one, and the layer's ``bias``
+      covers both projections: the out-projection gets a zero bias, frozen
+      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
+      (any projection without a bias beside one with a bias gets the same).
+    * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
+    """
+    config = module.config
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(
+            f"rope_type={rope_type!r} (scaled rotary positions) is not supported; the layer "
+            "computes HF's rope_type='default' only"
+        )
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if module.head_dim * heads != config.hidden_size:
+        raise ValueError(
+            f"head_dim ({module.head_dim}) * num_attention_heads ({heads}) must equal "
+            f"hidden_size ({config.hidden_size}), the layer's head width is E / H"
+        )
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    weight, bias = (
+        module.q_proj.weight,
+        any(p.bias is not None for p in (*projections, module.o_proj)),
+    )
+    attn = MultiHeadAttention(
+        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
+        backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
+        device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    attn.scale = module.scaling
+    _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
+    _copy_into(attn.out_proj.weight, module.o_proj.weight)
+    if bias:
+        _copy_into(attn.in_proj.bias, *(_bias_or_zeros(p) for p in projections))
+        _copy_into(attn.out_proj.bias, _bias_or_zeros(module.o_proj))
+    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
+    return adapter.train(module.training)
+
+
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
-CONVERTERS = {GPT2Attention: _from_gpt2}
-# Families whose attention applies rotary positions between projection and kernel.
-NEEDS_ROTARY = (LlamaAttention, Qwen2Attention, MistralAttention)
+CONVERTERS = {
+    GPT2Attention: _from_gpt2,
+    LlamaAttention: _from_llama,
+    Qwen2Attention: _from_llama,
+    MistralAttention: _from_llama,
+}
+
+
+def _check_rotary_angles(
+    model: nn.Module, adapters: dict[str, HFAttentionAdapter], backend: str
+) -> None:
+    """Refuse a swap whose layers would rotate Q and K by other angles than the model's.
+
+    The adapters ignore HF's ``position_embeddings``; rather than trusting that the config
+    says everything, the ``cos`` and ``sin`` of every rotary embedding module in ``model``
+    (one with an ``inv_freq`` buffer, as HF's are) at positions ``0 .. 4095`` are compared
+    with each rotary layer's, in fp32 (HF computes them there).
+    """
+    parts = [a.attn.positions for a in adapters.values() if a.attn.positions is not None]
+    layers = {tuple(p.options.items()): p for p in parts}.values()  # one of each
+    if not layers:
+        return
+    for name, module in model.named_modules():
+        if not isinstance(getattr(module, "inv_freq", None), Tensor):
+            continue
+        positions = torch.arange(4096, device=module.inv_freq.device)[None]  # (1, 4096)
+        probe = torch.zeros((), device=module.inv_freq.device)  # HF reads its device, dtype
+        theirs = module(probe, positions)  # cos, sin: (1, 4096, R)
+        for rotary in layers:
+            ours = rotary.cos_sin(positions, torch.float32)
+            same = all(
+                a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-6)
+                for a, b in zip(ours, theirs, strict=True)
+            )
+            if not same:
+                raise ValueError(
+                    f"cannot replace the attention: {name!r} ({type(module).__name__}) gives "
+                    f"rotary cos/sin of width {theirs[0].shape[-1]} that differ from the "
+                    f"layer's ({rotary.extra_repr()}); use attn_implementation="
+                    f"{hf_name(backend)!r} instead"
+                )
 
 
 def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) -> nn.Module:
@@ -287,7 +415,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2 today).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral).
         backend: the layer's backend.
 
     Returns:
@@ -299,18 +427,13 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     register()
     adapters = {}
     for name, module in model.named_modules():
-        if isinstance(module, NEEDS_ROTARY):
-            raise ValueError(
-                f"cannot replace {name!r} ({type(module).__name__}): it applies rotary "
-                "positions, which MultiHeadAttention does not have yet; use "
-                f"attn_implementation={hf_name(backend)!r} instead"
-            )
         convert = CONVERTERS.get(type(module))
         if convert is not None:
             try:
                 adapters[name] = convert(module, backend)
             except ValueError as err:
                 raise ValueError(f"cannot replace {name!r}: {err}") from err
+    _check_rotary_angles(model, adapters, backend)
     if not adapters:
         raise ValueError(
             f"no attention module to replace in {type(model).__name__}; supported: "
