@@ -34,3 +34,12 @@ def test_hf_models_match_eager_and_generate_the_same() -> None:
     results = example("hf_models.py")["main"]([])
     for result in results.values():  # what docs/reuse.md states
         assert result["max_diff"] < 1e-5 and result["same_tokens"]
+
+
+def test_kv_cache_bytes_are_the_hand_counts() -> None:
+    sizes = example("kv_cache_bytes.py")["main"]()
+    # 4 layers x 4 bytes x the numbers cached per token: K and V of 8 or 1 heads of 16, or
+    # MLA's latent r and rotary key d_R, stored once.
+    assert sizes["MHA 8/8"] == 4 * 4 * 2 * 8 * 16 and sizes["MQA 8/1"] == 4 * 4 * 2 * 1 * 16
+    assert sizes["MLA r = 32, rotary key d_R = 8"] == 4 * 4 * (32 + 8)
+    assert sizes["MLA r = 16, rotary key d_R = 8"] == 4 * 4 * (16 + 8)
