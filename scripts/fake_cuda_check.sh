@@ -16,7 +16,7 @@ cd "$repo"
 venv=${FAKE_CUDA_VENV:-$repo/.fake-cuda-venv}
 
 torch_version=${FAKE_CUDA_TORCH:-2.13.0}
-ready="import torch, pytest, multihead; assert torch.__version__.split('+')[0] == '$torch_version' and torch.version.cuda"
+ready="import torch, pytest, multihead, transformers; assert torch.__version__.split('+')[0] == '$torch_version' and torch.version.cuda"
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "$ready" 2>/dev/null; then
     echo "fake_cuda_check: making $venv (torch $torch_version, CUDA build)" >&2
     python3 -m venv "$venv"
@@ -24,6 +24,7 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "$ready" 2>/dev/null; 
     # takes the CUDA build rather than a `2.13.0+cpu` file that find-links may offer.
     "$venv/bin/python" -m pip install -q "torch===$torch_version"
     # torch is already there and satisfies the project's range, so pip does not touch it.
+    # [dev] brings the [hf] extra: transformers, for test_huggingface.py.
     "$venv/bin/python" -m pip install -q -e ".[dev]"
 fi
 

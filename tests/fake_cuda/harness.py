@@ -306,6 +306,11 @@ def kernel_stubs(calls: list[str] | None = None) -> Iterator[list[str]]:
         if len(enabled) != 1 or enabled == ["math"]:
             return real_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
         name = enabled[0]
+        if torch.is_autocast_enabled("cuda"):  # as the dispatcher's autocast, before the kernel
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
         _sdpa_rules(name, q, k, v, attn_mask, dropout_p, is_causal, kw.get("enable_gqa", False))
         calls.append(name)
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
