@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import AUTOCAST, CUDA, FakeCuda, KernelRuleError, autocast, kernel_stubs
+from harness import AUTOCAST, CUDA, FakeCuda, autocast, kernel_stubs
 
 pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
@@ -18,7 +18,6 @@ from transformers import (  # noqa: E402
     StoppingCriteriaList,
 )
 
-from multihead.attention import BackendUnavailableError  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
 pytestmark = pytest.mark.fake_cuda
@@ -39,7 +38,6 @@ CASES = [
 # times fp32 cos/sin) beside bf16 values, and the attention function passes them on as they
 # are: SDPA's dispatcher casts them back (math, sdpa, efficient), flex gets mixed dtypes, and
 # the check of cudnn (and flash, flash_attn) refuses float32. Each fails as it would on a GPU.
-MIXED_DTYPES = {("flex", "bf16"): KernelRuleError, ("cudnn", "bf16"): BackendUnavailableError}
 
 
 class StopAfter(StoppingCriteria):
@@ -56,17 +54,7 @@ class StopAfter(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _cases():
-    for backend, precision in CASES:
-        marks = ()
-        if (backend, precision) in MIXED_DTYPES:
-            reason = "HF's rotary positions leave q, k in fp32 under autocast (issue 50)"
-            error = MIXED_DTYPES[backend, precision]
-            marks = pytest.mark.xfail(strict=True, raises=error, reason=reason)
-        yield pytest.param(backend, precision, marks=marks, id=f"{backend}-{precision}")
-
-
-@pytest.mark.parametrize(("backend", "precision"), list(_cases()))
+@pytest.mark.parametrize(("backend", "precision"), CASES, ids=[f"{b}-{p}" for b, p in CASES])
 def test_llama_forward_and_generate(backend: str, precision: str) -> None:
     names = hf.register()
     name = next(n for n, b in names.items() if b == backend)

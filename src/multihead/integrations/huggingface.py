@@ -145,6 +145,12 @@ def attention_function(backend: str):
                     f"{type(module).__name__} passes {kwarg}= ({feature}), which backend "
                     f"{backend!r} does not compute; use attn_implementation='eager'"
                 )
+        if torch.is_autocast_enabled(query.device.type):
+            # HF's rotary step (bf16 projections times fp32 cos/sin) leaves Q and K in fp32
+            # under autocast while V is bf16; the kernels take one dtype: the autocast one,
+            # as HF's own flash path casts them.
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         B, H, L, D = query.shape
         _check_once(backend, query, dropout)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
