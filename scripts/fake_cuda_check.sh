@@ -24,7 +24,7 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "$ready" 2>/dev/null; 
     # takes the CUDA build rather than a `2.13.0+cpu` file that find-links may offer.
     "$venv/bin/python" -m pip install -q "torch===$torch_version"
     # torch is already there and satisfies the project's range, so pip does not touch it.
-    # [dev] brings the [hf] extra: transformers, for test_huggingface.py.
+    # [dev] brings the [hf] extra: transformers, for test_fake_cuda_huggingface.py.
     "$venv/bin/python" -m pip install -q -e ".[dev]"
 fi
 
