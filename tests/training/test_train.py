@@ -23,11 +23,18 @@ from helpers.training import (
 )
 
 
-@pytest.mark.parametrize("attention, logger", [("mha", "csv"), ("mqa", "none")])
-def test_fast_dev_run(smoke_config, attention: str, logger: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "attention, logger, positional", [("mha", "csv", "sinusoidal"), ("mqa", "none", "rope")]
+)
+def test_fast_dev_run(
+    smoke_config, attention: str, logger: str, positional: str, tmp_path: Path
+) -> None:
     # GQA trains in test_smoke_run_writes_checkpoints_and_metrics. logger=none: the
     # learning-rate monitor, which only writes to loggers, is left out.
-    cfg = smoke_config(f"attention={attention}", f"logger={logger}", "+trainer.fast_dev_run=true")
+    cfg = smoke_config(
+        f"attention={attention}", f"logger={logger}", f"model.positional={positional}",
+        "+trainer.fast_dev_run=true",
+    )  # fmt: skip
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"])
     assert math.isfinite(metrics["test/bleu"])
