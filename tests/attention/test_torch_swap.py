@@ -44,12 +44,14 @@ def seq(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
 
 
 def import_or_skip(name: str):
-    """``name`` imported, or the test skipped where it is missing or cannot load (torchvision
-    built for another torch raises RuntimeError: its operators do not register)."""
+    """``name`` imported, or the test skipped where it is missing or cannot load. Both
+    packages tried here need torchvision (open_clip depends on it), whose only wheel for
+    torch 2.13.0 is a CUDA build, so no extra installs them (torchvision built for another
+    torch raises RuntimeError: its operators do not register)."""
     try:
         return importlib.import_module(name)
     except (ImportError, RuntimeError) as error:
-        pytest.skip(f"{name} cannot be imported here: {error}")
+        pytest.skip(f"{name} cannot be imported here (it needs torchvision): {error}")
 
 
 def test_doctest() -> None:
