@@ -343,6 +343,29 @@ def test_speed_true_measures_every_run_side_by_side(
         assert float(row["greedy sent/s (in training)"]) == 400.0 / kv  # the summary's own
 
 
+def test_wandb_true_logs_into_the_group_the_runs_recorded(
+    runs_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Without wandb_group= the comparison joins the group the runs' summaries recorded;
+    their saved Hydra configs hold it unresolved (a sweep's group reads
+    ${hydra:sweep.dir}), which only the sweep's own jobs can resolve."""
+    import wandb
+
+    for job in ("0", "1", "2"):
+        path = runs_dir / job / "summary.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"run/wandb_group": "sw-1"}))
+        (runs_dir / job / ".hydra").mkdir()
+        (runs_dir / job / ".hydra" / "config.yaml").write_text(
+            "wandb_group: sw-${path_name:${hydra:sweep.dir}}\n"
+        )
+    started = []
+    init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: started.append(init(*a, **k)) or started[-1])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    compare(tmp_path / "out", runs=runs_dir, wandb_log=True)
+    assert [run.group for run in started] == ["sw-1"]
+
+
 def test_wandb_true_logs_the_table_and_plots_to_a_run_of_its_own(
     runs_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -1079,15 +1079,13 @@ def log_to_wandb(
 
 
 def runs_wandb_group(runs: list[RunResult]) -> str | None:
-    """The wandb group the runs were logged in (their saved ``wandb_group``), if one."""
-    from omegaconf import OmegaConf
+    """The wandb group the runs were logged in, as each recorded it (``run/wandb_group`` in
+    its summary), if they share one.
 
-    groups = set()
-    for run in runs:
-        saved = run.directory / ".hydra" / "config.yaml" if run.directory else None
-        if saved is not None and saved.is_file():
-            groups.add(OmegaConf.load(saved).get("wandb_group"))
-    groups.discard(None)
+    Not read from the saved ``.hydra/config.yaml``: Hydra saves it unresolved, and a sweep's
+    group (``${path_name:${hydra:sweep.dir}}``) resolves only inside the sweep's own jobs.
+    """
+    groups = {run.get("run/wandb_group") for run in runs} - {None}
     return groups.pop() if len(groups) == 1 else None
 
 

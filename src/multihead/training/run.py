@@ -281,6 +281,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             summary.update(metrics)
             summary |= {"run/start": started, "run/end": utc_now()}
             summary |= {"run/host": host_name(), "run/cpu": cpu_model()}
+            summary["run/wandb_group"] = cfg.get("wandb_group")  # resolved: compare.py reads it
             write_summary(run_dir, summary, trainer)
     finally:
         finish_wandb()
