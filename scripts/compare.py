@@ -35,6 +35,7 @@ def main(cfg: DictConfig) -> None:
         checkpoint=cfg.checkpoint,
         wandb_log=cfg.wandb,
         wandb_group=cfg.wandb_group,
+        equivalence_margin=cfg.equivalence_margin,
     )
     for run in runs:
         print(f"{run.label}: {run.source} (validation curves: {run.curve_source})")

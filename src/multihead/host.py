@@ -35,6 +35,19 @@ def host_name() -> str:
     return socket.gethostname()
 
 
+def boot_id() -> str | None:
+    """The running kernel's boot id (``/proc/sys/kernel/random/boot_id``); ``None`` where
+    there is none.
+
+    What tells apart machines whose runs could slow each other: containers on one kernel
+    share its cores and its boot id, while clones of one machine image (which often share
+    ``/etc/machine-id`` and a host name such as ``vm``) boot kernels of their own, each
+    with a fresh random id.
+    """
+    path = Path("/proc/sys/kernel/random/boot_id")
+    return path.read_text().strip() if path.is_file() else None
+
+
 def utc_now() -> str:
     """The time now in ISO 8601, UTC, to the second: ``2026-11-26T12:00:00+00:00``."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from multihead.analysis import comparison
-from multihead.analysis.comparison import (
-    OUTPUT_FILES,
+from multihead.analysis.comparison import OUTPUT_FILES, compare
+from multihead.analysis.report import pareto_frontier
+from multihead.analysis.runs import (
     RunResult,
-    compare,
     find_run_dirs,
     load_local_runs,
     load_wandb_group,
-    pareto_frontier,
     read_metrics_csv,
 )
 from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY
@@ -124,7 +123,7 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
         "| mqa-h4-kv1-sdpa | mqa | mqa | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
     )
     assert table[3].endswith("| 400.0 | – |")  # the missing beam speed
-    assert "No two runs trained at the same time on one host." in md
+    assert "No two runs trained at the same time on one machine." in md
     # vs MHA: KV-cache ×, attention params ×, train tok/s ×, greedy ×, beam × (all measured
     # in training, by runs that did not overlap), test BLEU Δ
     assert "| greedy × (in training) |" in md
@@ -242,13 +241,16 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
     assert "| gqa-h4-kv2-sdpa [gqa_s1] | mha-h4-kv4-sdpa [mha_s1] |" in md
     assert "| gqa-h4-kv2-sdpa [gqa_s2] | mha-h4-kv4-sdpa [mha_s2] |" in md
     means = md.split("## Means over seeds")[1]
-    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 | – | – | – | – | 512 |" in means
+    assert "| mha-h4-kv4-sdpa | 2 | 29.00 | 28.00–30.00 |" + " – |" * 8 + " 512 |" in means
     # Δ -0.5 and +0.5: mean 0, standard deviation sqrt(0.5), t(0.975, 1 df) = 12.706, so
-    # the interval is 0 ± 12.706 * sqrt(0.5) / sqrt(2) = ±6.35.
-    # ... then KV-cache bytes, params, and the speeds (in training: the runs did not overlap)
+    # the interval is 0 ± 12.706 * sqrt(0.5) / sqrt(2) = ±6.35; t = 0, so p = 1, and Holm's
+    # p over a family of one is p. Detectable (test_significance checks the function): ±8.17. No
+    # margin was given, so no TOST. Then KV-cache bytes, params, and the speeds (in
+    # training: the runs did not overlap).
     assert (
         "| gqa-h4-kv2-sdpa | 2 | 29.00 | 28.50–29.50 | +0.00 | [-6.35, +6.35] | -0.50, +0.50 "
-        "| no detectable difference | 256 | 72,000 | 30,000 | 200.0 | 50.0 |"
+        "| 1.000 | 1.000 | ±8.17 | – | no detectable difference | 256 | 72,000 | 30,000 | 200.0 "
+        "| 50.0 |"
     ) in means
     assert "| params | train tgt tok/s (in training) | greedy sent/s (in training) |" in means
     # On the means, GQA ties MHA's BLEU with half the cache: MHA leaves the cache frontier.
@@ -284,11 +286,11 @@ def test_speeds_of_overlapping_runs_stay_out_of_ratios_and_plots(
     above_table = md.split("| run |")[0]
     speeds = ["decode/greedy_sentences_per_s", "beam"]
     if status == "overlap":
-        assert "**Runs overlapped in time on one host** (gqa-h4-kv2-sdpa and mqa-h4-kv1" in md
+        assert "**Runs overlapped in time on one machine** (gqa-h4-kv2-sdpa and mqa-h4-kv1" in md
     elif status == "unknown":
         assert "Overlap unknown: 1 of 3 runs do not record when and where" in above_table
     else:
-        assert "No two runs trained at the same time on one host." in above_table
+        assert "No two runs trained at the same time on one machine." in above_table
     assert panels["bleu_vs_decode_speed.png"] == (speeds if status == "no overlap" else [])
     assert ("greedy × (in training)" in md) == (status == "no overlap")
     assert ("greedy sentences/s, in training" in md) == (status == "no overlap")
@@ -330,7 +332,7 @@ def test_speed_true_measures_every_run_side_by_side(
         local_dir=str(multi30k_dir),
     )
     md = (tmp_path / "out" / "comparison.md").read_text()
-    assert "**Runs overlapped in time on one host**" in md
+    assert "**Runs overlapped in time on one machine**" in md
     assert "measured by `compare.py speed=true` in one process, the runs interleaved" in md
     assert f"on {cpu_model()} (" in md and "1 threads" in md and "decoding 8 test" in md
     assert "| greedy × (side by side) |" in md and "greedy × (in training)" not in md

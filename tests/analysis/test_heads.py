@@ -14,7 +14,7 @@ from multihead.analysis.heads import head_outputs, head_similarity, head_similar
 from multihead.attention import MultiHeadAttention
 from multihead.data import Tokenizer, collate
 from multihead.model import Transformer
-from multihead.training.diagnostics import AttentionMapLogger
+from multihead.analysis.diagnostics import AttentionMapLogger
 
 from helpers.models import SENTENCES, analysis_model
 from helpers.scripts import run_script, script_main

@@ -1,6 +1,6 @@
 """Attention maps and head diversity of a Transformer: per-head outputs, similarity, figures.
 
-The training callback :class:`~multihead.training.diagnostics.AttentionMapLogger` draws
+The training callback :class:`~multihead.analysis.diagnostics.AttentionMapLogger` draws
 these after validation; they work on any trained model.
 
 Head similarity is the mean, over pairs of heads and real (non-padding) query positions,

@@ -198,3 +198,88 @@ def t_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
     mean = statistics.fmean(values)
     half = t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
+
+
+# ---------------------------------------------------------------------------------------
+# Over seeds: the paired t-test, Holm's correction, what the test could detect, and TOST.
+# Student t's and the noncentral t's tails come from mpmath (a dependency of torch's sympy):
+# the regularized incomplete beta function and a quadrature over the chi-square density.
+
+ALPHA = 0.05
+POWER = 0.80
+
+
+def t_tail(t: float, df: int) -> float:
+    """``P(T > t)`` for Student's t with ``df`` degrees of freedom."""
+    import mpmath
+
+    if df < 1:
+        raise ValueError(f"degrees of freedom {df}; expected >= 1")
+    both = float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+    return both / 2 if t >= 0 else 1 - both / 2  # ``both`` = P(|T| > |t|)
+
+
+def t_test_p(values: Sequence[float]) -> float | None:
+    """The two-sided p of the one-sample t-test of mean 0 (the paired t-test of per-seed
+    differences); ``None`` for fewer than two values, 0.0 for identical nonzero values."""
+    if len(values) < 2:
+        return None
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    return 2 * t_tail(abs(mean) / (sd / math.sqrt(len(values))), len(values) - 1)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in their order: the ``i``-th
+    smallest is multiplied by ``m - i`` (``i`` from 0), then made non-decreasing and
+    capped at 1."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def detectable_difference(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true mean difference the two-sided paired t-test at level ``alpha``
+    over ``n`` seeds finds with probability ``power``, for per-seed differences of standard
+    deviation ``sd``: ``δ · sd / sqrt(n)``, where ``δ`` is the noncentrality at which the
+    noncentral t with ``n - 1`` degrees of freedom leaves ``[-c, c]`` with probability
+    ``power`` (``c`` the t test's critical value)."""
+    import mpmath
+
+    if n < 2:
+        raise ValueError(f"n={n} seeds; the t-test needs at least 2")
+    if alpha != ALPHA:
+        raise ValueError(f"alpha={alpha}; the t quantile table holds only {ALPHA}")
+    df, c = n - 1, t_quantile_975(n - 1)
+    half, norm = mpmath.mpf(df) / 2, mpmath.gamma(mpmath.mpf(df) / 2) * 2 ** (mpmath.mpf(df) / 2)
+
+    def rejects(delta: float) -> float:  # P(|T'| > c) for noncentrality delta
+        def integrand(v):
+            edge = c * mpmath.sqrt(v / df)
+            density = v ** (half - 1) * mpmath.exp(-v / 2) / norm
+            return density * (mpmath.ncdf(delta - edge) + mpmath.ncdf(-delta - edge))
+
+        return float(mpmath.quad(integrand, [0, df, mpmath.inf]))
+
+    delta = float(mpmath.findroot(lambda d: rejects(d) - power, c + 1.0, tol=1e-12))
+    return delta * sd / math.sqrt(n)
+
+
+def tost_p(values: Sequence[float], margin: float) -> float | None:
+    """The p of the two one-sided t-tests (TOST) that the mean lies within ``±margin``: the
+    larger of ``P(T > (mean + margin) / se)`` and ``P(T < (mean - margin) / se)``; below
+    ``ALPHA``, the mean is equivalent to 0 within the margin. ``None`` for fewer than two
+    values."""
+    if margin <= 0:
+        raise ValueError(f"equivalence_margin={margin}; expected a positive BLEU difference")
+    if len(values) < 2:
+        return None
+    mean = statistics.fmean(values)
+    se, df = statistics.stdev(values) / math.sqrt(len(values)), len(values) - 1
+    if se == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    return max(t_tail((mean + margin) / se, df), 1 - t_tail((mean - margin) / se, df))

@@ -27,7 +27,7 @@ from multihead.checkpoints import (
 from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoints
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
-from multihead.host import cpu_model, host_name, utc_now
+from multihead.host import boot_id, cpu_model, host_name, utc_now
 from multihead.model import build_model
 from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
 from multihead.training.checkpoint_io import AtomicCheckpointIO
@@ -203,7 +203,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Returns the run summary (also written to ``<run dir>/summary.json``): head settings,
     parameter counts, KV-cache bytes per token, training and decoding throughput, peak
     memory, the final metrics, and when and where the run ran (``run/start``, ``run/end``,
-    ``run/host``, ``run/cpu``: ``scripts/compare.py`` tells from them whether runs shared a
+    ``run/host``, ``run/boot_id``, ``run/cpu``: ``scripts/compare.py`` tells from them whether runs shared a
     host at the same time, which makes their speeds meaningless). The test split's
     outputs go to ``<run dir>/hypotheses.test.txt``, one line per source sentence, in order.
     """
@@ -280,7 +280,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 summary.update(decode_summary(module, datamodule, device, cfg, forward_context))
             summary.update(metrics)
             summary |= {"run/start": started, "run/end": utc_now()}
-            summary |= {"run/host": host_name(), "run/cpu": cpu_model()}
+            summary |= {"run/host": host_name(), "run/boot_id": boot_id(), "run/cpu": cpu_model()}
             summary["run/wandb_group"] = cfg.get("wandb_group")  # resolved: compare.py reads it
             write_summary(run_dir, summary, trainer)
     finally:

@@ -1,5 +1,6 @@
 """A training callback, :class:`AttentionMapLogger`, that draws attention maps and head
-similarity (:mod:`multihead.analysis.heads`) after validation."""
+similarity (:mod:`multihead.analysis.heads`) after validation. It sits with the analysis it
+draws, above :mod:`multihead.training`, which imports nothing from here."""
 
 from __future__ import annotations
 
