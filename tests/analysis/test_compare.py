@@ -19,7 +19,7 @@ from multihead.analysis.runs import (
     load_wandb_group,
     read_metrics_csv,
 )
-from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY
+from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY, TRAIN_KEY
 
 from helpers.scripts import run_script
 
@@ -83,6 +83,62 @@ def runs_dir(tmp_path: Path) -> Path:
         (root / job / "csv" / "metrics.csv").write_text(METRICS_CSV)
     (root / "3" / ".hydra").mkdir(parents=True)  # a crashed job: no summary.json, skipped
     return root
+
+
+# The headline's per-seed Δ against MHA (seeds 1234, 2, 3: "paired Δ" of the committed
+# docs/comparison_headline/comparison.csv of 25fe9c2): (run name, kind, KV-cache
+# bytes/token, Δ per seed).
+HEADLINE = [
+    ("gqa84", "gqa", 2048, (-1.5213080177332117, -0.4640743246233896, -0.34126974412811606)),
+    ("gqa82", "gqa", 1024, (-1.0610704802474729, -0.3855217341771322, -0.9895869418775476)),
+    ("mqa", "mqa", 512, (-2.4674224994795715, -1.5833575135211824, -1.719342080543118)),
+    ("mla16", "mla", 256, (-5.442461592836574, -4.3248783987308475, -5.168063377597603)),
+    ("mla32", "mla", 512, (-3.612759683193552, -1.7741118694827591, -3.5873736554048854)),
+]
+
+
+@pytest.fixture
+def headline_dir(tmp_path: Path) -> Path:
+    """Three seeds of MHA (20.0 BLEU) and five designs at 20 + the headline's Δ, one after
+    another on one machine."""
+    root = tmp_path / "headline"
+    designs = [("mha", "mha", 4096, (0.0, 0.0, 0.0)), *HEADLINE]
+    hour = 0.0
+    for name, kind, cache, deltas in designs:
+        for seed, delta in zip((1, 2, 3), deltas, strict=True):
+            figures = summary(kind, 8, 1, **when(hour, hour + 0.4), seed=seed)
+            figures |= {"run_name": name, "kv_cache/bytes_per_token": cache}
+            figures["test/bleu"] = 20.0 + delta
+            (root / f"{name}_s{seed}").mkdir(parents=True)
+            (root / f"{name}_s{seed}" / "summary.json").write_text(json.dumps(figures))
+            hour += 0.5
+    return root
+
+
+def test_verdicts_over_seeds_are_holm_adjusted(headline_dir: Path, tmp_path: Path) -> None:
+    """The headline's Δ: Holm's p beside the unadjusted p, and the verdict from Holm's
+    (issue 57's 0.174, 0.126, 0.079, 0.023, 0.117): only MLA r=16 is lower. No design is
+    within the 0.5 BLEU margin by TOST. MLA r=32 and MQA store the same cache: their
+    contrast per seed is -1.15, -0.19, -1.87, t-interval [-3.16, +1.02], p 0.16 (0.159)."""
+    compare(tmp_path / "out", runs=headline_dir, equivalence_margin=0.5)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    means = md.split("## Means over seeds")[1].split("## Designs of one KV-cache size")[0]
+    assert "| p (paired t) | p (Holm) | detectable (80% power) | TOST p | verdict |" in means
+    assert "Holm's step-down adjustment over the designs tested against MHA" in means
+    holm = {"gqa84": "0.174", "gqa82": "0.126", "mqa": "0.079", "mla16": "0.023"}
+    holm["mla32"] = "0.117"
+    for name, p in holm.items():
+        (row,) = [line for line in means.splitlines() if line.startswith(f"| {name} |")]
+        cells = row.split(" | ")
+        assert cells[8] == p, row
+        assert cells[11] == ("lower" if name == "mla16" else "no detectable difference"), row
+        assert float(cells[10]) > 0.05  # TOST p: none is shown equal to MHA
+    contrasts = md.split("## Designs of one KV-cache size against each other")[1]
+    (row,) = [line for line in contrasts.splitlines() if line.startswith("| mqa | mla32 |")]
+    assert row.startswith(
+        "| mqa | mla32 | +1.07 | [-1.02, +3.16] | +1.15, +0.19, +1.87 | 0.159 | 0.159 |"
+    )
+    assert row.endswith("| no detectable difference |")
 
 
 def test_runs_are_found_and_sorted_mha_gqa_mqa(runs_dir: Path) -> None:
@@ -297,6 +353,91 @@ def test_speeds_of_overlapping_runs_stay_out_of_ratios_and_plots(
     assert "| greedy sent/s (in training) |" in md  # the table keeps them, labelled
 
 
+SETUP = {
+    "host": "vm", "cpu": "Some CPU", "threads": 2, "torch": "2.13.0", "test_sentences": 1000,
+    "train_sentences": 512, "max_tokens": 4096, "beam_size": 5, "batch_size": 128, "rounds": 3,
+}  # fmt: skip
+
+
+def write_speeds(run_dir: Path, greedy: float, setup: dict = SETUP) -> None:
+    speeds = {TRAIN_KEY: 1000.0, GREEDY_KEY: greedy, BEAM_KEY: greedy / 4}
+    (run_dir / "speed.json").write_text(json.dumps({"speeds": speeds, "setup": setup}))
+
+
+def test_kept_speed_records_give_the_side_by_side_columns(
+    headline_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Speeds kept in the runs' speed.json (no checkpoints needed): the side-by-side columns,
+    ratios and plots come back. A seed measured apart or not at all (seed 3 here) is left
+    out by name and the means take the measured seeds; a design with no measured run at
+    all leaves the side-by-side speeds out, saying so."""
+    for run_dir in headline_dir.iterdir():
+        seed = int(run_dir.name.rsplit("_s", 1)[1])
+        if seed == 1:
+            write_speeds(run_dir, 200.0)
+        elif seed == 2:
+            write_speeds(run_dir, 100.0)
+        elif run_dir.name.startswith("mqa"):  # another measurement: not comparable
+            write_speeds(run_dir, 5000.0, SETUP | {"threads": 16})
+    panels = {}
+    monkeypatch.setattr(
+        comparison,
+        "plot_bleu_against",
+        lambda runs, path, plotted, *_: panels.update({path.name: [k for k, _ in plotted]}),
+    )
+    compare(tmp_path / "out", runs=headline_dir)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "(kept in each run's `speed.json`) in one process" in md
+    assert "on Some CPU (vm), 2 threads, torch 2.13.0; decoding 1000 test sentences" in md
+    assert "6 of 18 runs (mha [mha_s3], gqa82 [gqa82_s3]," in md
+    assert "have no speed.json from that measurement (measured apart or not at all)" in md
+    assert panels["bleu_vs_decode_speed.png"] == [GREEDY_KEY, BEAM_KEY]
+    means = md.split("## Means over seeds")[1].split("## Designs of one KV-cache size")[0]
+    (row,) = [line for line in means.splitlines() if line.startswith("| mqa |")]
+    assert row.endswith("| 1,000 | 150.0 | 37.5 |")  # the mean of seeds 1 and 2 only
+    with open(tmp_path / "out" / "comparison.csv", newline="") as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert rows["mqa [mqa_s3]"]["greedy sent/s (side by side)"] == ""
+
+    for run_dir in headline_dir.glob("mla16_s*"):
+        (run_dir / "speed.json").unlink(missing_ok=True)
+    compare(tmp_path / "out", runs=headline_dir)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "**Side-by-side speeds left out:**" in md
+    assert "and mla16 has no measured run at all" in md
+    assert "side by side" not in md.split("## Means over seeds")[1].split("\n\n## ")[0]
+
+
+def test_overlap_reads_naive_and_aware_times_and_tells_machines_by_boot_id(
+    runs_dir: Path, tmp_path: Path
+) -> None:
+    """A naive timestamp (taken as UTC) beside aware ones compares without a TypeError; two
+    runs at once on hosts both named vm overlap only if their kernels' boot ids agree, and
+    runs without a boot id fall back to the host name, said so."""
+    times = {
+        "0": when(0, 2, host="vm") | {"run/start": "2026-01-01T00:00:00"},  # naive
+        "1": when(1, 3, host="vm"),
+        "2": when(4, 5, host="vm"),
+    }
+    for boots, status in ((("a", "b", "a"), "no overlap"), (("a", "a", "a"), "overlap")):
+        for (job, figures), boot in zip(times.items(), boots, strict=True):
+            path = runs_dir / job / "summary.json"
+            record = json.loads(path.read_text()) | figures | {"run/boot_id": boot}
+            path.write_text(json.dumps(record))
+        compare(tmp_path / "out", runs=runs_dir)
+        md = (tmp_path / "out" / "comparison.md").read_text()
+        assert ("**Runs overlapped in time on one machine**" in md) == (status == "overlap")
+        assert "Machines are told apart by the kernel's boot id." in md
+        assert "other work on the same cores (jobs outside this project" in md
+    path = runs_dir / "1" / "summary.json"
+    path.write_text(
+        json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "run/boot_id"})
+    )
+    compare(tmp_path / "out", runs=runs_dir)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "1 of 3 runs recorded none, and for them by host name, which clones share." in md
+
+
 def test_speed_true_measures_every_run_side_by_side(
     smoke_run_dir: Path, multi30k_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -333,7 +474,9 @@ def test_speed_true_measures_every_run_side_by_side(
     )
     md = (tmp_path / "out" / "comparison.md").read_text()
     assert "**Runs overlapped in time on one machine**" in md
-    assert "measured by `compare.py speed=true` in one process, the runs interleaved" in md
+    assert (
+        "measured by `compare.py speed=true` (kept in each run's `speed.json`) in one process" in md
+    )
     assert f"on {cpu_model()} (" in md and "1 threads" in md and "decoding 8 test" in md
     assert "| greedy × (side by side) |" in md and "greedy × (in training)" not in md
     assert panels["bleu_vs_decode_speed.png"] == [GREEDY_KEY, BEAM_KEY]
@@ -343,6 +486,16 @@ def test_speed_true_measures_every_run_side_by_side(
         for column in ("train tgt tok/s", "greedy sent/s", "beam sent/s"):
             assert float(row[f"{column} (side by side)"]) > 0
         assert float(row["greedy sent/s (in training)"]) == 400.0 / kv  # the summary's own
+    # Kept in each run's speed.json: a rerun without checkpoints gives the same report.
+    for job in ("mha", "mqa"):
+        record = json.loads((root / job / "speed.json").read_text())
+        assert record["setup"]["threads"] == 1 and record["speeds"][GREEDY_KEY] > 0
+        (root / job / "checkpoints" / "last.ckpt").unlink()
+    compare(tmp_path / "again", runs=root, local_dir=str(multi30k_dir))
+    assert (tmp_path / "again" / "comparison.csv").read_text() == (
+        tmp_path / "out" / "comparison.csv"
+    ).read_text()
+    assert (tmp_path / "again" / "comparison.md").read_text() == md.replace("/out", "/again")
 
 
 def test_wandb_true_logs_into_the_group_the_runs_recorded(
@@ -368,11 +521,30 @@ def test_wandb_true_logs_into_the_group_the_runs_recorded(
     assert [run.group for run in started] == ["sw-1"]
 
 
-def test_wandb_true_logs_the_table_and_plots_to_a_run_of_its_own(
-    runs_dir: Path, tmp_path: Path, monkeypatch
+def test_wandb_true_names_the_group_summaries_from_before_it_lack(
+    runs_dir: Path, tmp_path: Path, monkeypatch, caplog
 ) -> None:
-    """Offline: the comparison is a run of its own in the group; its table and plots are
-    read back from wandb's files (the table in wandb's Table JSON, the images as PNG)."""
+    """Runs kept from before summaries recorded run/wandb_group: one line says the group is
+    missing and how to give it; the comparison is logged without one."""
+    import wandb
+
+    started = []
+    init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: started.append(init(*a, **k)) or started[-1])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    compare(tmp_path / "out", runs=runs_dir, wandb_log=True)
+    (line,) = [r.getMessage() for r in caplog.records if "wandb_group" in r.getMessage()]
+    assert line.startswith("wandb=true: 3 of 3 runs record no run/wandb_group (summaries")
+    assert line.endswith("so the comparison's group is missing; give wandb_group=NAME")
+    assert "\n" not in line and [bool(run.group) for run in started] == [False]
+
+
+def test_wandb_true_logs_the_tables_and_plots_to_a_run_of_its_own(
+    headline_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Offline: the comparison is a run of its own in the group; its table of runs, its
+    table of configurations over seeds (Holm's p and the verdicts) and its plots are read
+    back from wandb's files (the tables in wandb's Table JSON, the images as PNG)."""
     import wandb
 
     started = []
@@ -380,18 +552,27 @@ def test_wandb_true_logs_the_table_and_plots_to_a_run_of_its_own(
     monkeypatch.setattr(wandb, "init", lambda *a, **k: started.append(init(*a, **k)) or started[-1])
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "out"
-    compare(out, runs=runs_dir, wandb_log=True, wandb_group="sweep1")
+    compare(out, runs=headline_dir, wandb_log=True, wandb_group="sweep1", equivalence_margin=0.5)
     (run,) = started
     assert (run.group, run.job_type, run.name) == ("sweep1", "comparison", "comparison-sweep1")
     assert wandb.run is None  # finished
     (files,) = (out / "wandb").glob(f"offline-run-*-{run.id}/files")
-    (table_file,) = (files / "media" / "table").glob("comparison_*.table.json")
+    tables = files / "media" / "table"
+    (table_file,) = tables.glob("comparison_*.table.json")
     table = json.loads(table_file.read_text())
     with open(out / "comparison.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert table["columns"] == rows[0]
     assert [r[0] for r in table["data"]] == [r[0] for r in rows[1:]]
     kv = table["columns"].index("KV-cache bytes/token")
-    assert [r[kv] for r in table["data"]] == [512, 256, 128]
+    assert [r[kv] for r in table["data"]][::3] == [4096, 1024, 2048, 512, 256, 512]
+    (seeds_file,) = tables.glob("seed_means_*.table.json")
+    seeds = json.loads(seeds_file.read_text())
+    by_name = {(r[0], r[1]): dict(zip(seeds["columns"], r, strict=True)) for r in seeds["data"]}
+    assert round(by_name["mla16", "MHA"]["p (Holm)"], 3) == 0.023
+    assert by_name["mla16", "MHA"]["verdict"] == "lower"
+    assert round(by_name["mqa", "MHA"]["p (Holm)"], 3) == 0.079
+    assert by_name["mqa", "mla32"]["verdict"] == "no detectable difference"
+    assert len(seeds["data"]) == 6  # five designs against MHA, one contrast
     images = sorted(p.name.split("_")[0] for p in (files / "media" / "images").glob("*.png"))
     assert len(images) == 4 and {"bleu", "delta", "validation"} <= set(images)

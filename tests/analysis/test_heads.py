@@ -10,11 +10,11 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import WandbLogger
 
+from multihead.analysis.diagnostics import AttentionMapLogger
 from multihead.analysis.heads import head_outputs, head_similarity, head_similarity_matrix
 from multihead.attention import MultiHeadAttention
 from multihead.data import Tokenizer, collate
 from multihead.model import Transformer
-from multihead.analysis.diagnostics import AttentionMapLogger
 
 from helpers.models import SENTENCES, analysis_model
 from helpers.scripts import run_script, script_main

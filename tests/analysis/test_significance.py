@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,14 @@ import sacrebleu
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from multihead.analysis.comparison import compare
-from multihead.analysis.significance import paired_tests, t_quantile_975
+from multihead.analysis.significance import (
+    detectable_difference,
+    holm,
+    paired_tests,
+    t_quantile_975,
+    t_test_p,
+    tost_p,
+)
 
 from helpers.scripts import assert_one_error_line, run_script
 
@@ -113,7 +122,10 @@ def test_compare_gives_the_delta_and_p_of_the_sacrebleu_command_line(
     assert float(row["paired Δ"]) == pytest.approx(delta, abs=1e-9)
     assert float(row["p"]) == pytest.approx(other["BLEU"]["p_value"], abs=1e-12)
     assert float(row[f"test BLEU {metric} (hypotheses)"]) == pytest.approx(other["BLEU"]["score"])
-    assert float(row["Δ low"]) <= float(row["Δ high"]) < 0 and row["verdict"] == "p<0.05"
+    assert (
+        float(row["Δ low"]) <= float(row["Δ high"]) < 0
+        and row["verdict (this seed, unadjusted)"] == "p<0.05"
+    )
     md = (out / "comparison.md").read_text()
     assert f"BLEU here is **{metric}**" in md
     assert f"| gqa-h4-kv2 | mha-h4-kv4 | 1 | {other['BLEU']['score']:.2f} |" in md
@@ -145,6 +157,84 @@ def test_t_quantiles_are_the_tables() -> None:
     expected = {1: 12.706, 2: 4.303, 4: 2.776, 40: 2.021, 120: 1.980}
     for df, t in expected.items():
         assert t_quantile_975(df) == pytest.approx(t, abs=1e-3), df
+
+
+# The headline's per-seed Δ against MHA (seeds 1234, 2, 3), from the committed
+# docs/comparison_headline/comparison.csv of 25fe9c2 ("paired Δ").
+HEADLINE_DELTAS = {
+    "gqa 8/4": [-1.5213080177332117, -0.4640743246233896, -0.34126974412811606],
+    "gqa 8/2": [-1.0610704802474729, -0.3855217341771322, -0.9895869418775476],
+    "mqa": [-2.4674224994795715, -1.5833575135211824, -1.719342080543118],
+    "mla r16": [-5.442461592836574, -4.3248783987308475, -5.168063377597603],
+    "mla r32": [-3.612759683193552, -1.7741118694827591, -3.5873736554048854],
+}
+
+
+def t_two_sided(t: float, df: int) -> float:
+    """P(|T| > |t|) for Student's t, by Abramowitz and Stegun 26.7.3/26.7.4 (integer df)."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c, s = math.cos(theta), math.sin(theta)
+    if df % 2:  # odd: (2/π)(θ + sinθ (cosθ + 2/3 cos³θ + ... ))
+        series, term = 0.0, c
+        for k in range(1, (df - 1) // 2 + 1):
+            series += term
+            term *= c * c * (2 * k) / (2 * k + 1)
+        inside = 2 / math.pi * (theta + s * series) if df > 1 else 2 * theta / math.pi
+    else:  # even: sinθ (1 + 1/2 cos²θ + 1·3/(2·4) cos⁴θ + ...)
+        series, term = 0.0, 1.0
+        for k in range(1, df // 2 + 1):
+            series += term
+            term *= c * c * (2 * k - 1) / (2 * k)
+        inside = s * series
+    return 1 - inside
+
+
+def test_paired_t_and_holm_give_the_headline_numbers() -> None:
+    """The paired t-test's p of each design's Δ over the three seeds, Holm-adjusted over the
+    five designs: the numbers issue 57 computed on its own (0.174, 0.126, 0.079, 0.023,
+    0.117); unadjusted, GQA 8/2's p is the issue's 0.063."""
+    p = [t_test_p(d) for d in HEADLINE_DELTAS.values()]
+    for values, found in zip(HEADLINE_DELTAS.values(), p, strict=True):
+        t = statistics.fmean(values) / (statistics.stdev(values) / math.sqrt(3))
+        assert found == pytest.approx(t_two_sided(t, 2), abs=1e-12)
+    assert round(p[1], 3) == 0.063
+    assert [round(a, 3) for a in holm(p)] == [0.174, 0.126, 0.079, 0.023, 0.117]
+
+
+@pytest.mark.parametrize("p", [[0.01, 0.04, 0.03, 0.005], [0.2, 0.01, 0.5], [0.9, 0.8]])
+def test_holm_is_the_step_down_maximum(p: list[float]) -> None:
+    """Holm's adjusted p of the i-th smallest: max over j <= i of (m - j + 1) p_(j), capped."""
+    m, order = len(p), sorted(p)
+    expected = [min(1.0, max((m - j) * order[j] for j in range(order.index(x) + 1))) for x in p]
+    assert holm(p) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_detectable_difference_is_found_with_80_percent_power(n: int) -> None:
+    """Per-seed Δ drawn around the detectable difference: the two-sided t-test at 0.05
+    rejects 80% of the time (200,000 simulated experiments)."""
+    sd = 0.7
+    shift = detectable_difference(sd, n)
+    draws = np.random.default_rng(0).normal(shift, sd, size=(200_000, n))
+    t = draws.mean(1) / (draws.std(1, ddof=1) / math.sqrt(n))
+    assert np.mean(np.abs(t) > t_quantile_975(n - 1)) == pytest.approx(0.80, abs=0.005)
+
+
+def test_tost_is_the_larger_one_sided_p() -> None:
+    """TOST at margin 0.5: the larger of the two one-sided t-tests' p, each half the
+    two-sided tail (written out above) on its side."""
+    values, margin = [0.1, -0.2, 0.05, 0.15], 0.5
+    se = statistics.stdev(values) / 2
+    low, high = (statistics.fmean(values) + margin) / se, (statistics.fmean(values) - margin) / se
+    # P(T > low) with low > 0 and P(T < high) with high < 0: each half a two-sided tail
+    expected = max(t_two_sided(low, 3) / 2, t_two_sided(high, 3) / 2)
+    assert tost_p(values, margin) == pytest.approx(expected, abs=1e-12)
+    assert tost_p(values, margin) < 0.05  # equivalent within ±0.5
+    assert tost_p(HEADLINE_DELTAS["gqa 8/2"], margin) > 0.05  # GQA 8/2 is not shown equal
+    with pytest.raises(ValueError, match="equivalence_margin=0; expected a positive"):
+        tost_p(values, 0)
+    with pytest.raises(ValueError, match="n=1 seeds; the t-test needs at least 2"):
+        detectable_difference(1.0, 1)
 
 
 def test_bad_significance_input_is_one_clear_error(references, tmp_path: Path) -> None:

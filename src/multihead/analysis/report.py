@@ -117,12 +117,18 @@ def training_overlap(runs: list[RunResult]) -> tuple[str, str]:
         if machine(a) == machine(b) and a0 < b1 and b0 < a1
     ]
     by_name = sum(machine(run)[0] == "host" for run in runs)
-    told = (
-        f" Machines are told apart by the kernel's boot id; {by_name} of {len(runs)} runs "
-        "recorded none, and for them by host name, which clones share."
-        if by_name
-        else " Machines are told apart by the kernel's boot id."
-    )
+    if by_name == len(runs):
+        told = (
+            " Machines are told apart by host name only, which clones share (`vm` on many): "
+            "these runs recorded no kernel boot id."
+        )
+    elif by_name:
+        told = (
+            f" Machines are told apart by the kernel's boot id; {by_name} of {len(runs)} runs "
+            "recorded none, and for them by host name, which clones share."
+        )
+    else:
+        told = " Machines are told apart by the kernel's boot id."
     if pairs:
         shown = "; ".join(f"{a} and {b}" for a, b in pairs[:5])
         more = f" and {len(pairs) - 5} more pairs" if len(pairs) > 5 else ""

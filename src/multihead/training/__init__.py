@@ -7,8 +7,9 @@ them from a config. In the import order only ``multihead.cli`` and the root are 
 Reading and writing checkpoints lives in :mod:`multihead.checkpoints` (Lightning's writes
 during ``fit`` go through its atomic writer, :mod:`multihead.training.checkpoint_io`);
 building the network in :mod:`multihead.model`; translating and scoring in
-:mod:`multihead.evaluation`; reports about runs, and the callback that draws attention maps during ``fit``
-(:mod:`multihead.analysis.diagnostics`), in :mod:`multihead.analysis`, above this package;
+:mod:`multihead.evaluation`; reports about runs, and the callback that draws attention
+maps during ``fit`` (:mod:`multihead.analysis.diagnostics`), in :mod:`multihead.analysis`,
+above this package;
 wandb's online/offline choice in :mod:`multihead.wandb_setup`.
 """
 

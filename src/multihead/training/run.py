@@ -203,9 +203,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Returns the run summary (also written to ``<run dir>/summary.json``): head settings,
     parameter counts, KV-cache bytes per token, training and decoding throughput, peak
     memory, the final metrics, and when and where the run ran (``run/start``, ``run/end``,
-    ``run/host``, ``run/boot_id``, ``run/cpu``: ``scripts/compare.py`` tells from them whether runs shared a
-    host at the same time, which makes their speeds meaningless). The test split's
-    outputs go to ``<run dir>/hypotheses.test.txt``, one line per source sentence, in order.
+    ``run/host``, ``run/boot_id``, ``run/cpu``: ``scripts/compare.py`` tells from them
+    whether runs shared a machine at the same time, which makes their speeds meaningless).
+    The test split's outputs go to ``<run dir>/hypotheses.test.txt``, one line per source
+    sentence, in order.
     """
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
