@@ -29,8 +29,8 @@ LAYERS = (
     "checkpoints",  # read, write atomically, load for translation, resume, average, convert
     "deploy",  # CTranslate2 export and engine
     "evaluation",  # translate and score
-    "analysis",  # reports about finished runs
     "training",  # what runs during fit
+    "analysis",  # reports about runs (and the fit callback that draws them): never in training
     "cli",  # what the scripts share
     "multihead",
 )
