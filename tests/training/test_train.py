@@ -278,3 +278,5 @@ def test_run_writes_test_hypotheses_in_order_and_when_where(smoke_config, tmp_pa
     start, end = (datetime.fromisoformat(summary[k]) for k in ("run/start", "run/end"))
     assert start <= end and start.utcoffset().total_seconds() == 0
     assert summary["run/host"] == socket.gethostname() and summary["run/cpu"]
+    # the machine compare.py tells overlapping runs apart by: the running kernel's boot id
+    assert summary["run/boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
