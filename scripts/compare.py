@@ -1,9 +1,11 @@
 """Compare training runs: python scripts/compare.py runs=MULTIRUN_DIR out=DIR.
 
 Writes comparison.md (table, ratios vs MHA, paired significance tests against MHA, seed
-means with t-intervals, plots), comparison.csv and the PNG plots into DIR.
+means with t-intervals and Holm-adjusted verdicts, plots), comparison.csv and the PNG plots
+into DIR.
 ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online only).
-``speed=true`` measures every run's speeds again side by side; ``wandb=true`` logs the
+``speed=true`` measures every run's speeds again side by side (kept in each run's
+speed.json); ``wandb=true`` logs the
 comparison to a wandb run of its own. See configs/compare.yaml for every option.
 """
 
