@@ -2,11 +2,10 @@
 
 Writes comparison.md (table, ratios vs MHA, paired significance tests against MHA, seed
 means with t-intervals and Holm-adjusted verdicts, plots), comparison.csv and the PNG plots
-into DIR.
-``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online only).
-``speed=true`` measures every run's speeds again side by side (kept in each run's
-speed.json); ``wandb=true`` logs the
-comparison to a wandb run of its own. See configs/compare.yaml for every option.
+into DIR. ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online
+only). ``speed=true`` measures every run's speeds again side by side and keeps them in each
+run's speed.json; ``wandb=true`` logs the comparison to a wandb run of its own. See
+configs/compare.yaml for every option.
 """
 
 from multihead.cli import exit_on_user_error
