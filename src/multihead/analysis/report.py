@@ -336,7 +336,7 @@ def p_cell(p: float | None) -> str:
     return MISSING if p is None else f"{p:.3f}"
 
 
-def test_cells(test: SeedTest | None) -> list[str]:
+def seed_test_cells(test: SeedTest | None) -> list[str]:
     """Mean Δ, t-interval, per-seed Δ, p, Holm's p, detectable, TOST p, verdict."""
     if test is None:
         return [MISSING] * 8
@@ -409,7 +409,7 @@ def seed_means_markdown(report: Report) -> str:
             str(len(group)),
             format_cell(mean.get(key), ".2f"),
             MISSING if low is None else f"{low:.2f}–{high:.2f}",
-            *test_cells(report.tests.get(name)),
+            *seed_test_cells(report.tests.get(name)),
             format_cell(mean.get("kv_cache/bytes_per_token"), ",d"),
             format_cell(mean.get("params/total"), ",d"),
         ]
@@ -427,7 +427,9 @@ def seed_means_markdown(report: Report) -> str:
         markdown_table(headers, rows),
     ]
     if report.contrasts:
-        contrast_rows = [[a, b, *test_cells(test)] for (a, b), test in report.contrasts.items()]
+        contrast_rows = [
+            [a, b, *seed_test_cells(test)] for (a, b), test in report.contrasts.items()
+        ]
         parts += [
             "\n## Designs of one KV-cache size against each other\n",
             "Each pair of designs that store the same KV-cache bytes per token, by the same "
