@@ -23,10 +23,15 @@ from helpers.training import compose_config
 
 
 def run_script(
-    script: str, *args: str, stdin: str | None = None, preexec_fn=None
-) -> subprocess.CompletedProcess:
-    """``python scripts/<script> ARGS`` offline, from the repository root."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    script: str, *args: str, stdin: str | None = None, preexec_fn=None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """``python scripts/<script> ARGS`` offline, from the repository root, with ``env``
+    added to this process's environment."""
+    env = {
+        **os.environ, **(env or {}),
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+    }  # fmt: skip
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / script), *args],

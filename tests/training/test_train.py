@@ -14,12 +14,14 @@ import torch
 from multihead.training import TranslationModule
 from multihead.training.run import train
 
+from helpers.scripts import run_script
 from helpers.training import (
     assert_resumed_from,
     assert_same_training_state,
     compose_config,
     listing,
     read_metrics,
+    smoke_overrides,
 )
 
 
@@ -208,6 +210,25 @@ def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_
     assert callback_states(straight, smoke_run_dir) == callback_states(resumed, run)
 
 
+def test_same_command_seed_and_threads_give_identical_weights(
+    smoke_run_dir, multi30k_dir, tmp_path
+) -> None:
+    """A second run of the session's smoke run (20 steps, seed 1234, one thread), as a fresh
+    ``scripts/train.py`` process with its own data and tokenizer cache, ends with the same
+    weights, optimizer state and sampler position, bit for bit (docs/usage.md, "Reproducible
+    runs": the thread count and the CPU's kernels must match too)."""
+    overrides = smoke_overrides(tmp_path / "run", multi30k_dir, tmp_path / "cache")
+    settings = ["trainer.max_steps=20", "trainer.val_check_interval=10", "test=false"]
+    result = run_script(
+        "train.py", *overrides, *settings, "summary.decode_speed=false", "hydra.mode=RUN",
+        f"hydra.run.dir={tmp_path / 'run'}", env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    again = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    first = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert_same_training_state(first, again)
+
+
 def test_resume_checks_fail_when_resume_is_dropped(
     smoke_config, stopped_runs, trained_steps, monkeypatch
 ) -> None:
@@ -280,3 +301,7 @@ def test_run_writes_test_hypotheses_in_order_and_when_where(smoke_config, tmp_pa
     assert summary["run/host"] == socket.gethostname() and summary["run/cpu"]
     # the machine compare.py tells overlapping runs apart by: the running kernel's boot id
     assert summary["run/boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    # What makes two runs identical besides the command and seed (docs/usage.md): the
+    # conftest runs every test on one thread.
+    assert summary["run/threads"] == 1
+    assert summary["run/cpu_capability"] == torch.backends.cpu.get_cpu_capability()

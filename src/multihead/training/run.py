@@ -204,9 +204,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     parameter counts, KV-cache bytes per token, training and decoding throughput, peak
     memory, the final metrics, and when and where the run ran (``run/start``, ``run/end``,
     ``run/host``, ``run/boot_id``, ``run/cpu``: ``scripts/compare.py`` tells from them
-    whether runs shared a machine at the same time, which makes their speeds meaningless).
-    The test split's outputs go to ``<run dir>/hypotheses.test.txt``, one line per source
-    sentence, in order.
+    whether runs shared a machine at the same time, which makes their speeds meaningless;
+    ``run/threads`` and ``run/cpu_capability``: with the command and seed, what decides the
+    weights' bits). The test split's outputs go to ``<run dir>/hypotheses.test.txt``, one
+    line per source sentence, in order.
     """
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
@@ -282,6 +283,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
             summary.update(metrics)
             summary |= {"run/start": started, "run/end": utc_now()}
             summary |= {"run/host": host_name(), "run/boot_id": boot_id(), "run/cpu": cpu_model()}
+            # What else decides the bits of the weights (docs/usage.md, "Reproducible runs"):
+            # the GEMMs' summation order follows the thread count and the kernels' ISA.
+            summary["run/threads"] = torch.get_num_threads()
+            summary["run/cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             summary["run/wandb_group"] = cfg.get("wandb_group")  # resolved: compare.py reads it
             write_summary(run_dir, summary, trainer)
     finally:
