@@ -21,6 +21,13 @@ the step before either change. E.g.
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
         experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step chunk=256
 
+``--profile`` also prints, for each variant, where one block of ``--steps`` steps spends its
+time: self CPU time and share per op from ``torch.profiler`` (GEMMs and the attention kernels
+each summed into one row, ops under 1% into "everything else"), e.g.
+
+    python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
+        experiment=multi30k_en_de --precisions 32-true --threads 2 --profile
+
 ``--attention A B ...`` times the same steps once per attention preset (``configs/attention``),
 interleaved too, each with its own parameter count and FLOPs: the training cost of head
 designs, e.g. ``experiment=compare_heads --attention mha_h8 gqa_h8_kv2 mqa_h8 mla_h8_r32``.
@@ -44,7 +51,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.model import build_model
-from multihead.timing import interleaved_medians, wall_seconds
+from multihead.timing import interleaved_medians, op_shares, wall_seconds
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -141,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--compile", action="store_true", help="also time each variant with torch.compile"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each variant's self CPU time per op over one block (torch.profiler)",
     )
     parser.add_argument(
         "--peak",
@@ -250,6 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"warm-up (and compilation) of {name}: {wall_seconds(block, device):.1f} s", flush=True
         )
+    if args.profile:
+        for name, block in blocks.items():
+            print(f"\nprofile of {name}, one block of {len(batches)} steps:")
+            print("| op | self CPU | share |\n|---|---:|---:|")
+            for op, seconds, share in op_shares(block):
+                print(f"| {op} | {seconds:.3f} s | {share:.1%} |")
+        print()
     peak = gemm_peak(device, torch.float32) if args.peak else None
     times = interleaved_medians(blocks, args.blocks, warmup=0, device=device)
 
