@@ -8,7 +8,8 @@ Every variant (each precision times each ``--variants`` entry, and each again co
 ``--compile``) is timed block by block, interleaved, so machine noise hits them alike. It
 prints real (non-padding) target and source tokens per second, the ratio to the first
 variant, and the model's GFLOP per step (counted on the unfused step, all positions) as
-GFLOP/s and as a fraction of the fp32 GEMM peak measured in the same run (``--peak``).
+GFLOP/s and as a fraction of the fp32 GEMM peak measured in the same run (``--peak``; with
+``bf16-mixed`` among the precisions, the bf16 GEMM rate of the same 2048^3 product too).
 ``--device cuda`` times on the GPU (``--precisions 32-true bf16-mixed 16-mixed`` there; fp16
 scales the loss as Lightning's 16-mixed does).
 
@@ -270,6 +271,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {op} | {seconds:.3f} s | {share:.1%} |")
         print()
     peak = gemm_peak(device, torch.float32) if args.peak else None
+    # bf16's own GEMM rate beside it, when bf16 is timed: whether its GEMMs are faster at all.
+    bf16_peak = (
+        gemm_peak(device, torch.bfloat16) if peak and "bf16-mixed" in args.precisions else None
+    )
     times = interleaved_medians(blocks, args.blocks, warmup=0, device=device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
         f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens"
         + (f", fp32 GEMM peak {peak:.0f} GFLOP/s" if peak else "")
+        + (f", bf16 GEMM (2048^3) {bf16_peak:.0f} GFLOP/s" if bf16_peak else "")
     )
     print(
         "| variant | params | GFLOP/step | s/step | target tok/s | src+tgt tok/s | GFLOP/s "
