@@ -15,8 +15,9 @@ on ``[-2^15, 2^15)``, and an element is kept when ``r >= -2^15 + k`` with
   as the generator's 64-bit outputs are (Mersenne Twister on CPU, Philox on CUDA).
 
 The product ``x * keep`` with a boolean ``keep`` makes autograd save the 1-byte mask, not a
-float one, and the gradient is ``grad * keep / (1 - p)``. In eval mode, or with ``p = 0``,
-it is the identity. The dtype is ``x``'s, so it runs as is under autocast.
+float one, and the gradient is ``grad * keep / (1 - p)``. (The product converts the mask to
+``x``'s dtype on the fly, forward and backward: a ``copy_`` in a profile.) In eval mode, or
+with ``p = 0``, it is the identity. The dtype is ``x``'s, so it runs as is under autocast.
 """
 
 from __future__ import annotations
