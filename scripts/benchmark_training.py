@@ -8,7 +8,8 @@ Every variant (each precision times each ``--variants`` entry, and each again co
 ``--compile``) is timed block by block, interleaved, so machine noise hits them alike. It
 prints real (non-padding) target and source tokens per second, the ratio to the first
 variant, and the model's GFLOP per step (counted on the unfused step, all positions) as
-GFLOP/s and as a fraction of the fp32 GEMM peak measured in the same run (``--peak``).
+GFLOP/s and as a fraction of the fp32 GEMM peak measured in the same run (``--peak``; with
+``bf16-mixed`` among the precisions, the bf16 GEMM rate of the same 2048^3 product too).
 ``--device cuda`` times on the GPU (``--precisions 32-true bf16-mixed 16-mixed`` there; fp16
 scales the loss as Lightning's 16-mixed does).
 
@@ -20,6 +21,13 @@ the step before either change. E.g.
 
     python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
         experiment=multi30k_en_de --threads 1 --variants unfused+adam-loop step chunk=256
+
+``--profile`` also prints, for each variant, where one block of ``--steps`` steps spends its
+time: self CPU time and share per op from ``torch.profiler`` (GEMMs and the attention kernels
+each summed into one row, ops under 1% into "everything else"), e.g.
+
+    python scripts/benchmark_training.py data.local_dir=../shared/data/multi30k \
+        experiment=multi30k_en_de --precisions 32-true --threads 2 --profile
 
 ``--attention A B ...`` times the same steps once per attention preset (``configs/attention``),
 interleaved too, each with its own parameter count and FLOPs: the training cost of head
@@ -44,7 +52,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead.model import build_model
-from multihead.timing import interleaved_medians, wall_seconds
+from multihead.timing import interleaved_medians, op_shares, wall_seconds
 from multihead.training.loss import linear_cross_entropy
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -141,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--compile", action="store_true", help="also time each variant with torch.compile"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each variant's self CPU time per op over one block (torch.profiler)",
     )
     parser.add_argument(
         "--peak",
@@ -250,7 +263,18 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"warm-up (and compilation) of {name}: {wall_seconds(block, device):.1f} s", flush=True
         )
+    if args.profile:
+        for name, block in blocks.items():
+            print(f"\nprofile of {name}, one block of {len(batches)} steps:")
+            print("| op | self CPU | share |\n|---|---:|---:|")
+            for op, seconds, share in op_shares(block):
+                print(f"| {op} | {seconds:.3f} s | {share:.1%} |")
+        print()
     peak = gemm_peak(device, torch.float32) if args.peak else None
+    # bf16's own GEMM rate beside it, when bf16 is timed: whether its GEMMs are faster at all.
+    bf16_peak = (
+        gemm_peak(device, torch.bfloat16) if peak and "bf16-mixed" in args.precisions else None
+    )
     times = interleaved_medians(blocks, args.blocks, warmup=0, device=device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -258,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
         f"{len(batches)} batches of <= {cfg.data.max_tokens} tokens"
         + (f", fp32 GEMM peak {peak:.0f} GFLOP/s" if peak else "")
+        + (f", bf16 GEMM (2048^3) {bf16_peak:.0f} GFLOP/s" if bf16_peak else "")
     )
     print(
         "| variant | params | GFLOP/step | s/step | target tok/s | src+tgt tok/s | GFLOP/s "

@@ -7,6 +7,9 @@ turn, so that whatever else the machine does slows them alike;
 speed=true`` (:mod:`multihead.analysis.speed`), ``scripts/benchmark_training.py``,
 ``scripts/benchmark_decoding.py``, ``scripts/benchmark_attention.py`` and
 ``scripts/benchmark_heads.py`` all time through it.
+
+:func:`op_shares` says where one job's time goes, op by op (``torch.profiler``), as the
+table of ``scripts/benchmark_training.py --profile``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,20 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 K = TypeVar("K", bound=Hashable)
+
+# The ops grouped into one row of :func:`op_shares`: the matrix products (the step's floor)
+# and the attention kernels, forward and backward.
+OP_GROUPS = {
+    "GEMMs (mm, addmm, addmm_, bmm, baddbmm)": (
+        lambda name: (
+            name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+        )
+    ),
+    "SDPA kernels, forward and backward": lambda name: "scaled_dot_product" in name,
+}
 
 
 def wall_seconds(job: Callable[[], Any], device: torch.device | None = None) -> float:
@@ -78,3 +93,38 @@ def interleaved_medians(
     """The median of each job's seconds in :func:`interleaved_seconds` (same arguments)."""
     times = interleaved_seconds(jobs, rounds, warmup=warmup, device=device)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def op_shares(job: Callable[[], Any], *, min_share: float = 0.01) -> list[tuple[str, float, float]]:
+    """Self CPU seconds of the ops of one call of ``job``, from ``torch.profiler``.
+
+    The ops of each :data:`OP_GROUPS` entry are summed into one row; any other op with at
+    least ``min_share`` of the total has a row of its own, largest first; the rest sum to a
+    last row, ``"everything else"``. On CUDA the times are the host's (launches and
+    synchronizations), not the kernels'.
+
+    Returns:
+        ``[(op, self CPU seconds, share of the total), ...]``; the shares sum to 1.
+    """
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        job()
+    seconds: dict[str, float] = {}
+    for event in prof.key_averages():
+        seconds[event.key] = seconds.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
+    total = sum(seconds.values())
+    grouped = {group: 0.0 for group in OP_GROUPS}
+    others: dict[str, float] = {}
+    for name, s in seconds.items():
+        group = next((g for g, member in OP_GROUPS.items() if member(name)), None)
+        if group is None:
+            others[name] = s
+        else:
+            grouped[group] += s
+    rest = 0.0
+    for name, s in sorted(others.items(), key=lambda item: -item[1]):
+        if s >= min_share * total:
+            grouped[name] = s
+        else:
+            rest += s
+    grouped["everything else"] = rest
+    return [(name, s, s / total) for name, s in grouped.items()]

@@ -49,3 +49,16 @@ def test_each_attention_preset_is_its_own_model(capsys, multi30k_dir, cache_dir)
 def test_an_unknown_preset_is_named(capsys, multi30k_dir, cache_dir) -> None:
     with pytest.raises(SystemExit, match="--attention mhx; expected a preset of configs/atte"):
         bench(capsys, multi30k_dir, cache_dir, "--attention", "mha_h8", "mhx")
+
+
+def test_profile_prints_where_the_step_spends_its_time(capsys, multi30k_dir, cache_dir) -> None:
+    rows = bench(capsys, multi30k_dir, cache_dir, "--profile")
+    header = rows.index("| op | self CPU | share |")  # bench() keeps the rows, no separators
+    table = [row.split(" | ") for row in rows[header + 1 : -2]]
+    ops = [cells[0].removeprefix("| ") for cells in table]
+    assert ops[0].startswith("GEMMs (mm, addmm") and ops[-1] == "everything else"
+    assert all(cells[1].endswith(" s") and cells[2].endswith("% |") for cells in table)
+    shares = [float(cells[2].removesuffix("% |")) for cells in table]
+    assert sum(shares) == pytest.approx(100, abs=0.1 * len(shares))  # each rounded to 0.1%
+    assert shares[0] > 0  # the GEMMs ran
+    assert rows[-2].startswith("| variant | params |")  # then the timing table as before

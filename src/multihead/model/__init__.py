@@ -1,7 +1,9 @@
-"""The encoder-decoder Transformer (plain ``nn.Module``, no Lightning), the factory that
-builds it from a run config (:func:`build_model`), and its decoders."""
+"""The encoder-decoder Transformer (plain ``nn.Module``, no Lightning), its dropout (from
+16-bit random numbers, :class:`Dropout`), the factory that builds it from a run config
+(:func:`build_model`), and its decoders."""
 
 from multihead.model.decoding import beam_search, decode, greedy_decode, max_output_lengths
+from multihead.model.dropout import Dropout
 from multihead.model.embedding import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -20,6 +22,7 @@ from multihead.model.transformer import (
 __all__ = [
     "DecoderCache",
     "DecoderLayer",
+    "Dropout",
     "EncoderLayer",
     "FeedForward",
     "LearnedPositionalEmbedding",

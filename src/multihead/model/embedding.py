@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from multihead.model.dropout import Dropout
+
 
 def make_token_embedding(vocab_size: int, embed_dim: int, pad_id: int) -> nn.Embedding:
     """An ``nn.Embedding`` initialised ``normal(0, E^-0.5)`` with row ``pad_id`` zero.
@@ -127,7 +129,7 @@ class TransformerEmbedding(nn.Module):
             if positional in POSITIONAL
             else None
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, tokens: Tensor, start_pos: int = 0) -> Tensor:
         """Embed ``tokens`` ``(B, L)`` placed at positions ``start_pos ..`` (for decoding)."""

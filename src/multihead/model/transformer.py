@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -46,7 +47,7 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(d_model, ffn_dim)
         self.linear2 = nn.Linear(ffn_dim, d_model)
         self.activation = ACTIVATIONS[activation]
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         for linear in (self.linear1, self.linear2):  # as fairseq: Xavier, zero bias
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
@@ -89,7 +90,7 @@ class _ResidualLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.self_attn = MultiHeadAttention(d_model, **self_attention, dropout=attention_dropout)
         self.self_attn_norm = nn.LayerNorm(d_model)
         if cross_attention is not None:
@@ -304,7 +305,8 @@ class Transformer(nn.Module):
     Post-LN as in the original paper by default; ``norm_first=True`` gives pre-LN with a
     final LayerNorm on the encoder and decoder outputs. Dropout follows fairseq: ``dropout``
     on the embeddings and on each sublayer's output, ``attention_dropout`` on the attention
-    weights, ``activation_dropout`` inside the FFN.
+    weights, ``activation_dropout`` inside the FFN; all but the attention weights' is
+    :class:`~multihead.model.dropout.Dropout`.
 
     Initialisation (as fairseq): token embeddings ``normal(0, E^-0.5)`` with the padding row
     zero (then scaled by ``sqrt(E)`` in the forward pass); an untied output projection the
