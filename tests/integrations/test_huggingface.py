@@ -33,6 +33,7 @@ from multihead.attention import (  # noqa: E402
     BackendUnavailableError,
     MultiHeadAttention,
     available_backends,
+    with_kv_heads,
 )
 from multihead.integrations import huggingface as hf  # noqa: E402
 
@@ -185,7 +186,7 @@ def test_a_cache_that_forgets_fails_the_generation_test(monkeypatch) -> None:
 def test_swapped_gpt2_as_gqa_generates_with_hf_cache_as_without() -> None:
     model = through(eager_model("gpt2").eval(), "swap")
     for block in model.transformer.h:
-        block.attn.attn = block.attn.attn.with_kv_heads(2)  # HF's cache holds 2 K/V heads
+        block.attn.attn = with_kv_heads(block.attn.attn, 2)  # HF's cache holds 2 K/V heads
     ids, mask = left_padded_batch()
     cached = generate(model, ids, mask)
     assert model.transformer.h[0].attn.attn.num_kv_heads == 2

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from multihead.attention import MultiHeadAttention
+from multihead.attention import MultiHeadAttention, prune_heads
 from multihead.model import Transformer
 
 from helpers.models import BOS, PAD, VOCAB, random_src, tiny_model
@@ -276,7 +276,7 @@ def test_packed_output_projection_is_the_linear_map_after_fused_optimiser_steps(
 def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     model = tiny_model()
     path = "decoder_layers.1.self_attn"
-    model.set_submodule(path, model.get_submodule(path).prune_heads([0]))
+    model.set_submodule(path, prune_heads(model.get_submodule(path), [0]))
     decoder = model.head_config["decoder_self_attention"]
     assert (decoder["num_heads"], decoder["num_kv_heads"], decoder["tag"]) == (
         "4+3",

@@ -68,15 +68,12 @@ def head_outputs(
 
     outputs: dict[str, list[Tensor]] = {kind: [] for kind in MAP_KINDS}
     for attn, (kind, i) in layers.items():
-        H, G, D, E = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.embed_dim
+        H, G = attn.num_heads, attn.num_kv_heads
         kv = inputs[(kind, i)]
         if isinstance(attn.design, LatentKV):  # V of every head from the latent
             _, v = attn.design.expand(attn.design.latent(kv))  # (B, H, S, D)
         else:
-            w, b = attn.in_proj.weight, attn.in_proj.bias
-            rows = slice(E + G * D, E + 2 * G * D)  # the V rows of the stacked projection
-            v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
-            v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
+            _, v = attn.in_proj.kv(kv)  # (B, G, S, D)
             v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): head h uses group h//(H/G)
         heads = (maps[kind][i] @ v).transpose(1, 2)  # (B, L, H, D)
         if isinstance(attn.design, HeadMixing):

@@ -223,7 +223,7 @@ class HFAttentionAdapter(nn.Module):
 
     Args:
         attn: the layer that computes the attention (replace it, e.g. by
-            ``adapter.attn.with_kv_heads(2)``, and the adapter calls the new one).
+            ``with_kv_heads(adapter.attn, 2)``, and the adapter calls the new one).
         layer_idx: the module's index in HF's cache.
         resid_dropout: the dropout the HF module applies after its output projection
             (GPT-2's ``resid_dropout``), kept as it was; ``None``: none (Llama).

@@ -19,18 +19,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.attention.designs import design_options
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
 ATTENTION_SUBLAYERS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-ATTENTION_KINDS = ATTENTION_SUBLAYERS  # deprecated alias, removed in the next release
 # The layer's head options (not its sizes or dropout, which the model sets) and their
-# defaults, read from its signature so that a new option needs no second list here.
-_ATTENTION_OPTIONS = {
+# defaults, read from its signature and the registered designs' so that a new option needs
+# no second list here.
+_ATTENTION_OPTIONS = design_options() | {
     name: param.default
     for name, param in inspect.signature(MultiHeadAttention).parameters.items()
-    if name not in ("embed_dim", "dropout", "bias", "device", "dtype")
+    if name not in ("embed_dim", "dropout", "bias", "device", "dtype", "design_options")
 }
 
 
