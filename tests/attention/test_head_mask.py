@@ -222,3 +222,18 @@ def test_pruning_twice_equals_masking_both_sets_of_heads(embed_dim, first, secon
     with torch.no_grad():
         expected = layer(x, is_causal=True, head_mask=mask)
         torch.testing.assert_close(twice(x, is_causal=True), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("convert", ["with_kv_heads", "with_kv_latent"])
+def test_kv_conversions_keep_the_head_mask(convert):
+    """25fe9c2 dropped it (0.26 off at with_kv_heads(H)); both keep every query head."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4).eval()
+    layer.head_mask = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    new = with_kv_heads(layer, 4) if convert == "with_kv_heads" else with_kv_latent(layer, 32)
+    x = torch.randn(2, 5, 16)
+    assert new.head_mask is layer.head_mask
+    with torch.no_grad():
+        torch.testing.assert_close(
+            new(x, is_causal=True), layer(x, is_causal=True), atol=1e-5, rtol=1e-5
+        )

@@ -186,3 +186,32 @@ def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
     with pytest.raises(ValueError, match=r"with_kv_latent\(33\).*132 bytes.*more than the 128"):
         with_kv_latent(layer, 33)
     assert with_kv_latent(layer, 32).kv_cache_bytes_per_token() == 128  # as much: allowed
+
+
+def test_expand_latent_refuses_a_decoupled_rotary_key():
+    """25fe9c2 returned a plain MHA layer: the rotary key gone, the scale wrong (0.036 off)."""
+    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=4)
+    with pytest.raises(ValueError, match="decoupled rotary key.*no MHA equivalent"):
+        expand_latent(layer)
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+def test_a_cached_eval_mode_call_gives_the_full_pass_gradients(rotary_dim):
+    """25fe9c2 folded the absorbed weights under no_grad: no gradient, and backward passed."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=rotary_dim).eval()
+    x = torch.randn(2, 5, 24)
+
+    def grads(out):
+        layer.zero_grad()
+        (out * torch.linspace(-1, 1, 24)).sum().backward()
+        return {n: p.grad for n, p in layer.named_parameters()}
+
+    full = grads(layer(x, is_causal=True))
+    # One call into an empty cache: the absorbed path (the cache's in-place writes keep
+    # autograd from reaching back through earlier steps, whatever the design).
+    cached = grads(layer(x, is_causal=True, kv_cache=layer.make_kv_cache(2, 5)))
+    assert set(cached) == set(full)
+    for name, grad in full.items():
+        assert cached[name] is not None, name
+        torch.testing.assert_close(cached[name], grad, atol=1e-5, rtol=1e-4, msg=name)

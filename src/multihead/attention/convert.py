@@ -121,6 +121,7 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
         if layer.design is not None:
             new.design.load_state_dict(layer.design.state_dict())
+    new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
 
 
@@ -175,6 +176,7 @@ def with_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAt
             latent.down.bias.zero_()
             new.in_proj.bias.copy_(b_q)
             new.out_proj.bias.copy_(layer.out_proj.bias + layer.out_proj.weight @ b_v)
+    new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
 
 
@@ -191,6 +193,11 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
         raise ValueError(
             f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
             "computes: it has no MHA equivalent"
+        )
+    if latent.rope is not None:
+        raise ValueError(
+            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), which no MHA layer "
+            "computes (its scores are D + d_R wide): it has no MHA equivalent"
         )
     new = rebuild(layer)
     w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV

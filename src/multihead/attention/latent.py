@@ -147,22 +147,24 @@ class LatentKV(HeadDesign):
         self, layer: AttentionLayer, kv_cache: KVCache
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """``W_UK`` folded into the query projection, ``W_UV`` into the output one:
-        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Kept in
-        ``kv_cache`` for the search: no check could tell that parameters changed between
-        two searches (a fused optimiser step writes them without bumping their version)."""
-        if "mla_folded" not in kv_cache.derived:
-            E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
-            D = E // H
-            w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
-            with torch.no_grad():
-                (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-                w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, D, E)).reshape(H * r, E)
-                if b_q is not None:
-                    b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
-                w_o = layer.out_proj.weight.view(E, H, D)
-                w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
+        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Without
+        autograd they are kept in ``kv_cache`` for the search (no check could tell that
+        parameters changed between two searches: a fused optimiser step writes them without
+        bumping their version); with it, folded at every call, so gradients flow through."""
+        if "mla_folded" in kv_cache.derived:
+            return kv_cache.derived["mla_folded"]
+        E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
+        D = E // H
+        w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
+        (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, D, E)).reshape(H * r, E)
+        if b_q is not None:
+            b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
+        w_o = layer.out_proj.weight.view(E, H, D)
+        w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
+        if not torch.is_grad_enabled():
             kv_cache.derived["mla_folded"] = (w_q, b_q, w_o)
-        return kv_cache.derived["mla_folded"]
+        return w_q, b_q, w_o
 
     def attention(
         self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
