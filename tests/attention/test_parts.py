@@ -216,3 +216,17 @@ def test_the_import_graph_of_attention_has_no_cycle():
     for name in graph:
         visit(name)
     assert importlib.import_module("multihead.attention.layer")
+
+
+class OwnForward(HeadDesign):
+    """A design that writes its own forward and gives no per-head outputs."""
+
+    name = attribute = "own_forward"
+    replaces_forward = True
+
+
+def test_head_analysis_refuses_a_design_without_per_head_outputs_by_name():
+    layer = MultiHeadAttention(16, 4, design=OwnForward())
+    weights, source = torch.rand(1, 4, 3, 3), torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="'own_forward' gives no per-head outputs"):
+        layer.head_outputs(weights, source)

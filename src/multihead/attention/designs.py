@@ -125,6 +125,18 @@ class HeadDesign(nn.Module):
         """``heads`` ``(B, L, H, D)`` as they enter ``W^O``."""
         return heads
 
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
+        weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
+        A design that writes its own forward gives none unless it overrides this."""
+        if self.replaces_forward:
+            raise ValueError(
+                f"head design {self.name!r} gives no per-head outputs (HeadDesign.head_outputs) "
+                "for head analysis"
+            )
+        heads = weights_times_values(layer, weights, source)  # (B, H, L, D)
+        return self.mix(heads.transpose(1, 2)).transpose(1, 2)
+
     def attention(
         self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
@@ -257,6 +269,13 @@ def kernel_of(layer: AttentionLayer, need_weights: bool, scale: float | None = N
         attend, backend=layer.backend, dropout_p=layer.dropout if layer.training else 0.0,
         scale=layer.scale if scale is None else scale, need_weights=need_weights,
     )  # fmt: skip
+
+
+def weights_times_values(layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+    """``weights`` ``(B, H, L, S)`` times the V heads of ``source`` ``(B, S, E)``, each K/V
+    head repeated for its group: ``(B, H, L, D)``."""
+    _, v = layer.in_proj.kv(source)  # (B, G, S, D)
+    return weights @ v.repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=1)
 
 
 def merge_heads(heads: Tensor) -> Tensor:

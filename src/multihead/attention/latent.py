@@ -143,6 +143,11 @@ class LatentKV(HeadDesign):
         v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
         return k, v
 
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """``weights @ V`` per head ``(B, H, L, D)``, V of every head from the latent."""
+        _, v = self.expand(self.latent(source))  # (B, H, S, D)
+        return weights @ v
+
     def folded(
         self, layer: AttentionLayer, kv_cache: KVCache
     ) -> tuple[Tensor, Tensor | None, Tensor]:

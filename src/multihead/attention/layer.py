@@ -264,6 +264,12 @@ class MultiHeadAttention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, dropout={self.dropout}, backend={self.backend!r}"
         )
 
+    def head_outputs(self, weights: Tensor, source: Tensor) -> Tensor:
+        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from attention
+        ``weights`` ``(B, H, L, S)`` and the keys' ``source`` ``(B, S, E)``, by the head
+        design (:meth:`~.designs.HeadDesign.head_outputs`; one without it is refused)."""
+        return self._part.head_outputs(self, weights, source)
+
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of K and V this layer caches for each decoded position and sentence."""

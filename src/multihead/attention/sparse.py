@@ -36,6 +36,7 @@ from multihead.attention.designs import (
     new_positions,
     register_design,
     scale_heads,
+    weights_times_values,
 )
 from multihead.attention.kv_cache import KVCache
 
@@ -136,6 +137,11 @@ class SparseHeads(HeadDesign, nn.Linear):
         return (
             f"{super().extra_repr()}, top_k_heads={self.top_k}, num_shared_heads={self.num_shared}"
         )
+
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """``weights @ V`` per head ``(B, H, L, D)``: zero where a token did not select the
+        head (its weights are zero there); the routing weight is not applied."""
+        return weights_times_values(layer, weights, source)
 
     def attention(
         self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
