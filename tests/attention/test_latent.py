@@ -111,9 +111,9 @@ def test_names_and_options():
             {"kv_latent_dim": 8, "num_kv_heads": 2},
             r"'mla' has one K/V head per query head; got num_kv_heads=2",
         ),
-        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"select designs \['mla', 'moh'\]"),
+        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"select head designs \['mla', 'moh'\]"),
         ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option kv_lat"),
-        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] belong to no head design"),
+        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] select head designs \[\]"),
     ],
 )
 def test_invalid_latent_options_raise(options, pattern):

@@ -161,75 +161,63 @@ def register_design(name: str, cls: type[HeadDesign]) -> type[HeadDesign]:
     return cls
 
 
+def _options(cls: type[HeadDesign]) -> dict[str, object]:
+    """A design's own options and their defaults (``None`` for a required one)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    skip = ("bias", "device", "dtype")
+    return {
+        p.name: None if p.default is p.empty else p.default
+        for p in params
+        if p.kind is p.KEYWORD_ONLY and p.name not in skip
+    }
+
+
 def design_options() -> dict[str, object]:
-    """Every registered design's options, plus ``design`` and ``head_mixing``: the keys a
-    config may give the layer, each ``None`` (unset)."""
-    found: dict[str, object] = {"design": None, "head_mixing": None}
-    for cls in DESIGNS.values():
-        for name, p in inspect.signature(cls.__init__).parameters.items():
-            if p.kind is p.KEYWORD_ONLY and name not in ("bias", "device", "dtype"):
-                found[name] = None
-    return found
-
-
-def _off(cls: type[HeadDesign], name: str, value: object) -> bool:
-    # An option at its design's default of 0 or False (num_shared_heads=0,
-    # kv_latent_norm=False) is off: a config may give it to any layer.
-    p = inspect.signature(cls.__init__).parameters.get(name)
-    return p is not None and p.default is not p.empty and not p.default and value == p.default
+    """The keys a config may give the layer for its design, each ``None`` (unset)."""
+    return {"design": None, "head_mixing": None} | {
+        name: None for cls in DESIGNS.values() for name in _options(cls)
+    }
 
 
 def resolve_design(
     design: str | HeadDesign | None, options: dict[str, object]
 ) -> tuple[type[HeadDesign] | HeadDesign | None, dict[str, object]]:
     """The design class ``design`` names (or the instance it is) and its options. An option
-    that is ``None`` or off (0 or False, its design's default) is left out (a config gives
-    every key); with
-    no name, the design that an option selects (``selected_by``), or ``None``.
+    that is ``None``, or off (its design's default of 0 or False: ``num_shared_heads=0``),
+    is left out, so a config may give every key to every layer; with no name, the design
+    that an option selects (``selected_by``), or ``None``.
 
     Raises:
         ValueError: an unknown name, options of no design or of two, options the design
             does not take.
     """
-    options = {
-        k: v
-        for k, v in options.items()
-        if v is not None and not any(_off(c, k, v) for c in DESIGNS.values())
-    }
+    off = {(k, v) for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
+    options = {k: v for k, v in options.items() if v is not None and (k, v) not in off}
     if "head_mixing" in options:  # the layer's older keyword naming a mixing
-        mixing = options.pop("head_mixing")
         if design is not None:
-            raise ValueError(f"head_mixing={mixing!r} names a design; design={design!r} too")
-        design = mixing
-    if isinstance(design, HeadDesign):
-        if options:
-            raise ValueError(f"options {sorted(options)} are for a design named, not an instance")
-        return design, {}
-    if design is None:
+            raise ValueError(f"head_mixing={options['head_mixing']!r} and design={design!r}")
+        design = options.pop("head_mixing")
+    if design is None and options:
         chosen = sorted({n for n, c in DESIGNS.items() if c.selected_by in options})
-        if len(chosen) > 1:
+        if len(chosen) != 1:
             raise ValueError(
-                f"options {sorted(options)} select designs {chosen}: a layer has one head design"
+                f"options {sorted(options)} select head designs {chosen}; a layer has one, "
+                f"named by design= (registered: {', '.join(DESIGNS)})"
             )
-        if not chosen and options:
-            raise ValueError(
-                f"options {sorted(options)} belong to no head design by themselves; name one "
-                f"with design= (registered: {', '.join(DESIGNS)})"
-            )
-        design = chosen[0] if chosen else None
-    if design is None:
-        return None, {}
-    cls = DESIGNS.get(design)
-    if cls is None:
+        design = chosen[0]
+    if design is None or isinstance(design, HeadDesign):
+        if options:
+            raise ValueError(f"options {sorted(options)} need a design name, not an instance")
+        return design, {}
+    if design not in DESIGNS:
         raise ValueError(f"unknown head design {design!r}; registered: {', '.join(DESIGNS)}")
-    takes = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(options) - set(takes))
+    unknown = sorted(set(options) - set(_options(DESIGNS[design])))
     if unknown:
         raise ValueError(
             f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
-            + ", ".join(n for n, p in takes.items() if p.kind is p.KEYWORD_ONLY)
+            + ", ".join(_options(DESIGNS[design]))
         )
-    return cls, options
+    return DESIGNS[design], options
 
 
 # --------------------------------------------------------------------------- shared steps

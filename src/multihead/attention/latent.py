@@ -102,11 +102,6 @@ class LatentKV(HeadDesign):
             self.rope_dim = rotary_dim
             self.q_rope = nn.Linear(embed_dim, num_heads * rotary_dim, bias, **factory)  # W_QR
             self.k_rope = nn.Linear(embed_dim, rotary_dim, bias, **factory)  # W_KR, shared
-        elif rope_theta != 10000.0 or rope_interleaved:
-            raise ValueError(
-                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
-                "positions; set rotary_dim too"
-            )
 
     @property
     def has_positions(self) -> bool:

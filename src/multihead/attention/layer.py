@@ -124,17 +124,17 @@ class MultiHeadAttention(nn.Module):
         # Construction knows the name, packages and dropout; the device and dtype are checked
         # on the first forward pass on each, since the parameters may still move.
         check_backend(backend, None, dtype or torch.float32, dropout=dropout)
+        if rotary_dim is None and (rope_theta != 10000.0 or rope_interleaved):
+            raise ValueError(
+                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
+                "positions; set rotary_dim too"
+            )
         design, design_options = resolve_design(design, design_options)
         if isinstance(design, type) and "rotary_dim" in inspect.signature(design).parameters:
             # The design's own rotary key (MLA's decoupled one), not the layer's positions.
             rotary = dict(rotary_dim=rotary_dim, rope_theta=rope_theta)
             design_options |= rotary | dict(rope_interleaved=rope_interleaved)
             rotary_dim = None
-        elif rotary_dim is None and (rope_theta != 10000.0 or rope_interleaved):
-            raise ValueError(
-                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
-                "positions; set rotary_dim too"
-            )
 
         self.embed_dim = embed_dim
         self.num_heads = num_heads
