@@ -30,9 +30,14 @@ all, so a left-padded row attends to its padding
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+from functools import cache
+
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -71,11 +76,16 @@ def register() -> dict[str, str]:
     Returns:
         ``{attn_implementation name: backend}``, ``"multihead"`` included.
     """
-    names = {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
+    names = _names()
     for name, backend in names.items():
         AttentionInterface.register(name, attention_function(backend))
         AttentionMaskInterface.register(name, multihead_mask)
+    _refuse_models_that_compute_attention_themselves()
     return names
+
+
+def _names() -> dict[str, str]:
+    return {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
 
 
 def multihead_mask(*, q_length: int, kv_length: int, allow_is_causal_skip: bool = True, **kwargs):
@@ -179,6 +189,77 @@ def attention_function(backend: str):
 
     attention.__name__ = attention.__qualname__ = f"multihead_{backend}_attention"
     return attention
+
+
+# ------------------------------------------------- models that never reach the interface
+@cache
+def routes_through_interface(model_class: type) -> bool:
+    """Whether ``model_class`` computes its attention through HF's ``AttentionInterface``.
+
+    HF accepts any registered name for any model. A model whose attention modules call their
+    own eager code (Bloom, XGLM, GPT-NeoX-Japanese, RoFormer, ...) never calls the registered
+    function: it reads the mask :func:`multihead_mask` built (``None`` for plain causality)
+    as an additive bias, so causality is lost in silence; others index a dict of their own by
+    the name (Falcon, GPT-Neo: ``KeyError``) or fail later (MPT). The rule: the source of the
+    module defining ``model_class`` looks the function up
+    (``ALL_ATTENTION_FUNCTIONS.get_interface(``) if it defines an attention module (a
+    ``class *Attention*(nn.Module)``); a module with none (a head class reusing another
+    model's layers, Mamba) passes. It is HF's own test for
+    ``set_attn_implementation`` (``PreTrainedModel._can_set_attn_implementation``), read
+    once per class, before any weight is built: exact on every small-buildable causal LM of
+    transformers 5.24 (``tests/integrations/test_hf_sweep.py`` counts the calls of the
+    attention function), and cheap, unlike checking at the first forward that the function
+    ran, which needs a hook on every model and lets a wrong first output out. A source that
+    cannot be read (a class defined in a notebook) does not pass.
+    """
+    module = sys.modules.get(model_class.__module__)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE):
+        return True
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+
+
+def refusal(model_class: type, name: str) -> str:
+    """The one-line reason a ``model_class`` built with ``attn_implementation=name`` is
+    refused, pointing to :func:`replace_hf_attention` where its table covers the model."""
+    swappable = sorted(c.__name__ for c in CONVERTERS if c.__module__ == model_class.__module__)
+    if swappable:
+        fix = (
+            "build it with attn_implementation='eager' and call replace_hf_attention(model) "
+            f"({', '.join(swappable)} supported)"
+        )
+    else:
+        fix = "use attn_implementation='eager'; replace_hf_attention supports " + ", ".join(
+            c.__name__ for c in CONVERTERS
+        )
+    return (
+        f"{model_class.__name__} computes its attention in its own code, not through "
+        f"transformers' AttentionInterface, so attn_implementation={name!r} would not reach "
+        f"the multihead kernels; {fix}"
+    )
+
+
+def _refuse_models_that_compute_attention_themselves() -> None:
+    """Extend HF's check of an ``attn_implementation`` name (``get_correct_attn_implementation``,
+    run when a model is built, before its layers, and by ``set_attn_implementation``) with
+    :func:`routes_through_interface` for :func:`register`'s names: such a model raises
+    ``ValueError`` (:func:`refusal`) at build instead of running wrong or failing on our name."""
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_multihead", False):
+        return
+    names = set(_names())
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        applicable = original(self, requested_attention, is_init_check)
+        if applicable in names and not routes_through_interface(type(self)):
+            raise ValueError(refusal(type(self), applicable))
+        return applicable
+
+    get_correct_attn_implementation._multihead = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 # --------------------------------------------------------------------------- module swap
