@@ -152,6 +152,19 @@ def test_attention_weights_match_eager() -> None:
         assert ((a - b) * keep).abs().max() < TOLERANCE
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_swap_refuses_output_attentions_by_name(family: str) -> None:
+    # HF records the weights from its own attention classes; the swapped model would
+    # return attentions=() (25fe9c2).
+    eager = eager_model(family).eval()
+    ours = through(eager, "swap")
+    with pytest.raises(ValueError, match=r"^output_attentions=True: .* replace_hf_attention"):
+        ours(*padded_batch(), output_attentions=True)
+    eager.config.output_attentions = True  # asked by the config (HF allows it under eager)
+    with pytest.raises(ValueError, match=r"^output_attentions=True"):
+        through(eager, "swap")(*padded_batch())
+
+
 def generate(model, ids, mask, **kwargs):
     return model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, **kwargs)
 

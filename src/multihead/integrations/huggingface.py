@@ -493,6 +493,20 @@ def _check_rotary_angles(
                 )
 
 
+def _refuse_output_attentions(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of a swapped model: ``output_attentions`` (the call's, else the
+    config's) is refused by name. HF records the weights with hooks on its own attention
+    classes (``_can_record_outputs``), which the adapters replaced: the model would return
+    ``attentions=()``. The interface path (``attn_implementation="multihead"``) returns them."""
+    config = getattr(model, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise ValueError(
+            f"output_attentions=True: {type(model).__name__}'s attention modules were replaced "
+            "by replace_hf_attention and HF records the weights only from its own; use "
+            "attn_implementation='multihead' on an unswapped model for the weights"
+        )
+
+
 def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) -> nn.Module:
     """Swap every attention module of a supported HF family in ``model`` for an
     :class:`HFAttentionAdapter` with the same weights, in place.
@@ -509,7 +523,8 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
         ``model``.
 
     Raises:
-        ValueError: a module that cannot be converted (named), or none to convert.
+        ValueError: a module that cannot be converted (named), or none to convert; when
+            called with ``output_attentions=True`` (:func:`_refuse_output_attentions`).
     """
     register()
     adapters = {}
@@ -530,4 +545,5 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, adapter)
     model.set_attn_implementation(hf_name(backend))
+    model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True)
     return model
