@@ -365,6 +365,18 @@ def test_the_swap_refuses_rotary_angles_other_than_the_models() -> None:
     assert not any(isinstance(m, hf.HFAttentionAdapter) for m in model.modules())
 
 
+def test_a_model_cast_to_bf16_is_refused_for_its_inv_freq_with_the_fix() -> None:
+    # .to(torch.bfloat16) casts HF's inv_freq buffer too (25fe9c2 blamed the angles).
+    model = eager_model("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'model.rotary_emb' .* inv_freq in torch.bfloat16"):
+        hf.replace_hf_attention(model)
+    # The two fixes the message gives: build with dtype=, or swap before casting.
+    built = AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.bfloat16)
+    assert built.model.rotary_emb.inv_freq.dtype == torch.float32
+    hf.replace_hf_attention(built)
+    hf.replace_hf_attention(eager_model("llama")).to(torch.bfloat16)(*padded_batch())
+
+
 def test_the_swap_refuses_a_partly_frozen_qkv_stack() -> None:
     model = eager_model("llama")
     model.model.layers[1].self_attn.k_proj.requires_grad_(False)

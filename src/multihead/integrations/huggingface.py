@@ -475,6 +475,15 @@ def _check_rotary_angles(
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "inv_freq", None), Tensor):
             continue
+        if module.inv_freq.dtype != torch.float32:
+            # HF keeps inv_freq in fp32 when the model is built with dtype=; a cast of the
+            # whole model (.to(torch.bfloat16)) rounds it, and HF's angles with it.
+            raise ValueError(
+                f"cannot replace the attention: {name!r} ({type(module).__name__}) holds its "
+                f"inv_freq in {module.inv_freq.dtype} (the model was cast after it was built), "
+                "so HF's rotary angles are rounded; build the model with dtype= instead of "
+                "casting it, or call replace_hf_attention before casting"
+            )
         positions = torch.arange(4096, device=module.inv_freq.device)[None]  # (1, 4096)
         probe = torch.zeros((), device=module.inv_freq.device)  # HF reads its device, dtype
         theirs = module(probe, positions)  # cos, sin: (1, 4096, R)
