@@ -5,8 +5,9 @@ The models come from HF's causal-LM auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_
 each built from its default config made small (hidden size 32, 2 layers, 4 heads, vocabulary
 128) with random weights. Skipped, with the reason: encoder-decoders, configs the small sizes
 do not reach (nested sub-configs, multimodal: over 3M parameters), configs whose eager model
-does not build or run at these sizes, and models without an attention module. The rest are
-compared with the same weights under ``eager``, on a short causal input in eval mode.
+does not build or run at these sizes, and models without an attention module (at these
+sizes: the 2 layers of a hybrid may both be recurrent). The rest are compared with the same
+weights under ``eager``, on a short causal input in eval mode.
 
 Counts (exact / refused / skipped, ``docs/reuse.md``): each passing case prints one line,
 ``sweep: <model_type> exact|refused``; run with ``-s -rs``.
@@ -79,7 +80,7 @@ def eager_or_skip(model_type: str):
         pytest.skip(f"cannot be built small: over {MAX_PARAMETERS:,} parameters at the small sizes")
     eager = build(model_type, "eager")
     if not any("Attention" in type(m).__name__ for m in eager.modules()):
-        pytest.skip("no attention module")
+        pytest.skip("no attention module at the small sizes")
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
