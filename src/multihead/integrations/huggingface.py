@@ -14,7 +14,9 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
   positions and cache. A backend that cannot run raises ``BackendUnavailableError``; a
   feature the kernels do not compute (logit softcapping, attention sinks, a position bias)
-  raises ``ValueError``. Nothing falls back in silence.
+  raises ``ValueError``; a model whose attention does not dispatch through the interface
+  (Bloom, Falcon, ...) raises ``ValueError`` when it is built
+  (:func:`routes_through_interface`). Nothing falls back in silence.
 * Through the module. :func:`replace_hf_attention` swaps each attention module of a
   supported family for an :class:`HFAttentionAdapter` holding a
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
@@ -204,13 +206,14 @@ def routes_through_interface(model_class: type) -> bool:
     module defining ``model_class`` looks the function up
     (``ALL_ATTENTION_FUNCTIONS.get_interface(``) if it defines an attention module (a
     ``class *Attention*(nn.Module)``); a module with none (a head class reusing another
-    model's layers, Mamba) passes. It is HF's own test for
-    ``set_attn_implementation`` (``PreTrainedModel._can_set_attn_implementation``), read
-    once per class, before any weight is built: exact on every small-buildable causal LM of
-    transformers 5.24 (``tests/integrations/test_hf_sweep.py`` counts the calls of the
-    attention function), and cheap, unlike checking at the first forward that the function
-    ran, which needs a hook on every model and lets a wrong first output out. A source that
-    cannot be read (a class defined in a notebook) does not pass.
+    model's layers, Mamba) passes. It is HF's own test for ``set_attn_implementation``
+    (``PreTrainedModel._can_set_attn_implementation``), read once per class, before any
+    weight is built: exact on every small-buildable causal LM of transformers 5.24
+    (``tests/integrations/test_hf_sweep.py`` also counts the calls of the attention
+    function), and cheap. A flag set by the function and checked after the first forward
+    would need a hook on every model built (HF offers no place to add one) and comes too
+    late for Falcon's ``KeyError`` at build. A source that cannot be read (a class defined in
+    a notebook) does not pass.
     """
     module = sys.modules.get(model_class.__module__)
     try:
