@@ -46,7 +46,12 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from multihead.attention import BACKENDS, MultiHeadAttention, build_attention_mask
+from multihead.attention import (
+    BACKENDS,
+    MultiHeadAttention,
+    QKVProjection,
+    build_attention_mask,
+)
 from multihead.attention.backends import check_backend, math_attention_with_weights
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
@@ -348,25 +353,20 @@ class HFAttentionAdapter(nn.Module):
         return self.resid_dropout(out), None
 
 
-def _copy_into(ours: nn.Parameter, *theirs: Tensor) -> None:
-    """``ours`` := ``theirs`` stacked by rows, frozen if they are: frozen stays frozen, and a
-    stack of frozen and trainable tensors is refused (one parameter has one flag)."""
-    trainable = {t.requires_grad for t in theirs}
-    if len(trainable) > 1:
-        raise ValueError(
-            "the projections stacked into one parameter are partly frozen "
-            "(requires_grad differs); freeze all or none of them"
-        )
+def _copy_into(ours: nn.Parameter, theirs: Tensor) -> None:
+    """``ours`` := ``theirs``, frozen if it is."""
     with torch.no_grad():
-        ours.copy_(torch.cat(theirs) if len(theirs) > 1 else theirs[0])
-    ours.requires_grad_(trainable.pop())
+        ours.copy_(theirs)
+    ours.requires_grad_(theirs.requires_grad)
 
 
 def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
-    """GPT-2's attention as an adapter with the same weights.
+    """GPT-2's attention as an adapter with the same weights, copied.
 
     ``c_attn`` is a ``Conv1D`` of weight ``(E, 3E)`` (``x @ W + b``) holding Q, K, V side by
-    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is.
+    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is. Being a
+    transpose, it is a new parameter (as ``c_proj``'s is): an optimizer built before the swap
+    does not hold it.
     """
     if module.is_cross_attention:
         raise ValueError("GPT-2 cross-attention (add_cross_attention=True) is not supported")
@@ -387,19 +387,16 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     return adapter.train(module.training)
 
 
-def _bias_or_zeros(linear: nn.Linear) -> Tensor:
-    """``linear``'s bias, or a zero one that no gradient moves (``zeros_like`` of a
-    parameter does not require grad): Qwen2's ``o_proj`` beside its biased Q/K/V."""
-    return torch.zeros_like(linear.weight[:, 0]) if linear.bias is None else linear.bias
-
-
 def _from_llama(
     module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
 ) -> HFAttentionAdapter:
-    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter with the same weights.
+    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter holding its weights.
 
-    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) stacked
-    by rows are the layer's ``in_proj``; ``o_proj`` is its ``out_proj``; HF's
+    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) are the
+    layer's ``in_proj`` in its separate layout (``QKVProjection.from_linears``) and ``o_proj``
+    is its ``out_proj``: the module's own ``nn.Linear``, not copies, so an optimizer built
+    before the swap trains them, a frozen one stays frozen, and Qwen2's ``o_proj`` keeps no
+    bias beside its biased Q/K/V. HF's
     ``num_key_value_heads`` is ``num_kv_heads`` (GQA, MQA). Rotary positions are the layer's
     own, "rotate half" as HF's ``apply_rotary_pos_emb``, ``rope_theta`` from the config.
 
@@ -412,10 +409,6 @@ def _from_llama(
       ``cos`` and ``sin`` with the layer's and refuses a difference, should HF change that.
     * ``head_dim * num_attention_heads != hidden_size`` (a config's explicit ``head_dim``):
       refused, the layer's head width is ``E / H``.
-    * Qwen2's ``o_proj`` has no bias while ``q/k/v_proj`` have one, and the layer's ``bias``
-      covers both projections: the out-projection gets a zero bias, frozen
-      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
-      (any projection without a bias beside one with a bias gets the same).
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
     """
     config = module.config
@@ -432,22 +425,16 @@ def _from_llama(
             f"head_dim ({module.head_dim}) * num_attention_heads ({heads}) must equal "
             f"hidden_size ({config.hidden_size}), the layer's head width is E / H"
         )
-    projections = (module.q_proj, module.k_proj, module.v_proj)
-    weight, bias = (
-        module.q_proj.weight,
-        any(p.bias is not None for p in (*projections, module.o_proj)),
-    )
     attn = MultiHeadAttention(
-        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
+        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=False,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
-        device=weight.device, dtype=weight.dtype,
+        device="meta",  # its own projections are replaced by the module's
     )  # fmt: skip
     attn.scale = module.scaling
-    _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
-    _copy_into(attn.out_proj.weight, module.o_proj.weight)
-    if bias:
-        _copy_into(attn.in_proj.bias, *(_bias_or_zeros(p) for p in projections))
-        _copy_into(attn.out_proj.bias, _bias_or_zeros(module.o_proj))
+    attn.in_proj = QKVProjection.from_linears(
+        module.q_proj, module.k_proj, module.v_proj, heads, kv_heads
+    )
+    attn.out_proj = module.o_proj
     adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
     return adapter.train(module.training)
 
