@@ -42,10 +42,15 @@ def rebuild(
     With fewer than ``E / D`` query heads (pruned) the projections are ``(H*D + 2*G*D, E)``
     and ``(E, H*D)``: the one way every conversion gets a layer of new shapes.
     """
-    E, D, w = layer.embed_dim, layer.head_dim, layer.in_proj.weight
+    E, D, w = layer.embed_dim, layer.head_dim, layer.out_proj.weight
     H = layer.num_heads if num_heads is None else num_heads
     G = layer.num_kv_heads if num_kv_heads is None else num_kv_heads
-    bias = layer.in_proj.bias is not None
+    bias = layer.in_proj.blocks("bias")[0] is not None  # either layout of in_proj
+    if bias != (layer.out_proj.bias is not None):
+        raise ValueError(
+            f"cannot rebuild a layer whose in_proj has {'a' if bias else 'no'} bias and whose "
+            f"out_proj has {'none' if bias else 'one'} (a swapped Qwen2): the layer has one bias"
+        )
     factory = {"device": w.device, "dtype": w.dtype}
     common = {"dropout": layer.dropout, "bias": bias, "backend": layer.backend, **factory}
     if H * D == E:
@@ -114,7 +119,7 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
 
     with torch.no_grad():
         for name in ("weight", "bias"):
-            if getattr(layer.in_proj, name) is None:
+            if layer.in_proj.blocks(name)[0] is None:
                 continue
             (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
             new_q.copy_(q), new_k.copy_(pool(k)), new_v.copy_(pool(v))
@@ -265,7 +270,7 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
     with torch.no_grad():
         for name in ("weight", "bias"):
-            if getattr(layer.in_proj, name) is None:
+            if layer.in_proj.blocks(name)[0] is None:  # either layout of in_proj
                 continue
             (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
             new_q.copy_(q[rows(keep, q.device)])

@@ -14,7 +14,9 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
   positions and cache. A backend that cannot run raises ``BackendUnavailableError``; a
   feature the kernels do not compute (logit softcapping, attention sinks, a position bias)
-  raises ``ValueError``. Nothing falls back in silence.
+  raises ``ValueError``; a model whose attention does not dispatch through the interface
+  (Bloom, Falcon, ...) raises ``ValueError`` when it is built
+  (:func:`routes_through_interface`). Nothing falls back in silence.
 * Through the module. :func:`replace_hf_attention` swaps each attention module of a
   supported family for an :class:`HFAttentionAdapter` holding a
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
@@ -30,16 +32,26 @@ all, so a left-padded row attends to its padding
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+from functools import cache
+
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from multihead.attention import BACKENDS, MultiHeadAttention, build_attention_mask
+from multihead.attention import (
+    BACKENDS,
+    MultiHeadAttention,
+    QKVProjection,
+    build_attention_mask,
+)
 from multihead.attention.backends import check_backend, math_attention_with_weights
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
@@ -71,11 +83,16 @@ def register() -> dict[str, str]:
     Returns:
         ``{attn_implementation name: backend}``, ``"multihead"`` included.
     """
-    names = {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
+    names = _names()
     for name, backend in names.items():
         AttentionInterface.register(name, attention_function(backend))
         AttentionMaskInterface.register(name, multihead_mask)
+    _refuse_models_that_compute_attention_themselves()
     return names
+
+
+def _names() -> dict[str, str]:
+    return {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
 
 
 def multihead_mask(*, q_length: int, kv_length: int, allow_is_causal_skip: bool = True, **kwargs):
@@ -181,6 +198,78 @@ def attention_function(backend: str):
     return attention
 
 
+# ------------------------------------------------- models that never reach the interface
+@cache
+def routes_through_interface(model_class: type) -> bool:
+    """Whether ``model_class`` computes its attention through HF's ``AttentionInterface``.
+
+    HF accepts any registered name for any model. A model whose attention modules call their
+    own eager code (Bloom, XGLM, GPT-NeoX-Japanese, RoFormer, ...) never calls the registered
+    function: it reads the mask :func:`multihead_mask` built (``None`` for plain causality)
+    as an additive bias, so causality is lost in silence; others index a dict of their own by
+    the name (Falcon, GPT-Neo: ``KeyError``) or fail later (MPT). The rule: the source of the
+    module defining ``model_class`` looks the function up
+    (``ALL_ATTENTION_FUNCTIONS.get_interface(``) if it defines an attention module (a
+    ``class *Attention*(nn.Module)``); a module with none (a head class reusing another
+    model's layers, Mamba) passes. It is HF's own test for ``set_attn_implementation``
+    (``PreTrainedModel._can_set_attn_implementation``), read once per class, before any
+    weight is built: exact on every small-buildable causal LM of transformers 5.24
+    (``tests/integrations/test_hf_sweep.py`` also counts the calls of the attention
+    function), and cheap. A flag set by the function and checked after the first forward
+    would need a hook on every model built (HF offers no place to add one) and comes too
+    late for Falcon's ``KeyError`` at build. A source that cannot be read (a class defined in
+    a notebook) does not pass.
+    """
+    module = sys.modules.get(model_class.__module__)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE):
+        return True
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+
+
+def refusal(model_class: type, name: str) -> str:
+    """The one-line reason a ``model_class`` built with ``attn_implementation=name`` is
+    refused, pointing to :func:`replace_hf_attention` where its table covers the model."""
+    swappable = sorted(c.__name__ for c in CONVERTERS if c.__module__ == model_class.__module__)
+    if swappable:
+        fix = (
+            "build it with attn_implementation='eager' and call replace_hf_attention(model) "
+            f"({', '.join(swappable)} supported)"
+        )
+    else:
+        fix = "use attn_implementation='eager'; replace_hf_attention supports " + ", ".join(
+            c.__name__ for c in CONVERTERS
+        )
+    return (
+        f"{model_class.__name__} computes its attention in its own code, not through "
+        f"transformers' AttentionInterface, so attn_implementation={name!r} would not reach "
+        f"the multihead kernels; {fix}"
+    )
+
+
+def _refuse_models_that_compute_attention_themselves() -> None:
+    """Extend HF's check of an ``attn_implementation`` name (``get_correct_attn_implementation``,
+    run when a model is built, before its layers, and by ``set_attn_implementation``) with
+    :func:`routes_through_interface` for :func:`register`'s names: such a model raises
+    ``ValueError`` (:func:`refusal`) at build instead of running wrong or failing on our name."""
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_multihead", False):
+        return
+    names = set(_names())
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        applicable = original(self, requested_attention, is_init_check)
+        if applicable in names and not routes_through_interface(type(self)):
+            raise ValueError(refusal(type(self), applicable))
+        return applicable
+
+    get_correct_attn_implementation._multihead = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
 # --------------------------------------------------------------------------- module swap
 class _CacheLayer:
     """One layer of an HF ``Cache`` as the layer's self-attention sees a cache: it asks for
@@ -264,25 +353,20 @@ class HFAttentionAdapter(nn.Module):
         return self.resid_dropout(out), None
 
 
-def _copy_into(ours: nn.Parameter, *theirs: Tensor) -> None:
-    """``ours`` := ``theirs`` stacked by rows, frozen if they are: frozen stays frozen, and a
-    stack of frozen and trainable tensors is refused (one parameter has one flag)."""
-    trainable = {t.requires_grad for t in theirs}
-    if len(trainable) > 1:
-        raise ValueError(
-            "the projections stacked into one parameter are partly frozen "
-            "(requires_grad differs); freeze all or none of them"
-        )
+def _copy_into(ours: nn.Parameter, theirs: Tensor) -> None:
+    """``ours`` := ``theirs``, frozen if it is."""
     with torch.no_grad():
-        ours.copy_(torch.cat(theirs) if len(theirs) > 1 else theirs[0])
-    ours.requires_grad_(trainable.pop())
+        ours.copy_(theirs)
+    ours.requires_grad_(theirs.requires_grad)
 
 
 def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
-    """GPT-2's attention as an adapter with the same weights.
+    """GPT-2's attention as an adapter with the same weights, copied.
 
     ``c_attn`` is a ``Conv1D`` of weight ``(E, 3E)`` (``x @ W + b``) holding Q, K, V side by
-    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is.
+    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is. Being a
+    transpose, it is a new parameter (as ``c_proj``'s is): an optimizer built before the swap
+    does not hold it.
     """
     if module.is_cross_attention:
         raise ValueError("GPT-2 cross-attention (add_cross_attention=True) is not supported")
@@ -303,19 +387,16 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     return adapter.train(module.training)
 
 
-def _bias_or_zeros(linear: nn.Linear) -> Tensor:
-    """``linear``'s bias, or a zero one that no gradient moves (``zeros_like`` of a
-    parameter does not require grad): Qwen2's ``o_proj`` beside its biased Q/K/V."""
-    return torch.zeros_like(linear.weight[:, 0]) if linear.bias is None else linear.bias
-
-
 def _from_llama(
     module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
 ) -> HFAttentionAdapter:
-    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter with the same weights.
+    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter holding its weights.
 
-    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) stacked
-    by rows are the layer's ``in_proj``; ``o_proj`` is its ``out_proj``; HF's
+    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) are the
+    layer's ``in_proj`` in its separate layout (``QKVProjection.from_linears``) and ``o_proj``
+    is its ``out_proj``: the module's own ``nn.Linear``, not copies, so an optimizer built
+    before the swap trains them, a frozen one stays frozen, and Qwen2's ``o_proj`` keeps no
+    bias beside its biased Q/K/V. HF's
     ``num_key_value_heads`` is ``num_kv_heads`` (GQA, MQA). Rotary positions are the layer's
     own, "rotate half" as HF's ``apply_rotary_pos_emb``, ``rope_theta`` from the config.
 
@@ -328,10 +409,6 @@ def _from_llama(
       ``cos`` and ``sin`` with the layer's and refuses a difference, should HF change that.
     * ``head_dim * num_attention_heads != hidden_size`` (a config's explicit ``head_dim``):
       refused, the layer's head width is ``E / H``.
-    * Qwen2's ``o_proj`` has no bias while ``q/k/v_proj`` have one, and the layer's ``bias``
-      covers both projections: the out-projection gets a zero bias, frozen
-      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
-      (any projection without a bias beside one with a bias gets the same).
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
     """
     config = module.config
@@ -348,22 +425,16 @@ def _from_llama(
             f"head_dim ({module.head_dim}) * num_attention_heads ({heads}) must equal "
             f"hidden_size ({config.hidden_size}), the layer's head width is E / H"
         )
-    projections = (module.q_proj, module.k_proj, module.v_proj)
-    weight, bias = (
-        module.q_proj.weight,
-        any(p.bias is not None for p in (*projections, module.o_proj)),
-    )
     attn = MultiHeadAttention(
-        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
+        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=False,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
-        device=weight.device, dtype=weight.dtype,
+        device="meta",  # its own projections are replaced by the module's
     )  # fmt: skip
     attn.scale = module.scaling
-    _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
-    _copy_into(attn.out_proj.weight, module.o_proj.weight)
-    if bias:
-        _copy_into(attn.in_proj.bias, *(_bias_or_zeros(p) for p in projections))
-        _copy_into(attn.out_proj.bias, _bias_or_zeros(module.o_proj))
+    attn.in_proj = QKVProjection.from_linears(
+        module.q_proj, module.k_proj, module.v_proj, heads, kv_heads
+    )
+    attn.out_proj = module.o_proj
     adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
     return adapter.train(module.training)
 
@@ -394,6 +465,15 @@ def _check_rotary_angles(
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "inv_freq", None), Tensor):
             continue
+        if module.inv_freq.dtype != torch.float32:
+            # HF keeps inv_freq in fp32 when the model is built with dtype=; a cast of the
+            # whole model (.to(torch.bfloat16)) rounds it, and HF's angles with it.
+            raise ValueError(
+                f"cannot replace the attention: {name!r} ({type(module).__name__}) holds its "
+                f"inv_freq in {module.inv_freq.dtype} (the model was cast after it was built), "
+                "so HF's rotary angles are rounded; build the model with dtype= instead of "
+                "casting it, or call replace_hf_attention before casting"
+            )
         positions = torch.arange(4096, device=module.inv_freq.device)[None]  # (1, 4096)
         probe = torch.zeros((), device=module.inv_freq.device)  # HF reads its device, dtype
         theirs = module(probe, positions)  # cos, sin: (1, 4096, R)
@@ -412,6 +492,20 @@ def _check_rotary_angles(
                 )
 
 
+def _refuse_output_attentions(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of a swapped model: ``output_attentions`` (the call's, else the
+    config's) is refused by name. HF records the weights with hooks on its own attention
+    classes (``_can_record_outputs``), which the adapters replaced: the model would return
+    ``attentions=()``. The interface path (``attn_implementation="multihead"``) returns them."""
+    config = getattr(model, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise ValueError(
+            f"output_attentions=True: {type(model).__name__}'s attention modules were replaced "
+            "by replace_hf_attention and HF records the weights only from its own; use "
+            "attn_implementation='multihead' on an unswapped model for the weights"
+        )
+
+
 def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) -> nn.Module:
     """Swap every attention module of a supported HF family in ``model`` for an
     :class:`HFAttentionAdapter` with the same weights, in place.
@@ -428,7 +522,8 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
         ``model``.
 
     Raises:
-        ValueError: a module that cannot be converted (named), or none to convert.
+        ValueError: a module that cannot be converted (named), or none to convert; when
+            called with ``output_attentions=True`` (:func:`_refuse_output_attentions`).
     """
     register()
     adapters = {}
@@ -449,4 +544,5 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, adapter)
     model.set_attn_implementation(hf_name(backend))
+    model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True)
     return model
