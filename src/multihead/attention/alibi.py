@@ -1,0 +1,73 @@
+"""Attention with linear biases (ALiBi; Press et al., "Train Short, Test Long", ICLR 2022).
+
+ALiBi adds no positions to the tokens. Each head ``h`` adds ``-m_h`` times the distance
+between query ``i`` and key ``j`` to their score, so far keys weigh less, by a slope of its own::
+
+    score_h(i, j) = q_i . k_j / sqrt(D) - m_h |i - j|
+
+The slopes are a geometric sequence: ``m_h = 2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a
+power of two; otherwise the ``p`` slopes of the largest power of two ``p < n`` and then every
+other slope of ``2p`` (the odd ``h``), as the paper's code and BLOOM do.
+
+BLOOM adds ``m_h j`` instead (``build_alibi_tensor``): the same as ``-m_h (i - j)`` to every
+key a causal query sees, plus ``m_h i``, one constant per row that softmax cancels. The
+written distance is kept here: near keys get small biases, which fp16 and bf16 hold exactly.
+Only differences of positions enter, so a left-padded row needs no ``position_ids``: its
+tokens are as far apart as they would be unpadded, and the padding is masked.
+
+Bidirectional attention (the encoder): the paper defines ALiBi for causal language models
+only. Here the bias is ``-m_h |i - j|``, symmetric, as MosaicBERT and x-transformers extend it
+to encoders: the same formula, so causal attention (where ``j <= i``) is the paper's to the
+letter and a decoder's cached steps equal its full pass. The alternative, refusing the
+encoder, would leave a translation model without positions in its encoder. Cross-attention
+gets no bias: its queries and keys are positions of two different sentences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
+    """The ``(H,)`` slopes ``m_h`` of the module docstring, in fp32."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"ALiBi needs a positive int number of heads, got {num_heads!r}")
+    p = 2 ** math.floor(math.log2(num_heads))  # the largest power of two <= H
+    exponents = torch.cat(
+        (
+            torch.arange(1, p + 1, device=device) * (8 / p),  # 2^(-8h/p), h = 1 .. p
+            (2 * torch.arange(num_heads - p, device=device) + 1) * (4 / p),  # 2^(-8h/2p), odd h
+        )
+    )
+    return torch.exp2(-exponents.float())  # (H,)
+
+
+class ALiBi(nn.Module):
+    """Linear biases on the scores of ``num_heads`` heads (see the module).
+
+    Like :class:`~multihead.attention.rotary.RotaryPositions` it has no parameters and no
+    buffers: the slopes are computed at each call, so a checkpoint holds nothing of it.
+    """
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        alibi_slopes(num_heads)  # validates
+        self.num_heads = num_heads
+
+    @property
+    def options(self) -> dict[str, bool]:
+        """What the layer's ``head_config`` reports of it."""
+        return dict(alibi=True)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
+
+    def forward(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """The fp32 bias ``-m_h |i - j|`` of queries at ``q_positions`` ``(L,)`` or ``(B, L)``
+        and keys at ``k_positions`` ``(S,)`` or ``(B, S)``: ``(H, L, S)`` or ``(B, H, L, S)``."""
+        slopes = alibi_slopes(self.num_heads, q_positions.device)  # (H,)
+        distance = (q_positions[..., :, None] - k_positions[..., None, :]).abs()  # (·, L, S)
+        return -slopes[:, None, None] * distance.unsqueeze(-3).float()  # (·, H, L, S)

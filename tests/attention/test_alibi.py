@@ -1,0 +1,72 @@
+"""ALiBi's slopes and bias against the paper's code and HF's BLOOM (``build_alibi_tensor``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multihead.attention.alibi import ALiBi, alibi_slopes
+
+
+def _paper_slopes(n: int) -> list[float]:
+    # The paper's code (ofirpress/attention_with_linear_biases, fairseq transformer.py), for
+    # a power of two n: a geometric sequence that starts at, and has the ratio, 2^(-8/n).
+    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+    return [start * start**i for i in range(n)]
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4, 8, 16, 32, 64])
+def test_slopes_for_a_power_of_two_are_the_papers(num_heads: int) -> None:
+    want = torch.tensor(_paper_slopes(num_heads), dtype=torch.float64)
+    torch.testing.assert_close(alibi_slopes(num_heads).double(), want, rtol=1e-6, atol=0)
+
+
+def _hf_alibi(mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """HF BLOOM's bias, ``(B, H, S)``: slope times each key's position in its row."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    return build_alibi_tensor(mask, num_heads, torch.float32).view(mask.shape[0], num_heads, -1)
+
+
+@pytest.mark.parametrize("num_heads", [3, 5, 6, 7, 12, 20, 24, 40, 112])
+def test_slopes_for_other_head_counts_are_blooms(num_heads: int) -> None:
+    pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+    want = _hf_alibi(torch.ones(1, 2), num_heads)[0, :, 1]  # slope * position 1
+    torch.testing.assert_close(alibi_slopes(num_heads), want, rtol=1e-6, atol=0)
+
+
+def test_the_bias_is_blooms_up_to_a_constant_per_row_with_left_padding() -> None:
+    # BLOOM adds m*j with j counted from the first token of each row (the mask's cumsum);
+    # the part adds -m*|i - j| with i, j the indices in the padded row. On every key a causal
+    # query sees, the two differ by one constant per row, which softmax cancels.
+    pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+    mask = torch.ones(2, 7)
+    mask[1, :3] = 0  # 3 left-padding tokens
+    H = 6
+    theirs = _hf_alibi(mask, H)[:, :, None, :]  # (B, H, 1, S)
+    ours = ALiBi(H)(torch.arange(7), torch.arange(7))  # (H, L, S)
+    sees = torch.ones(7, 7).tril().bool() & mask.bool()[:, None, None, :]  # (B, 1, L, S)
+    difference = (ours - theirs).masked_fill(~sees, float("nan"))  # (B, H, L, S)
+    row_constant = difference.nanmean(dim=-1, keepdim=True)
+    torch.testing.assert_close(
+        difference[sees.expand_as(difference)],
+        row_constant.expand_as(difference)[sees.expand_as(difference)],
+        rtol=0,
+        atol=1e-5,
+    )
+
+
+def test_the_bias_is_minus_slope_times_distance_per_head_and_row() -> None:
+    q, k = torch.tensor([[4, 5], [0, 1]]), torch.tensor([[0, 3, 5], [0, 1, 2]])  # (B, L), (B, S)
+    bias = ALiBi(2)(q, k)  # slopes 2^-4, 2^-8
+    assert bias.shape == (2, 2, 2, 3)
+    assert bias[0, 0].tolist() == [[-4 / 16, -1 / 16, -1 / 16], [-5 / 16, -2 / 16, 0.0]]
+    assert bias[1, 1].tolist() == [[0.0, -1 / 256, -2 / 256], [-1 / 256, 0.0, -1 / 256]]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, None])
+def test_a_head_count_that_is_not_a_positive_int_is_refused(bad) -> None:
+    with pytest.raises(ValueError, match=f"positive int number of heads, got {bad!r}"):
+        ALiBi(bad)
