@@ -1,26 +1,22 @@
 """Attention with linear biases (ALiBi; Press et al., "Train Short, Test Long", ICLR 2022).
 
-ALiBi adds no positions to the tokens. Each head ``h`` adds ``-m_h`` times the distance
-between query ``i`` and key ``j`` to their score, so far keys weigh less, by a slope of its own::
+ALiBi adds no positions to the tokens: head ``h`` adds ``-m_h`` times the distance between
+query ``i`` and key ``j`` to their score, so far keys weigh less, at a slope of its own::
 
     score_h(i, j) = q_i . k_j / sqrt(D) - m_h |i - j|
 
-The slopes are a geometric sequence: ``m_h = 2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a
-power of two; otherwise the ``p`` slopes of the largest power of two ``p < n`` and then every
-other slope of ``2p`` (the odd ``h``), as the paper's code and BLOOM do.
+The slopes are ``m_h = 2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a power of two; else the
+``p`` slopes of the largest power of two ``p < n``, then every other slope of ``2p`` (odd
+``h``), as the paper's code and BLOOM define them. BLOOM adds ``m_h j`` instead: on every key
+a causal query sees, that is ``-m_h (i - j)`` plus ``m_h i``, a constant per row that softmax
+cancels. The distance kept here gives near keys small biases, which fp16 and bf16 hold
+exactly. Only differences of positions enter, so a left-padded row needs no ``position_ids``.
 
-BLOOM adds ``m_h j`` instead (``build_alibi_tensor``): the same as ``-m_h (i - j)`` to every
-key a causal query sees, plus ``m_h i``, one constant per row that softmax cancels. The
-written distance is kept here: near keys get small biases, which fp16 and bf16 hold exactly.
-Only differences of positions enter, so a left-padded row needs no ``position_ids``: its
-tokens are as far apart as they would be unpadded, and the padding is masked.
-
-Bidirectional attention (the encoder): the paper defines ALiBi for causal language models
-only. Here the bias is ``-m_h |i - j|``, symmetric, as MosaicBERT and x-transformers extend it
-to encoders: the same formula, so causal attention (where ``j <= i``) is the paper's to the
-letter and a decoder's cached steps equal its full pass. The alternative, refusing the
-encoder, would leave a translation model without positions in its encoder. Cross-attention
-gets no bias: its queries and keys are positions of two different sentences.
+The encoder: the paper defines ALiBi for causal language models. Here bidirectional
+attention gets ``-m_h |i - j|``, symmetric, as MosaicBERT and x-transformers extend it: one
+formula, which under a causal mask (``j <= i``) is the paper's to the letter. Refusing the
+encoder instead would leave a translation model's encoder without positions.
+Cross-attention gets no bias: its queries and keys are positions of two different sentences.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Te
 
 
 class ALiBi(nn.Module):
-    """Linear biases on the scores of ``num_heads`` heads (see the module).
-
-    Like :class:`~multihead.attention.rotary.RotaryPositions` it has no parameters and no
-    buffers: the slopes are computed at each call, so a checkpoint holds nothing of it.
-    """
+    """Linear biases on the scores of ``num_heads`` heads (see the module). No parameters,
+    no buffers: the slopes are computed at each call, so a checkpoint holds nothing of it."""
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
