@@ -24,7 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from multihead.attention.positional import PositionalPart
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
@@ -41,9 +43,11 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Te
     return torch.exp2(-exponents.float())  # (H,)
 
 
-class ALiBi(nn.Module):
-    """Linear biases on the scores of ``num_heads`` heads (see the module). No parameters,
-    no buffers: the slopes are computed at each call, so a checkpoint holds nothing of it."""
+class ALiBi(PositionalPart):
+    """Linear biases on the scores of ``num_heads`` heads (the ``"score_bias"`` seam; see the
+    module). No parameters, no buffers: the slopes are computed at each call."""
+
+    seam = "score_bias"
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
@@ -52,15 +56,15 @@ class ALiBi(nn.Module):
 
     @property
     def options(self) -> dict[str, bool]:
-        """What the layer's ``head_config`` reports of it."""
         return dict(alibi=True)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}"
 
-    def forward(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        """The fp32 bias ``-m_h |i - j|`` of queries at ``q_positions`` ``(L,)`` or ``(B, L)``
-        and keys at ``k_positions`` ``(S,)`` or ``(B, S)``: ``(H, L, S)`` or ``(B, H, L, S)``."""
-        slopes = alibi_slopes(self.num_heads, q_positions.device)  # (H,)
-        distance = (q_positions[..., :, None] - k_positions[..., None, :]).abs()  # (·, L, S)
-        return -slopes[:, None, None] * distance.unsqueeze(-3).float()  # (·, H, L, S)
+    def score_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """The fp32 bias ``-m_h |i - j|`` ``(B or 1, H, L, S)`` of queries at
+        ``query_positions`` ``(L,)`` or ``(B, L)`` and keys at ``(S,)`` or ``(B, S)``."""
+        slopes = alibi_slopes(self.num_heads, query_positions.device)  # (H,)
+        i, j = query_positions[..., :, None], key_positions[..., None, :]  # (·, L, 1), (·, 1, S)
+        distance = (i - j).abs().float()  # (L, S) or (B, L, S)
+        return -slopes[:, None, None] * distance[(None,) * (3 - distance.dim())][:, None]
