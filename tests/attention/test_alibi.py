@@ -133,3 +133,14 @@ def test_alibi_is_for_self_attention_and_refused_by_sparse_heads() -> None:
         alibi_layer()(torch.randn(1, 3, 32), torch.randn(1, 4, 32))
     with pytest.raises(ValueError, match="takes no positional part with seam 'score_bias'"):
         alibi_layer(top_k_heads=2)
+
+
+def test_conversions_keep_alibi_or_refuse_it() -> None:
+    from multihead.attention import prune_heads, with_kv_heads
+
+    layer = alibi_layer(G=None)
+    assert with_kv_heads(layer, 2).positions is layer.positions  # the same H heads and slopes
+    with pytest.raises(
+        ValueError, match=r"prune_heads cannot keep a score bias, one per head of 8"
+    ):
+        prune_heads(layer, [0])
