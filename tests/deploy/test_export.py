@@ -226,6 +226,17 @@ def test_head_designs_ctranslate2_cannot_run_are_refused(tok, tmp_path, options,
         build_spec(model, tok)
 
 
+@pytest.mark.parametrize(
+    ("positional", "pattern"),
+    [("alibi", r"positional='alibi' cannot be exported: CTranslate2 \(4.8\) has ALiBi in its "
+      "decoder spec only"), ("rope", "positional='rope' cannot be exported yet")],
+)  # fmt: skip
+def test_positions_in_the_attention_are_refused_by_name(tok, tmp_path, positional, pattern):
+    model = save_checkpoint(tmp_path / "m.ckpt", tok, positional=positional)
+    with pytest.raises(ExportError, match=pattern):
+        build_spec(model, tok)
+
+
 def test_decoder_query_heads_must_agree(tok, tmp_path):
     model = save_checkpoint(
         tmp_path / "m.ckpt", tok, cross_attention={"num_heads": 2, "num_kv_heads": None}

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from multihead.attention import MultiHeadAttention, prune_heads
+from multihead.attention.alibi import ALiBi
 from multihead.model import Transformer
 
 from helpers.models import BOS, PAD, VOCAB, random_src, tiny_model
@@ -20,7 +21,7 @@ def test_forward_shapes_and_pad_mask():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi"])
 def test_post_and_pre_ln_train_step(norm_first, positional):
     model = tiny_model(norm_first=norm_first, positional=positional, dropout=0.1).train()
     assert isinstance(model.encoder_norm, torch.nn.LayerNorm) == norm_first
@@ -285,6 +286,18 @@ def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     )
     assert decoder["kind"] == "mha" and model.head_config["cross_attention"]["num_heads"] == 4
     assert model.head_tag == "enc-mha4_dec-mha4+mha3_cross-mha4_sdpa"
+
+
+def test_alibi_biases_both_self_attentions_and_is_refused_with_rotary_dim():
+    model = tiny_model(positional="alibi")
+    for layer in [*model.encoder_layers, *model.decoder_layers]:
+        assert isinstance(layer.self_attn.positions, ALiBi)
+        assert layer.self_attn.positions.num_heads == 4
+        assert getattr(layer, "cross_attn", None) is None or layer.cross_attn.positions is None
+    assert model.encoder_embedding.positional is None  # nothing added to the embeddings
+    assert model.head_config["decoder_self_attention"]["alibi"] is True
+    with pytest.raises(ValueError, match="rotary_dim=4 is not used with positional='alibi'"):
+        tiny_model(positional="alibi", attention={"num_heads": 4, "rotary_dim": 4})
 
 
 def test_rope_rotates_both_self_attentions_and_is_refused_elsewhere():

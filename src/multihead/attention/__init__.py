@@ -1,12 +1,13 @@
 """The reusable attention layer. Imports torch only (no Lightning, no Hydra).
 
 Floors, each importing only those below it: kernels and plumbing (``backends``, ``masks``,
-``kv_cache``, ``checks``); the parts (``projection``, ``positional``, ``rotary``); the head
-designs (``designs``: interface, registry, shared steps; one file each: ``latent``,
-``sparse``, ``mixing``); the layer (``layer``); functions over layers (``convert``,
-``torch_swap``).
+``kv_cache``, ``checks``); the parts (``projection``, ``positional``, ``rotary``,
+``alibi``); the head designs (``designs``: interface, registry, shared steps; one file
+each: ``latent``, ``sparse``, ``mixing``); the layer (``layer``); functions over layers
+(``convert``, ``torch_swap``).
 """
 
+from multihead.attention.alibi import ALiBi
 from multihead.attention.backends import (
     BACKENDS,
     Backend,
@@ -40,6 +41,7 @@ from multihead.attention.torch_swap import (
 __all__ = [
     "BACKENDS",
     "DESIGNS",
+    "ALiBi",
     "AttentionMask",
     "Backend",
     "BackendUnavailableError",

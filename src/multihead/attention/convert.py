@@ -247,6 +247,11 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     """
     H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     _check_design(layer, "prune_heads")
+    if layer.positions is not None and layer.positions.seam == "score_bias":
+        raise ValueError(
+            f"prune_heads cannot keep a score bias, one per head of {H} "
+            f"({type(layer.positions).__name__}); prune a layer without one"
+        )
     pruned = sorted({int(i) for i in indices})
     if any(not 0 <= i < H for i in pruned):
         raise ValueError(f"head indices must be in [0, {H}), got {pruned}")

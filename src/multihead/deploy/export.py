@@ -45,6 +45,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.alibi import ALiBi
 from multihead.attention.convert import expand_latent
 from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
@@ -138,6 +139,13 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
+    if any(
+        isinstance(getattr(a, "positions", None), ALiBi) for *_, a in model.attention_sublayers()
+    ):
+        raise ExportError(
+            "positional='alibi' cannot be exported: CTranslate2 (4.8) has ALiBi in its decoder "
+            "spec only, not in TransformerEncoderSpec; expected sinusoidal or learned positions"
+        )
     if model.encoder_embedding.positional is None:
         raise ExportError(
             "positional='rope' cannot be exported yet; expected sinusoidal or learned positions "

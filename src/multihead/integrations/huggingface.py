@@ -21,8 +21,9 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   supported family for an :class:`HFAttentionAdapter` holding a
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
-  Supported: GPT-2, and the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
-  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`).
+  Supported: GPT-2, the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
+  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), and BLOOM,
+  whose ALiBi the layer adds itself (:class:`BloomAttentionAdapter`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.bloom.modeling_bloom import BloomAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -52,6 +54,7 @@ from multihead.attention import (
     QKVProjection,
     build_attention_mask,
 )
+from multihead.attention.alibi import ALiBi
 from multihead.attention.backends import check_backend, math_attention_with_weights
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
@@ -439,12 +442,88 @@ def _from_llama(
     return adapter.train(module.training)
 
 
+# --------------------------------------------------------------------------- BLOOM (ALiBi)
+class _BloomCacheLayer(_CacheLayer):
+    """HF's cache for a layer with ALiBi: each key at its index in the cache (static: in
+    the whole buffer), the query positions after the cached ones. Only distances enter
+    ALiBi, and a left-padded row's tokens are as far apart by index as by BLOOM's positions."""
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None):
+        k, v = self.cache.update(k, v, self.layer_idx)
+        self.keys = k  # (B, H, S, D): S keys, of which HF's mask hides the unwritten
+        return k, v
+
+    def key_positions(self) -> Tensor:
+        return torch.arange(self.keys.shape[2], device=self.keys.device)  # (S,)
+
+
+class BloomAttentionAdapter(HFAttentionAdapter):
+    """BLOOM's attention call around a :class:`MultiHeadAttention` with ALiBi.
+
+    ``forward(hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs) ->
+    (residual + dropout(output), None)``, as ``BloomBlock`` calls it: BLOOM adds the residual
+    inside its attention (``dropout_add`` with ``hidden_dropout``). ``alibi`` (HF's bias,
+    ``m_h`` times each key's position) is ignored: the layer's own ALiBi part adds
+    ``-m_h |i - j|``, which differs from it by one constant per query row, cancelled by
+    softmax. BLOOM does not dispatch through ``AttentionInterface``, so its model always
+    builds HF's eager mask, additive (0 where a query attends, the dtype's minimum where
+    not); the adapter reads it as a bool mask, so rows of padding come out as zeros.
+    """
+
+    def forward(
+        self, hidden_states: Tensor, residual: Tensor, alibi: Tensor | None = None,
+        attention_mask: Tensor | None = None, layer_past=None, **kwargs,
+    ) -> tuple[Tensor, None]:  # fmt: skip
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # HF's convention: True = attend
+        out = self.attn(
+            hidden_states,
+            attn_mask=_layer_mask(attention_mask),
+            is_causal=attention_mask is None,
+            kv_cache=None if layer_past is None else _BloomCacheLayer(layer_past, self.layer_idx),
+        )
+        return residual + self.resid_dropout(out), None
+
+
+def _from_bloom(module: BloomAttention, backend: str) -> BloomAttentionAdapter:
+    """BLOOM's attention as an adapter with the same weights.
+
+    ``query_key_value`` ``(3E, E)`` holds each head's q, k and v rows together (head ``h``:
+    rows ``3hD .. 3hD + 3D``, q then k then v); the layer's ``in_proj`` stacks all the q rows,
+    then the k rows, then the v rows. ``dense`` is ``out_proj``. BLOOM's tensor-parallel
+    ``slow_but_exact`` path (``pretraining_tp > 1``) leaves out ``dense``'s bias: refused.
+    """
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        raise ValueError(
+            f"slow_but_exact=True with pretraining_tp={module.pretraining_tp} (BLOOM's sliced "
+            "output projection without its bias) is not supported"
+        )
+    E, H, D = module.hidden_size, module.num_heads, module.head_dim
+    weight = module.query_key_value.weight
+    attn = MultiHeadAttention(
+        E, H, dropout=module.attention_dropout.p, backend=backend, positions=ALiBi(H),
+        device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    _copy_into(attn.in_proj.weight, weight.view(H, 3, D, E).transpose(0, 1).reshape(3 * E, E))
+    _copy_into(
+        attn.in_proj.bias, module.query_key_value.bias.view(H, 3, D).transpose(0, 1).flatten()
+    )
+    _copy_into(attn.out_proj.weight, module.dense.weight)
+    _copy_into(attn.out_proj.bias, module.dense.bias)
+    adapter = BloomAttentionAdapter(
+        attn, layer_idx=module.layer_idx, resid_dropout=nn.Dropout(module.hidden_dropout)
+    )
+    return adapter.train(module.training)
+
+
+# ---------------------------------------------------------------------------
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
 CONVERTERS = {
     GPT2Attention: _from_gpt2,
     LlamaAttention: _from_llama,
     Qwen2Attention: _from_llama,
     MistralAttention: _from_llama,
+    BloomAttention: _from_bloom,
 }
 
 
@@ -515,7 +594,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, BLOOM).
         backend: the layer's backend.
 
     Returns:
@@ -543,6 +622,8 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     for name, adapter in adapters.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, adapter)
-    model.set_attn_implementation(hf_name(backend))
+    if not all(isinstance(a, BloomAttentionAdapter) for a in adapters.values()):
+        # BLOOM builds its eager mask whatever the name (HF would warn that it cannot set it).
+        model.set_attn_implementation(hf_name(backend))
     model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True)
     return model

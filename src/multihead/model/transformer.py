@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.attention.alibi import ALiBi
 from multihead.attention.designs import design_options
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
@@ -273,12 +274,14 @@ def _attention_config(
     return config
 
 
-def _place_rotary(
+def _place_positions(
     configs: dict[str, dict[str, Any]], positional: str, d_model: int, cross: Mapping | None
 ) -> None:
     """With ``positional="rope"``, rotary positions in both self-attentions: every feature of
-    a head unless ``rotary_dim`` says fewer. Never in cross-attention (its queries and keys
-    are positions of two different sentences); ``attention.rotary_dim`` is for the others."""
+    a head unless ``rotary_dim`` says fewer; with ``"alibi"``, ALiBi in both (the encoder's
+    symmetric, see :mod:`~multihead.attention.alibi`). Never in cross-attention (its queries
+    and keys are positions of two different sentences); ``attention.rotary_dim`` is for the
+    others."""
     asked_cross = (cross or {}).get("rotary_dim")
     if asked_cross is not None:
         raise ValueError(
@@ -289,6 +292,9 @@ def _place_rotary(
     for sublayer in ("encoder_self_attention", "decoder_self_attention"):
         config = configs[sublayer]
         asked = config.get("rotary_dim")
+        if positional == "alibi" and asked is None:
+            config["positions"] = ALiBi(config["num_heads"])  # no parameters: one per stack
+            continue
         if positional != "rope":
             if asked is not None:
                 raise ValueError(
@@ -324,9 +330,11 @@ class Transformer(nn.Module):
         activation_dropout: after the FFN activation.
         activation: ``"relu"`` or ``"gelu"``.
         norm_first: pre-LN instead of post-LN.
-        positional: ``"sinusoidal"``, ``"learned"`` (added to the embeddings) or ``"rope"``
+        positional: ``"sinusoidal"``, ``"learned"`` (added to the embeddings), ``"rope"``
             (rotary positions in every self-attention sublayer, all of each head's features
-            rotated unless ``attention.rotary_dim`` says fewer; cross-attention has none).
+            rotated unless ``attention.rotary_dim`` says fewer) or ``"alibi"`` (ALiBi's
+            score bias in every self-attention sublayer, symmetric in the encoder);
+            cross-attention has none.
         max_positions: the longest source or target sequence (bos included).
         share_embeddings: tie the source, target and output embeddings (one matrix); needs
             ``src_vocab_size == tgt_vocab_size`` (a joint vocabulary).
@@ -410,7 +418,7 @@ class Transformer(nn.Module):
             sublayer: _attention_config(sublayer, attention, override)
             for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True)
         }
-        _place_rotary(self.attention_config, positional, d_model, cross_attention)
+        _place_positions(self.attention_config, positional, d_model, cross_attention)
         # The encoder and cross-attention always mask padded source tokens: their backends
         # must take a padding mask (the registry says which do).
         padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
@@ -565,8 +573,8 @@ class Transformer(nn.Module):
             )
         if caches is None and start_pos and self.decoder_embedding.positional is None:
             raise ValueError(
-                f"start_pos={start_pos} without caches: rotary positions are taken from the "
-                "caches; decode incrementally with make_decoder_cache"
+                f"start_pos={start_pos} without caches: the attention layers' positions (rope, "
+                "alibi) are taken from the caches; decode incrementally with make_decoder_cache"
             )
         x = self.decoder_embedding(tgt_in, start_pos)  # (B, T, E)
         for i, layer in enumerate(self.decoder_layers):
