@@ -20,7 +20,8 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
   Supported: GPT-2, and the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
-  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`).
+  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), and
+  DiffLlama, on the layer's differential design (:func:`_from_diffllama`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -310,7 +312,7 @@ def _bias_or_zeros(linear: nn.Linear) -> Tensor:
 
 
 def _from_llama(
-    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
+    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str, **design
 ) -> HFAttentionAdapter:
     """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter with the same weights.
 
@@ -333,6 +335,8 @@ def _from_llama(
       (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
       (any projection without a bias beside one with a bias gets the same).
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
+
+    ``design``: the layer's head design arguments (DiffLlama's, :func:`_from_diffllama`).
     """
     config = module.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -356,7 +360,7 @@ def _from_llama(
     attn = MultiHeadAttention(
         config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
-        device=weight.device, dtype=weight.dtype,
+        device=weight.device, dtype=weight.dtype, **design,
     )  # fmt: skip
     attn.scale = module.scaling
     _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
@@ -368,12 +372,29 @@ def _from_llama(
     return adapter.train(module.training)
 
 
+# --------------------------------------------------------------------------- DiffLlama
+def _from_diffllama(module: DiffLlamaAttention, backend: str) -> HFAttentionAdapter:
+    """DiffLlama's attention: a Llama one (:func:`_from_llama`) with the layer's differential
+    design (:mod:`~multihead.attention.differential`), which pairs the heads as DiffLlama
+    does, given the module's ``lambda_init`` (its depth's), its four ``lambda`` vectors and
+    its RMSNorm's epsilon (``rms_norm_eps``)."""
+    adapter = _from_llama(
+        module, backend, design="diff", lambda_init=module.lambda_init,
+        norm_eps=module.groupnorm.eps,
+    )  # fmt: skip
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        _copy_into(getattr(adapter.attn.design, name), getattr(module, name))
+    return adapter
+
+
+# --------------------------------------------------------------------------- the swap
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
 CONVERTERS = {
     GPT2Attention: _from_gpt2,
     LlamaAttention: _from_llama,
     Qwen2Attention: _from_llama,
     MistralAttention: _from_llama,
+    DiffLlamaAttention: _from_diffllama,
 }
 
 
@@ -421,7 +442,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, DiffLlama).
         backend: the layer's backend.
 
     Returns:
