@@ -24,7 +24,8 @@ from helpers.training import (
 
 
 @pytest.mark.parametrize(
-    "attention, logger, positional", [("mha", "csv", "sinusoidal"), ("mqa", "none", "rope")]
+    "attention, logger, positional",
+    [("mha", "csv", "sinusoidal"), ("mqa", "none", "rope"), ("diff_h8", "none", "rope")],
 )
 def test_fast_dev_run(
     smoke_config, attention: str, logger: str, positional: str, tmp_path: Path
