@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -313,3 +315,15 @@ def test_rope_rotates_both_self_attentions_and_is_refused_elsewhere():
         tiny_model(positional="rope", cross_attention={"rotary_dim": 8})
     with pytest.raises(ValueError, match="start_pos=2 without caches"):
         model.decode(torch.tensor([[BOS]]), *model.encode(random_src(1, 3)), start_pos=2)
+
+
+def test_differential_layers_get_the_papers_lambda_init_of_their_depth():
+    # Ye et al., section 2.1: lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)), l = 1 .. L per stack.
+    model = tiny_model(num_encoder_layers=3, attention={"num_heads": 4, "design": "diff"})
+    for _, depth, _, attn in model.attention_sublayers():
+        assert attn.design.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * depth))
+    assert model.head_config["encoder_self_attention"]["tag"] == "mha4-diff"
+    fixed = tiny_model(attention={"num_heads": 4, "design": "diff", "lambda_init": 0.8})
+    assert {attn.design.lambda_init for *_, attn in fixed.attention_sublayers()} == {0.8}
+    x, y = random_src(2, 5), torch.randint(3, VOCAB, (2, 4))
+    assert model(x, y).shape == (2, 4, VOCAB)

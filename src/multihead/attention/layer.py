@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 # The built-in head designs register themselves by name when imported.
-from multihead.attention import latent, mixing, sparse  # noqa: F401
+from multihead.attention import differential, latent, mixing, sparse  # noqa: F401
 from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
@@ -67,7 +67,7 @@ class MultiHeadAttention(nn.Module):
             (``math``: the written-out reference); if it cannot run, it says why.
         design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS`
             (``"moh"``, ``"talking_heads"``, ``"group_mlp"``, ``"head_attention"``,
-            ``"mla"``) or a :class:`~multihead.attention.designs.HeadDesign` instance;
+            ``"mla"``, ``"diff"``) or a :class:`~multihead.attention.designs.HeadDesign` instance;
             ``None``: the textbook layer, or the design one of ``design_options`` selects.
         positions: a positional part (:mod:`~multihead.attention.positional`) for
             self-attention: rotary (Q and K turned) or a score bias; ``None``: none, or

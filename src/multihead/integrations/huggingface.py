@@ -22,8 +22,9 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
   Supported: GPT-2, the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
-  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), and BLOOM,
-  whose ALiBi the layer adds itself (:class:`BloomAttentionAdapter`).
+  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), DiffLlama,
+  on the layer's differential design (:func:`_from_diffllama`), and BLOOM, whose ALiBi the
+  layer adds itself (:class:`BloomAttentionAdapter`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.bloom.modeling_bloom import BloomAttention
+from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -391,7 +393,7 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
 
 
 def _from_llama(
-    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
+    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str, **design
 ) -> HFAttentionAdapter:
     """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter holding its weights.
 
@@ -413,6 +415,8 @@ def _from_llama(
     * ``head_dim * num_attention_heads != hidden_size`` (a config's explicit ``head_dim``):
       refused, the layer's head width is ``E / H``.
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
+
+    ``design``: the layer's head design arguments (DiffLlama's, :func:`_from_diffllama`).
     """
     config = module.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -431,7 +435,7 @@ def _from_llama(
     attn = MultiHeadAttention(
         config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=False,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
-        device="meta",  # its own projections are replaced by the module's
+        device="meta", **design,  # its own projections are replaced by the module's
     )  # fmt: skip
     attn.scale = module.scaling
     attn.in_proj = QKVProjection.from_linears(
@@ -516,7 +520,24 @@ def _from_bloom(module: BloomAttention, backend: str) -> BloomAttentionAdapter:
     return adapter.train(module.training)
 
 
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- DiffLlama
+def _from_diffllama(module: DiffLlamaAttention, backend: str) -> HFAttentionAdapter:
+    """DiffLlama's attention: a Llama one (:func:`_from_llama`) with the layer's differential
+    design (:mod:`~multihead.attention.differential`), which pairs the heads as DiffLlama
+    does, given the module's ``lambda_init`` (its depth's), its four ``lambda`` vectors and
+    its RMSNorm's epsilon (``rms_norm_eps``)."""
+    adapter = _from_llama(
+        module, backend, design="diff", lambda_init=module.lambda_init,
+        norm_eps=module.groupnorm.eps,
+    )  # fmt: skip
+    # Built on the meta device with the projections: the lambda vectors get storage here.
+    adapter.attn.design.to_empty(device=module.q_proj.weight.device)
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        _copy_into(getattr(adapter.attn.design, name), getattr(module, name))
+    return adapter
+
+
+# --------------------------------------------------------------------------- the swap
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
 CONVERTERS = {
     GPT2Attention: _from_gpt2,
@@ -524,6 +545,7 @@ CONVERTERS = {
     Qwen2Attention: _from_llama,
     MistralAttention: _from_llama,
     BloomAttention: _from_bloom,
+    DiffLlamaAttention: _from_diffllama,
 }
 
 
@@ -594,7 +616,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, BLOOM).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, DiffLlama, BLOOM).
         backend: the layer's backend.
 
     Returns:
