@@ -418,7 +418,7 @@ def test_with_kv_heads_keeps_the_design(design):
             {"top_k_heads": 1, "num_shared_heads": 4},
             r"num_shared_heads must be in \[0, 3\].*num_heads=4",
         ),
-        ({"num_shared_heads": 1}, r"\['num_shared_heads'\] select head designs \[\]"),
+        ({"num_shared_heads": 1}, r"\['num_shared_heads'\] select no head design"),
         ({"head_mixing": "nope"}, r"unknown head design 'nope'.*talking_heads, group_mlp"),
         ({"head_mixing": "talking_heads"}, r"'talking_heads' runs on backend math only.*'sdpa'"),
         (
@@ -427,7 +427,7 @@ def test_with_kv_heads_keeps_the_design(design):
         ),
         ({"top_k_heads": 2, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option top_k"),
         ({"head_mixing": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
-        ({"mixing_groups": 2}, r"\['mixing_groups'\] select head designs \[\]"),
+        ({"mixing_groups": 2}, r"\['mixing_groups'\] select no head design"),
         ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups"),
     ],
 )

@@ -113,7 +113,7 @@ def test_names_and_options():
         ),
         ({"kv_latent_dim": 8, "top_k_heads": 2}, r"select head designs \['mla', 'moh'\]"),
         ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option kv_lat"),
-        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] select head designs \[\]"),
+        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] select no head design"),
     ],
 )
 def test_invalid_latent_options_raise(options, pattern):

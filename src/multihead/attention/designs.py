@@ -200,9 +200,10 @@ def resolve_design(
     if design is None and options:
         chosen = sorted({n for n, c in DESIGNS.items() if c.selected_by in options})
         if len(chosen) != 1:
+            which = f"select head designs {chosen}" if chosen else "select no head design"
             raise ValueError(
-                f"options {sorted(options)} select head designs {chosen}; a layer has one, "
-                f"named by design= (registered: {', '.join(DESIGNS)})"
+                f"options {sorted(options)} {which}; a layer has one, named by design= "
+                f"(registered: {', '.join(DESIGNS)})"
             )
         design = chosen[0]
     if design is None or isinstance(design, HeadDesign):
