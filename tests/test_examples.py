@@ -36,6 +36,16 @@ def test_hf_models_match_eager_and_generate_the_same() -> None:
         assert result["max_diff"] < 1e-5 and result["same_tokens"]
 
 
+def test_left_padded_loss_differs_from_eager_as_hfs_sdpa_does() -> None:
+    pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+    results = example("hf_left_padded_loss.py")["main"]()
+    padded = results["padding -100"]  # what docs/reuse.md states
+    assert padded["sdpa"] > 1e-3
+    assert padded["multihead"] == pytest.approx(padded["sdpa"], abs=1e-6)
+    assert padded["swap"] == pytest.approx(padded["sdpa"], abs=1e-6)
+    assert all(abs(d) < 1e-5 for d in results["padding and first token -100"].values())
+
+
 def test_kv_cache_bytes_are_the_hand_counts() -> None:
     sizes = example("kv_cache_bytes.py")["main"]()
     # 4 layers x 4 bytes x the numbers cached per token: K and V of 8 or 1 heads of 16, or

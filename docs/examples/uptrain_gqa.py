@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import replace_torch_attention
-from multihead.attention import TorchAttentionAdapter
+from multihead.attention import TorchAttentionAdapter, with_kv_heads
 
 VOCAB, LENGTH, DIM, HEADS, BATCH = 16, 12, 64, 4, 32
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     losses["swapped"] = evaluate("swapped for MultiHeadAttention")
     for module in model.modules():
         if isinstance(module, TorchAttentionAdapter):
-            module.attn = module.attn.with_kv_heads(args.kv_heads)
+            module.attn = with_kv_heads(module.attn, args.kv_heads)
     losses["converted"] = evaluate(f"converted to {args.kv_heads} K/V heads")
     train(model, args.uptrain_steps, lr=1e-3, seed=2)
     losses["uptrained"] = evaluate(f"uptrained {args.uptrain_steps} steps")
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = replace_torch_attention(Reverser())
     for module in model.modules():
         if isinstance(module, TorchAttentionAdapter):
-            module.attn = module.attn.with_kv_heads(args.kv_heads)
+            module.attn = with_kv_heads(module.attn, args.kv_heads)
     train(model, args.uptrain_steps, lr=3e-3, seed=1)
     losses["scratch"] = evaluate(f"from scratch, {args.uptrain_steps} steps")
     return losses

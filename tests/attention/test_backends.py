@@ -563,7 +563,7 @@ def test_head_attention_mixing_keeps_fp64_accuracy():
     from multihead.attention.mixing import HeadAttentionMixing
 
     torch.manual_seed(0)
-    mix = HeadAttentionMixing(4, 8, dtype=torch.float64)
+    mix = HeadAttentionMixing(32, 4, 4, bias=True, dtype=torch.float64)
     with torch.no_grad():
         mix.head_mix.weight.normal_(0.0, 2.0)
     heads = torch.randn(2, 3, 4, 8, dtype=torch.float64)  # (B, L, H, D)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import MultiHeadAttention
+from multihead.attention import with_kv_heads
 
 from helpers.models import HEAD_DESIGNS as DESIGNS
 
@@ -396,7 +397,7 @@ def test_head_design_names_and_active_fraction():
 @pytest.mark.parametrize("design", DESIGNS)
 def test_with_kv_heads_keeps_the_design(design):
     layer = build(design)
-    pooled = layer.with_kv_heads(1)
+    pooled = with_kv_heads(layer, 1)
     assert pooled.head_tag.split("-", 1)[1] == layer.head_tag.split("-", 1)[1]
     for name in ("head_gate", "head_mix"):
         if hasattr(layer, name):
@@ -417,16 +418,17 @@ def test_with_kv_heads_keeps_the_design(design):
             {"top_k_heads": 1, "num_shared_heads": 4},
             r"num_shared_heads must be in \[0, 3\].*num_heads=4",
         ),
-        ({"num_shared_heads": 1}, r"num_shared_heads=1 needs sparse heads"),
-        ({"head_mixing": "nope"}, r"unknown head_mixing 'nope'.*talking_heads, group_mlp"),
-        ({"head_mixing": "talking_heads"}, r"'math' backend.*backend='sdpa'.*group_mlp"),
+        ({"num_shared_heads": 1}, r"\['num_shared_heads'\] select no head design"),
+        ({"head_mixing": "nope"}, r"unknown head design 'nope'.*talking_heads, group_mlp"),
+        ({"head_mixing": "talking_heads"}, r"'talking_heads' runs on backend math only.*'sdpa'"),
         (
             {"head_mixing": "talking_heads", "backend": "flash"},
-            r"backend='flash'.*group_mlp, head_attention",
+            r"'talking_heads' runs on backend math only; got backend='flash'",
         ),
-        ({"top_k_heads": 2, "head_mixing": "group_mlp"}, r"top_k_heads=2.*'group_mlp'"),
+        ({"top_k_heads": 2, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option top_k"),
         ({"head_mixing": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
-        ({"mixing_groups": 2}, r"mixing_groups=2 is for head_mixing='group_mlp'"),
+        ({"mixing_groups": 2}, r"\['mixing_groups'\] select no head design"),
+        ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups"),
     ],
 )
 def test_invalid_designs_raise(options, pattern):

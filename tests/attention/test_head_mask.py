@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from multihead import MultiHeadAttention
+from multihead.attention import prune_heads, with_kv_heads, with_kv_latent
 
 E, H = 32, 4
 D = E // H
@@ -112,7 +113,7 @@ def test_gate_gradient_is_the_heads_contribution():
 def test_mixings_after_the_gate_refuse_it(mixing):
     layer = build({"head_mixing": mixing})
     x, _, _ = inputs()
-    with pytest.raises(ValueError, match=f"head_mask is undefined for head_mixing='{mixing}'"):
+    with pytest.raises(ValueError, match=f"head_mask is undefined for head design '{mixing}'"):
         layer(x, head_mask=torch.ones(H))
     layer.head_mask = torch.ones(H)
     with pytest.raises(ValueError, match=mixing):
@@ -139,7 +140,7 @@ def test_a_gate_of_the_wrong_shape_raises(bad):
 )
 def test_pruning_equals_masking_the_same_heads(options, heads, kv_left):
     layer = build(options)
-    pruned = layer.prune_heads(heads)
+    pruned = prune_heads(layer, heads)
     mask = torch.ones(H)
     mask[heads] = 0.0
     x, memory, pad = inputs()
@@ -171,7 +172,7 @@ def test_pruning_equals_masking_the_same_heads(options, heads, kv_left):
 def test_pruning_keeps_a_gate_set_on_the_layer():
     layer = build({})
     layer.head_mask = GATE
-    pruned = layer.prune_heads([0])
+    pruned = prune_heads(layer, [0])
     assert torch.equal(pruned.head_mask, GATE[1:])
     x, memory, pad = inputs()
     with torch.no_grad():
@@ -187,22 +188,22 @@ def test_pruning_keeps_a_gate_set_on_the_layer():
         ({"num_kv_heads": 2}, [0, 1, 2], r"whole groups of 2"),
         ({}, [0, 1, 2, 3], "keep at least one of the 4 heads"),
         ({}, [4], r"head indices must be in \[0, 4\), got \[4\]"),
-        ({"top_k_heads": 2}, [0], "plain MHA/GQA/MQA layer, got head design 'mha4-moh-k2'"),
+        ({"top_k_heads": 2}, [0], "a design that declares it; got head design 'mha4-moh-k2'"),
         ({"kv_latent_dim": 8}, [0], "got head design 'mla4r8'"),
         ({"head_mixing": "talking_heads", "backend": "math"}, [0], "talking_heads"),
     ],
 )
 def test_invalid_pruning_raises(options, heads, pattern):
     with pytest.raises(ValueError, match=pattern):
-        build(options).prune_heads(heads)
+        prune_heads(build(options), heads)
 
 
 def test_a_pruned_layer_refuses_the_conversions_that_assume_all_heads():
-    pruned = build({}).prune_heads([0, 1])
+    pruned = prune_heads(build({}), [0, 1])
     with pytest.raises(ValueError, match="has pruned heads"):
-        pruned.with_kv_heads(1)
+        with_kv_heads(pruned, 1)
     with pytest.raises(ValueError, match="has pruned heads"):
-        pruned.with_kv_latent(4)
+        with_kv_latent(pruned, 4)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +214,7 @@ def test_pruning_twice_equals_masking_both_sets_of_heads(embed_dim, first, secon
     """The second prune indexes the heads left by the first (head_dim stays E / 4)."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(embed_dim, 4).eval()
-    twice = layer.prune_heads(first).prune_heads(second)
+    twice = prune_heads(prune_heads(layer, first), second)
     mask = torch.ones(4)
     mask[removed] = 0.0
     x = torch.randn(B, L, embed_dim)
@@ -221,3 +222,18 @@ def test_pruning_twice_equals_masking_both_sets_of_heads(embed_dim, first, secon
     with torch.no_grad():
         expected = layer(x, is_causal=True, head_mask=mask)
         torch.testing.assert_close(twice(x, is_causal=True), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("convert", ["with_kv_heads", "with_kv_latent"])
+def test_kv_conversions_keep_the_head_mask(convert):
+    """25fe9c2 dropped it (0.26 off at with_kv_heads(H)); both keep every query head."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4).eval()
+    layer.head_mask = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    new = with_kv_heads(layer, 4) if convert == "with_kv_heads" else with_kv_latent(layer, 32)
+    x = torch.randn(2, 5, 16)
+    assert new.head_mask is layer.head_mask
+    with torch.no_grad():
+        torch.testing.assert_close(
+            new(x, is_causal=True), layer(x, is_causal=True), atol=1e-5, rtol=1e-5
+        )

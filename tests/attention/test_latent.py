@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from multihead import MultiHeadAttention
+from multihead.attention import with_kv_heads, with_kv_latent
 from multihead.attention.convert import expand_latent
 
 E, H, R = 32, 4, 12
@@ -108,11 +109,11 @@ def test_names_and_options():
         ({"kv_latent_dim": 0}, r"kv_latent_dim must be >= 1, got 0"),
         (
             {"kv_latent_dim": 8, "num_kv_heads": 2},
-            r"kv_latent_dim=8 cannot be combined with num_kv_heads=2",
+            r"'mla' has one K/V head per query head; got num_kv_heads=2",
         ),
-        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"cannot be combined with top_k_heads=2"),
-        ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"head_mixing='group_mlp'"),
-        ({"kv_latent_norm": True}, r"kv_latent_norm=True needs latent attention"),
+        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"select head designs \['mla', 'moh'\]"),
+        ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option kv_lat"),
+        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] select no head design"),
     ],
 )
 def test_invalid_latent_options_raise(options, pattern):
@@ -130,8 +131,8 @@ def test_conversion_is_exact_at_the_stacked_rank(num_kv_heads, rank):
         for p in layer.parameters():
             p.normal_(0.0, 0.3)
     x, memory, pad = inputs()
-    exact = layer.with_kv_latent(rank)
-    low = layer.with_kv_latent(rank // 2)
+    exact = with_kv_latent(layer, rank)
+    low = with_kv_latent(layer, rank // 2)
     with torch.no_grad():
         expected = layer(x, memory, key_padding_mask=pad)
         torch.testing.assert_close(
@@ -155,10 +156,10 @@ def test_export_equivalent_and_refusals():
         )
     with pytest.raises(ValueError, match="no MHA equivalent"):
         expand_latent(MultiHeadAttention(E, H, kv_latent_dim=R, kv_latent_norm=True))
-    with pytest.raises(ValueError, match="an MLA layer has a K/V latent"):
-        layer.with_kv_heads(1)
+    with pytest.raises(ValueError, match="with_kv_heads converts a plain MHA/GQA/MQA layer or a"):
+        with_kv_heads(layer, 1)
     with pytest.raises(ValueError, match=r"plain MHA/GQA/MQA layer.*mla4r12"):
-        layer.with_kv_latent(4)
+        with_kv_latent(layer, 4)
 
 
 def test_absorbed_decoding_after_a_fused_adam_step_uses_the_new_weights():
@@ -183,5 +184,34 @@ def test_absorbed_decoding_after_a_fused_adam_step_uses_the_new_weights():
 def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
     layer = MultiHeadAttention(E, H, num_kv_heads=2)  # caches 2 * 2 heads * 8 * 4 bytes = 128
     with pytest.raises(ValueError, match=r"with_kv_latent\(33\).*132 bytes.*more than the 128"):
-        layer.with_kv_latent(33)
-    assert layer.with_kv_latent(32).kv_cache_bytes_per_token() == 128  # as much: allowed
+        with_kv_latent(layer, 33)
+    assert with_kv_latent(layer, 32).kv_cache_bytes_per_token() == 128  # as much: allowed
+
+
+def test_expand_latent_refuses_a_decoupled_rotary_key():
+    """25fe9c2 returned a plain MHA layer: the rotary key gone, the scale wrong (0.036 off)."""
+    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=4)
+    with pytest.raises(ValueError, match="decoupled rotary key.*no MHA equivalent"):
+        expand_latent(layer)
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+def test_a_cached_eval_mode_call_gives_the_full_pass_gradients(rotary_dim):
+    """25fe9c2 folded the absorbed weights under no_grad: no gradient, and backward passed."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=rotary_dim).eval()
+    x = torch.randn(2, 5, 24)
+
+    def grads(out):
+        layer.zero_grad()
+        (out * torch.linspace(-1, 1, 24)).sum().backward()
+        return {n: p.grad for n, p in layer.named_parameters()}
+
+    full = grads(layer(x, is_causal=True))
+    # One call into an empty cache: the absorbed path (the cache's in-place writes keep
+    # autograd from reaching back through earlier steps, whatever the design).
+    cached = grads(layer(x, is_causal=True, kv_cache=layer.make_kv_cache(2, 5)))
+    assert set(cached) == set(full)
+    for name, grad in full.items():
+        assert cached[name] is not None, name
+        torch.testing.assert_close(cached[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -10,6 +10,7 @@ import multihead.attention.kv_cache
 import multihead.attention.layer
 import multihead.attention.sparse
 from multihead import MultiHeadAttention
+from multihead.attention import from_torch, with_kv_heads
 
 E, H = 32, 4
 B, L, S = 2, 6, 9
@@ -71,7 +72,7 @@ def test_from_torch_matches_nn_multihead_attention_in_training(backend, masks):
     ref = nn.MultiheadAttention(E, H, batch_first=True).train()
     nn.init.normal_(ref.in_proj_bias)
     nn.init.normal_(ref.out_proj.bias)
-    layer = MultiHeadAttention.from_torch(ref, backend=backend)
+    layer = from_torch(ref, backend=backend)
     assert layer.training
     x, mem = torch.randn(B, L, E, requires_grad=True), torch.randn(B, S, E, requires_grad=True)
     pad = torch.zeros(B, S, dtype=torch.bool)
@@ -107,7 +108,7 @@ def test_from_torch_matches_nn_multihead_attention_in_training(backend, masks):
 def test_from_torch_need_weights_match():
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(E, H, batch_first=True)
-    layer = MultiHeadAttention.from_torch(ref)
+    layer = from_torch(ref)
     x = torch.randn(B, L, E)
     out_ref, w_ref = ref(x, x, x, need_weights=True, average_attn_weights=False)
     out, w = layer(x, need_weights=True)
@@ -143,7 +144,7 @@ def test_with_kv_heads_mean_pools_by_hand():
     torch.manual_seed(0)
     mha = MultiHeadAttention(E, H)
     nn.init.normal_(mha.in_proj.bias)
-    gqa = mha.with_kv_heads(2)
+    gqa = with_kv_heads(mha, 2)
     D = E // H
     w, b = mha.in_proj.weight, mha.in_proj.bias
     k_heads = [w[E + h * D : E + (h + 1) * D] for h in range(H)]
@@ -159,7 +160,7 @@ def test_with_kv_heads_mean_pools_by_hand():
         gqa.in_proj.bias[E : E + 2 * D], torch.cat([(kb[0] + kb[1]) / 2, (kb[2] + kb[3]) / 2])
     )
     torch.testing.assert_close(gqa.out_proj.weight, mha.out_proj.weight)
-    mqa = mha.with_kv_heads(1)
+    mqa = with_kv_heads(mha, 1)
     torch.testing.assert_close(mqa.in_proj.weight[E : E + D], torch.stack(k_heads).mean(0))
     assert mqa.num_kv_heads == 1 and sum(p.numel() for p in mqa.parameters()) < sum(
         p.numel() for p in gqa.parameters()
@@ -176,7 +177,7 @@ def test_with_kv_heads_is_exact_when_heads_in_a_group_are_identical(num_kv_heads
             for start in (E, 2 * E):  # K and V rows
                 heads = t[start : start + E].view(num_kv_heads, r, D, *t.shape[1:])
                 heads.copy_(heads[:, :1].expand_as(heads))
-    converted = mha.with_kv_heads(num_kv_heads)
+    converted = with_kv_heads(mha, num_kv_heads)
     x, mem = torch.randn(B, L, E), torch.randn(B, S, E)
     assert torch.equal(converted(x, is_causal=True), mha(x, is_causal=True))
     assert torch.equal(converted(x, mem), mha(x, mem))
@@ -184,7 +185,7 @@ def test_with_kv_heads_is_exact_when_heads_in_a_group_are_identical(num_kv_heads
 
 def test_with_kv_heads_rejects_a_non_divisor():
     with pytest.raises(ValueError, match=r"4 K/V heads into 3"):
-        MultiHeadAttention(E, H).with_kv_heads(3)
+        with_kv_heads(MultiHeadAttention(E, H), 3)
 
 
 # --------------------------------------------------------------------------- masks

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from multihead import MultiHeadAttention
+from multihead.attention import with_kv_latent
 from multihead.attention.rotary import RotaryPositions
 
 
@@ -35,7 +36,7 @@ def test_rotation_equals_the_written_out_reference(rotary_dim, interleaved):
     positions = torch.tensor([0, 1, 2, 7, 300])
     rope = RotaryPositions(8, rotary_dim=rotary_dim, theta=500.0, interleaved=interleaved)
     expected = reference_rotation(x, positions, rotary_dim, 500.0, interleaved)
-    torch.testing.assert_close(rope(x, positions), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(rope.rotate(x, positions), expected, rtol=0, atol=1e-12)
 
 
 def _hf_rotary(module_name, config_class, rotary_class, **config):
@@ -77,8 +78,8 @@ def test_rotation_equals_hugging_face(family, rotary_dim, interleaved):
     cos, sin = hf_rope(q, position_ids)
     hf_q, hf_k = hf_apply(q, k, cos, sin)
     ours = RotaryPositions(16, rotary_dim=rotary_dim, theta=theta, interleaved=interleaved)
-    torch.testing.assert_close(ours(q, position_ids), hf_q, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ours(k, position_ids), hf_k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.rotate(q, position_ids), hf_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.rotate(k, position_ids), hf_k, rtol=0, atol=1e-6)
 
 
 DESIGNS = {
@@ -135,7 +136,7 @@ def test_the_rotation_makes_scores_relative():
         torch.randn(1, 1, 1, 8, dtype=torch.float64),
     )
     scores = [
-        (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()
+        (rope.rotate(q, torch.tensor([m])) * rope.rotate(k, torch.tensor([n]))).sum()
         for m, n in [(3, 1), (13, 11), (403, 401)]
     ]
     torch.testing.assert_close(scores[1], scores[0], rtol=0, atol=1e-10)
@@ -161,14 +162,14 @@ def test_bad_rotary_options_are_named(kwargs, message):
 
 def test_position_ids_need_rotary_and_rotary_needs_self_attention():
     x = torch.randn(1, 3, 32)
-    with pytest.raises(ValueError, match="position_ids are for rotary positions"):
+    with pytest.raises(ValueError, match="position_ids are for a positional part"):
         MultiHeadAttention(32, 4)(x, position_ids=torch.arange(3))
     for layer in (MultiHeadAttention(32, 4, rotary_dim=8), MultiHeadAttention(32, 4,
                   kv_latent_dim=8, rotary_dim=4)):  # fmt: skip
-        with pytest.raises(ValueError, match="rotary positions are for self-attention"):
+        with pytest.raises(ValueError, match="positions are for self-attention"):
             layer(x, torch.randn(1, 4, 32))
     with pytest.raises(ValueError, match="with_kv_latent converts a layer without rotary"):
-        MultiHeadAttention(32, 4, rotary_dim=8).with_kv_latent(8)
+        with_kv_latent(MultiHeadAttention(32, 4, rotary_dim=8), 8)
 
 
 # --------------------------------------------------------------------------- MLA + RoPE

@@ -11,7 +11,13 @@ from torch import nn
 
 import multihead.attention.torch_swap
 from multihead import MultiHeadAttention, replace_torch_attention
-from multihead.attention import TorchAttentionAdapter, restore_torch_attention
+from multihead.attention import (
+    TorchAttentionAdapter,
+    prune_heads,
+    restore_torch_attention,
+    with_kv_heads,
+    with_kv_latent,
+)
 
 E, H, B, L, S = 32, 4, 3, 7, 5
 
@@ -239,7 +245,7 @@ def test_nn_transformer(mode, batch_first) -> None:
 def test_swapped_transformer_converts_to_gqa_and_trains() -> None:
     ours = swapped(transformer(batch_first=True))
     for adapter in adapters(ours):
-        adapter.attn = adapter.attn.with_kv_heads(2)
+        adapter.attn = with_kv_heads(adapter.attn, 2)
     assert {a.attn.num_kv_heads for a in adapters(ours)} == {2}
     src, tgt, masks = transformer_inputs(batch_first=True)
     out = ours.train()(src, tgt, **masks)
@@ -329,7 +335,7 @@ def test_the_adapter_has_what_torch_code_reads() -> None:
     assert adapter.in_proj_weight is adapter.attn.in_proj.weight
     assert adapter.in_proj_bias is adapter.attn.in_proj.bias
     assert adapter.out_proj is adapter.attn.out_proj
-    adapter.attn = adapter.attn.with_kv_heads(2)  # no longer torch's (3E, E) stack
+    adapter.attn = with_kv_heads(adapter.attn, 2)  # no longer torch's (3E, E) stack
     assert adapter.in_proj_weight is None and adapter.in_proj_bias is None
 
 
@@ -516,9 +522,9 @@ def test_a_swapped_models_state_dict_loads_strictly_into_the_original() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda a: a.with_kv_heads(2), "its layer has 2 K/V heads for 4 query heads"),
-        (lambda a: a.with_kv_latent(16), "its layer has a head design"),
-        (lambda a: a.prune_heads([0]), r"its in_proj is \(72, 32\), not \(3E, E\)"),
+        (lambda a: with_kv_heads(a, 2), "its layer has 2 K/V heads for 4 query heads"),
+        (lambda a: with_kv_latent(a, 16), "its layer has a head design"),
+        (lambda a: prune_heads(a, [0]), r"its in_proj is \(72, 32\), not \(3E, E\)"),
     ],
 )
 def test_restore_refuses_what_torch_cannot_hold(change, message) -> None:
@@ -540,7 +546,7 @@ def test_torchvision_vit_b_16() -> None:
     assert len(adapters(ours)) == 12
     broken = swapped(torch_model)  # what the comparison must catch: MQA, random out_proj
     for adapter in adapters(broken):
-        adapter.attn = adapter.attn.with_kv_heads(1)
+        adapter.attn = with_kv_heads(adapter.attn, 1)
         nn.init.normal_(adapter.attn.out_proj.weight)
     images = torch.randn(1, 3, 224, 224)
     with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multihead.attention import with_kv_heads
 from multihead.checkpoints import load_trained_model
 from multihead.deploy.engine import CTranslate2Engine
 from multihead.deploy.export import ExportError, build_spec, export_ctranslate2
@@ -199,7 +200,7 @@ def test_lowercase_tokenizer_lowercases_exported_input(tmp_path):
 
 def test_heads_differing_between_layers_are_refused(tok, tmp_path):
     model = save_checkpoint(tmp_path / "m.ckpt", tok)
-    model.decoder_layers[1].self_attn = model.decoder_layers[1].self_attn.with_kv_heads(1)
+    model.decoder_layers[1].self_attn = with_kv_heads(model.decoder_layers[1].self_attn, 1)
     with pytest.raises(ExportError, match="decoder_self_attention .* differing between layers"):
         build_spec(model, tok)
 
@@ -222,6 +223,17 @@ def test_unknown_head_design_is_refused(tok, tmp_path):
 def test_head_designs_ctranslate2_cannot_run_are_refused(tok, tmp_path, options, pattern):
     model = save_checkpoint(tmp_path / "m.ckpt", tok, cross_attention=options)
     with pytest.raises(ExportError, match=r"cross_attention .*" + pattern):
+        build_spec(model, tok)
+
+
+@pytest.mark.parametrize(
+    ("positional", "pattern"),
+    [("alibi", r"positional='alibi' cannot be exported: CTranslate2 \(4.8\) has ALiBi in its "
+      "decoder spec only"), ("rope", "positional='rope' cannot be exported yet")],
+)  # fmt: skip
+def test_positions_in_the_attention_are_refused_by_name(tok, tmp_path, positional, pattern):
+    model = save_checkpoint(tmp_path / "m.ckpt", tok, positional=positional)
+    with pytest.raises(ExportError, match=pattern):
         build_spec(model, tok)
 
 

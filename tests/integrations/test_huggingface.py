@@ -33,6 +33,8 @@ from multihead.attention import (  # noqa: E402
     BackendUnavailableError,
     MultiHeadAttention,
     available_backends,
+    prune_heads,
+    with_kv_heads,
 )
 from multihead.integrations import huggingface as hf  # noqa: E402
 
@@ -151,6 +153,19 @@ def test_attention_weights_match_eager() -> None:
         assert ((a - b) * keep).abs().max() < TOLERANCE
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_swap_refuses_output_attentions_by_name(family: str) -> None:
+    # HF records the weights from its own attention classes; the swapped model would
+    # return attentions=() (25fe9c2).
+    eager = eager_model(family).eval()
+    ours = through(eager, "swap")
+    with pytest.raises(ValueError, match=r"^output_attentions=True: .* replace_hf_attention"):
+        ours(*padded_batch(), output_attentions=True)
+    eager.config.output_attentions = True  # asked by the config (HF allows it under eager)
+    with pytest.raises(ValueError, match=r"^output_attentions=True"):
+        through(eager, "swap")(*padded_batch())
+
+
 def generate(model, ids, mask, **kwargs):
     return model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, **kwargs)
 
@@ -185,7 +200,7 @@ def test_a_cache_that_forgets_fails_the_generation_test(monkeypatch) -> None:
 def test_swapped_gpt2_as_gqa_generates_with_hf_cache_as_without() -> None:
     model = through(eager_model("gpt2").eval(), "swap")
     for block in model.transformer.h:
-        block.attn.attn = block.attn.attn.with_kv_heads(2)  # HF's cache holds 2 K/V heads
+        block.attn.attn = with_kv_heads(block.attn.attn, 2)  # HF's cache holds 2 K/V heads
     ids, mask = left_padded_batch()
     cached = generate(model, ids, mask)
     assert model.transformer.h[0].attn.attn.num_kv_heads == 2
@@ -294,19 +309,66 @@ def _dropping_position_ids(forward):
     return lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
 
 
-def test_qwen2s_missing_out_projection_bias_stays_zero_in_training() -> None:
-    # Qwen2: q/k/v_proj have a bias, o_proj none; the layer's out-projection gets a frozen
-    # zero one (logits: test_logits_match_eager_with_padding[...qwen2-swap]).
-    eager = eager_model("qwen2")
-    assert eager.model.layers[0].self_attn.o_proj.bias is None
-    ours = through(eager, "swap").train()
-    optimizer = torch.optim.AdamW(ours.parameters(), lr=0.1, weight_decay=0.1)
-    ours(*padded_batch(), labels=padded_batch()[0]).loss.backward()
-    optimizer.step()
-    for layer in ours.model.layers:
-        bias = layer.self_attn.attn.out_proj.bias
-        assert not bias.requires_grad and torch.equal(bias, torch.zeros_like(bias))
-        assert layer.self_attn.attn.in_proj.bias.requires_grad
+def test_the_llama_swap_holds_the_models_own_projections() -> None:
+    # Qwen2: biased q/k/v_proj beside an o_proj without bias, kept as they are; a frozen
+    # k_proj stays frozen beside trainable ones.
+    model = eager_model("qwen2")
+    model.model.layers[1].self_attn.k_proj.requires_grad_(False)
+    attention = [layer.self_attn for layer in model.model.layers]
+    hf.replace_hf_attention(model)
+    adapters = [layer.self_attn for layer in model.model.layers]
+    for theirs, adapter in zip(attention, adapters, strict=True):
+        proj = adapter.attn.in_proj
+        assert (proj.q_proj, proj.k_proj, proj.v_proj) == (
+            theirs.q_proj, theirs.k_proj, theirs.v_proj,
+        )  # fmt: skip
+        assert adapter.attn.out_proj is theirs.o_proj and theirs.o_proj.bias is None
+    assert not attention[1].k_proj.weight.requires_grad and attention[1].q_proj.weight.requires_grad
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_optimizer_built_before_the_swap_trains_the_attention_as_on_eager(family) -> None:
+    # 25fe9c2 stacked Q/K/V into a new in_proj: the optimizer's parameters never moved.
+    eager = eager_model(family).train()
+    ours = copy.deepcopy(eager)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ours)]
+    hf.replace_hf_attention(ours)
+    before = copy.deepcopy(eager.state_dict())
+    ids, mask = padded_batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(3), (mask == 0).long().argmin(1)] = -100  # first tokens (reuse.md)
+    for model, optimizer in zip((eager, ours), optimizers, strict=True):
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+    for layer, theirs in zip(ours.model.layers, eager.model.layers, strict=True):
+        proj = layer.self_attn.attn.in_proj
+        ours_w = (proj.q_proj, proj.k_proj, proj.v_proj, layer.self_attn.attn.out_proj)
+        eager_w = (theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj)
+        for a, b in zip(ours_w, (*eager_w, theirs.self_attn.o_proj), strict=True):
+            torch.testing.assert_close(a.weight, b.weight, atol=1e-6, rtol=0)
+    changed = [k for k in before if "self_attn" in k and "weight" in k]
+    assert len(changed) == 8
+    assert all(not torch.equal(eager.state_dict()[k], before[k]) for k in changed)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [lambda a: with_kv_heads(a, 1), lambda a: prune_heads(a, [2, 3])],
+    ids=["with_kv_heads", "prune_heads"],
+)
+def test_the_conversions_of_the_swaps_separate_projections_equal_the_stacked_ones(convert):
+    # The swap holds Llama's q/k/v_proj as they are (QKVProjection.from_linears); the
+    # conversions must read them as they read a stacked in_proj (the reference). with_kv_latent
+    # refuses a rotary layer, as for a stacked one.
+    separate = through(eager_model("llama").eval(), "swap").model.layers[0].self_attn.attn
+    stacked = MultiHeadAttention(32, 4, 2, bias=False, rotary_dim=8).eval()
+    with torch.no_grad():
+        for ours, theirs in zip(stacked.in_proj.blocks(), separate.in_proj.blocks(), strict=True):
+            ours.copy_(theirs)
+        stacked.out_proj.weight.copy_(separate.out_proj.weight)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    want = convert(stacked)(x, is_causal=True)
+    torch.testing.assert_close(convert(separate)(x, is_causal=True), want, atol=1e-6, rtol=0)
 
 
 def test_a_partial_rotary_factor_that_hf_ignores_is_ignored_too() -> None:
@@ -351,11 +413,16 @@ def test_the_swap_refuses_rotary_angles_other_than_the_models() -> None:
     assert not any(isinstance(m, hf.HFAttentionAdapter) for m in model.modules())
 
 
-def test_the_swap_refuses_a_partly_frozen_qkv_stack() -> None:
-    model = eager_model("llama")
-    model.model.layers[1].self_attn.k_proj.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn': .*partly frozen"):
+def test_a_model_cast_to_bf16_is_refused_for_its_inv_freq_with_the_fix() -> None:
+    # .to(torch.bfloat16) casts HF's inv_freq buffer too (25fe9c2 blamed the angles).
+    model = eager_model("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'model.rotary_emb' .* inv_freq in torch.bfloat16"):
         hf.replace_hf_attention(model)
+    # The two fixes the message gives: build with dtype=, or swap before casting.
+    built = AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.bfloat16)
+    assert built.model.rotary_emb.inv_freq.dtype == torch.float32
+    hf.replace_hf_attention(built)
+    hf.replace_hf_attention(eager_model("llama")).to(torch.bfloat16)(*padded_batch())
 
 
 def test_the_swap_refuses_cross_attention_and_replaces_nothing() -> None:

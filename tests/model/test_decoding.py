@@ -88,7 +88,9 @@ def test_output_lengths_respect_the_limit():
     assert zero == [[]] * 6
 
 
-@pytest.mark.parametrize("seed, positional", [(1, "sinusoidal"), (2, "sinusoidal"), (1, "rope")])
+@pytest.mark.parametrize(
+    "seed, positional", [(1, "sinusoidal"), (2, "sinusoidal"), (1, "rope"), (1, "alibi")]
+)
 def test_greedy_matches_uncached_reference(seed, positional):
     model = decoding_model(seed, positional=positional)
     src = random_src(8, 9, seed=seed, min_len=2)
@@ -111,7 +113,13 @@ def test_beam_size_one_is_greedy(norm_first):
 
 @pytest.mark.parametrize(
     ("beam_size", "length_penalty", "positional"),
-    [(3, 1.0, "sinusoidal"), (4, 0.0, "sinusoidal"), (2, 0.6, "sinusoidal"), (3, 1.0, "rope")],
+    [
+        (3, 1.0, "sinusoidal"),
+        (4, 0.0, "sinusoidal"),
+        (2, 0.6, "sinusoidal"),
+        (3, 1.0, "rope"),
+        (3, 1.0, "alibi"),
+    ],
 )
 def test_beam_matches_uncached_reference(beam_size, length_penalty, positional):
     model = decoding_model(2, positional=positional)

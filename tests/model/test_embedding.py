@@ -57,5 +57,5 @@ def test_transformer_embedding_is_scaled_sum(positional):
 
 def test_unknown_positional_raises():
     token = make_token_embedding(20, 16, pad_id=0)
-    with pytest.raises(ValueError, match="'rotary'.*sinusoidal, learned, rope"):
+    with pytest.raises(ValueError, match="'rotary'.*sinusoidal, learned, rope, alibi"):
         TransformerEmbedding(token, positional="rotary", max_positions=12, dropout=0.0)

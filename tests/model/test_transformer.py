@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
 
-from multihead.attention import MultiHeadAttention
+from multihead.attention import MultiHeadAttention, prune_heads
+from multihead.attention.alibi import ALiBi
 from multihead.model import Transformer
 
 from helpers.models import BOS, PAD, VOCAB, random_src, tiny_model
@@ -20,7 +23,7 @@ def test_forward_shapes_and_pad_mask():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi"])
 def test_post_and_pre_ln_train_step(norm_first, positional):
     model = tiny_model(norm_first=norm_first, positional=positional, dropout=0.1).train()
     assert isinstance(model.encoder_norm, torch.nn.LayerNorm) == norm_first
@@ -276,7 +279,7 @@ def test_packed_output_projection_is_the_linear_map_after_fused_optimiser_steps(
 def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     model = tiny_model()
     path = "decoder_layers.1.self_attn"
-    model.set_submodule(path, model.get_submodule(path).prune_heads([0]))
+    model.set_submodule(path, prune_heads(model.get_submodule(path), [0]))
     decoder = model.head_config["decoder_self_attention"]
     assert (decoder["num_heads"], decoder["num_kv_heads"], decoder["tag"]) == (
         "4+3",
@@ -285,6 +288,18 @@ def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     )
     assert decoder["kind"] == "mha" and model.head_config["cross_attention"]["num_heads"] == 4
     assert model.head_tag == "enc-mha4_dec-mha4+mha3_cross-mha4_sdpa"
+
+
+def test_alibi_biases_both_self_attentions_and_is_refused_with_rotary_dim():
+    model = tiny_model(positional="alibi")
+    for layer in [*model.encoder_layers, *model.decoder_layers]:
+        assert isinstance(layer.self_attn.positions, ALiBi)
+        assert layer.self_attn.positions.num_heads == 4
+        assert getattr(layer, "cross_attn", None) is None or layer.cross_attn.positions is None
+    assert model.encoder_embedding.positional is None  # nothing added to the embeddings
+    assert model.head_config["decoder_self_attention"]["alibi"] is True
+    with pytest.raises(ValueError, match="rotary_dim=4 is not used with positional='alibi'"):
+        tiny_model(positional="alibi", attention={"num_heads": 4, "rotary_dim": 4})
 
 
 def test_rope_rotates_both_self_attentions_and_is_refused_elsewhere():
@@ -300,3 +315,15 @@ def test_rope_rotates_both_self_attentions_and_is_refused_elsewhere():
         tiny_model(positional="rope", cross_attention={"rotary_dim": 8})
     with pytest.raises(ValueError, match="start_pos=2 without caches"):
         model.decode(torch.tensor([[BOS]]), *model.encode(random_src(1, 3)), start_pos=2)
+
+
+def test_differential_layers_get_the_papers_lambda_init_of_their_depth():
+    # Ye et al., section 2.1: lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)), l = 1 .. L per stack.
+    model = tiny_model(num_encoder_layers=3, attention={"num_heads": 4, "design": "diff"})
+    for _, depth, _, attn in model.attention_sublayers():
+        assert attn.design.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * depth))
+    assert model.head_config["encoder_self_attention"]["tag"] == "mha4-diff"
+    fixed = tiny_model(attention={"num_heads": 4, "design": "diff", "lambda_init": 0.8})
+    assert {attn.design.lambda_init for *_, attn in fixed.attention_sublayers()} == {0.8}
+    x, y = random_src(2, 5), torch.randint(3, VOCAB, (2, 4))
+    assert model(x, y).shape == (2, 4, VOCAB)

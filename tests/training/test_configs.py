@@ -44,6 +44,7 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
         "talking_heads": "-talking_heads",
         "group_mlp": "-group_mlp2",
         "head_attention": "-head_attention",
+        "diff_h8": "-diff",
     }.get(attention, "")
     assert {(k["kind"], k["num_heads"], k["num_kv_heads"], k["tag"]) for k in kinds.values()} == {
         (kind, H, G, tag)

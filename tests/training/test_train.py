@@ -26,7 +26,13 @@ from helpers.training import (
 
 
 @pytest.mark.parametrize(
-    "attention, logger, positional", [("mha", "csv", "sinusoidal"), ("mqa", "none", "rope")]
+    "attention, logger, positional",
+    [
+        ("mha", "csv", "sinusoidal"),
+        ("mqa", "none", "rope"),
+        ("gqa", "none", "alibi"),
+        ("diff_h8", "none", "rope"),
+    ],
 )
 def test_fast_dev_run(
     smoke_config, attention: str, logger: str, positional: str, tmp_path: Path

@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.attention.latent import LatentKV
-from multihead.attention.mixing import HeadMixing
 
 matplotlib.use("Agg")  # files only; never open a window
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -33,9 +31,10 @@ def head_outputs(
     """Attention weights and per-head outputs of every sublayer (math path).
 
     The per-head output is ``weights_h @ V_h``, the head's contribution before the heads
-    are concatenated and projected by ``out_proj``; for the ``group_mlp`` and
-    ``head_attention`` mixings it is taken after the mixing, as it enters ``out_proj``
-    (talking heads' mixing is inside the weights). ``V`` is recomputed from each
+    are concatenated and projected by ``out_proj``, as each head design gives it
+    (:meth:`~multihead.attention.MultiHeadAttention.head_outputs`: for the ``group_mlp`` and
+    ``head_attention`` mixings after the mixing; a design without it is refused by name).
+    ``V`` is recomputed from each
     sublayer's key/value input, captured by a forward pre-hook while
     :meth:`~multihead.model.Transformer.attention_maps` runs. Call it in eval mode under
     ``torch.no_grad()``.
@@ -67,21 +66,8 @@ def head_outputs(
             hook.remove()
 
     outputs: dict[str, list[Tensor]] = {kind: [] for kind in MAP_KINDS}
-    for attn, (kind, i) in layers.items():
-        H, G, D, E = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.embed_dim
-        kv = inputs[(kind, i)]
-        if isinstance(attn.design, LatentKV):  # V of every head from the latent
-            _, v = attn.design.expand(attn.design.latent(kv))  # (B, H, S, D)
-        else:
-            w, b = attn.in_proj.weight, attn.in_proj.bias
-            rows = slice(E + G * D, E + 2 * G * D)  # the V rows of the stacked projection
-            v = F.linear(kv, w[rows], None if b is None else b[rows])  # (B, S, G*D)
-            v = v.view(kv.shape[0], -1, G, D).transpose(1, 2)  # (B, G, S, D)
-            v = v.repeat_interleave(H // G, dim=1)  # (B, H, S, D): head h uses group h//(H/G)
-        heads = (maps[kind][i] @ v).transpose(1, 2)  # (B, L, H, D)
-        if isinstance(attn.design, HeadMixing):
-            heads = attn.design.mix(heads)  # as the heads enter W^O
-        outputs[kind].append(heads.transpose(1, 2))  # (B, H, L, D)
+    for attn, (kind, i) in layers.items():  # each design's own per-head outputs (or refusal)
+        outputs[kind].append(attn.head_outputs(maps[kind][i], inputs[(kind, i)]))  # (B,H,L,D)
     return maps, outputs
 
 

@@ -18,7 +18,7 @@ layer) and query head, over (source, reference) pairs with the decoder teacher-f
   rare, the weight a head spreading its attention evenly would give them.
 
 Pruning: :func:`pruning_curve` masks the heads least important first and re-scores greedy
-BLEU; :func:`prune_model` removes heads for real (:meth:`MultiHeadAttention.prune_heads`).
+BLEU; :func:`prune_model` removes heads for real (:func:`~multihead.attention.convert.prune_heads`).
 
 The weights are those of :meth:`~multihead.model.Transformer.attention_maps`: for sparse
 heads an unselected head's row is zero, for talking heads the mixed weights.
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.analysis.heads import KEYS, MAP_KINDS, QUERIES
+from multihead.attention.convert import prune_heads
 
 matplotlib.use("Agg")  # files only; never open a window
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -290,7 +291,7 @@ def pruning_order(importance: dict[str, Tensor], group_size: int = 1) -> list[tu
     With ``group_size`` > 1 the units are groups of that many consecutive heads, the query
     heads of GQA that share a K/V head (heads ``g*k .. g*k+k-1`` read K/V head ``g``), ranked
     by the sum of their heads' importance, so that masking a prefix of the order in whole
-    groups masks what :meth:`MultiHeadAttention.prune_heads` can remove.
+    groups masks what :func:`~multihead.attention.convert.prune_heads` can remove.
     """
     units = []
     for kind, per_layer in importance.items():
@@ -337,7 +338,8 @@ def masked_heads(model: nn.Module, heads: Sequence[tuple[str, int, int]]) -> Ite
 
 def prune_model(model: nn.Module, heads: Sequence[tuple[str, int, int]]) -> nn.Module:
     """A copy of ``model`` without ``heads`` (``(kind, layer, head)``): each sublayer with
-    heads to remove replaced by :meth:`MultiHeadAttention.prune_heads` (GQA: whole groups).
+    heads to remove replaced by :func:`~multihead.attention.convert.prune_heads` (GQA: whole
+    groups).
 
     It computes what ``model`` does with those heads masked (:func:`masked_heads`), with
     fewer parameters. Its sublayers have ``num_heads * head_dim < embed_dim``, so it is not
@@ -357,7 +359,7 @@ def prune_model(model: nn.Module, heads: Sequence[tuple[str, int, int]]) -> nn.M
         )
     for key, indices in by_layer.items():
         layer = pruned.get_submodule(paths[key])
-        pruned.set_submodule(paths[key], layer.prune_heads(indices))
+        pruned.set_submodule(paths[key], prune_heads(layer, indices))
     return pruned
 
 

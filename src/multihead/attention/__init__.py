@@ -1,18 +1,37 @@
-"""The reusable attention layer. Imports torch only (no Lightning, no Hydra)."""
+"""The reusable attention layer. Imports torch only (no Lightning, no Hydra).
 
+Floors, each importing only those below it: kernels and plumbing (``backends``, ``masks``,
+``kv_cache``, ``checks``); the parts (``projection``, ``positional``, ``rotary``,
+``alibi``); the head designs (``designs``: interface, registry, shared steps; one file
+each: ``latent``, ``sparse``, ``mixing``); the layer (``layer``); functions over layers
+(``convert``, ``torch_swap``).
+"""
+
+from multihead.attention.alibi import ALiBi
 from multihead.attention.backends import (
     BACKENDS,
     Backend,
     BackendUnavailableError,
     Reroute,
+    attend,
     available_backends,
     backend_rules,
     register_backend,
 )
+from multihead.attention.convert import (
+    expand_latent,
+    from_torch,
+    prune_heads,
+    with_kv_heads,
+    with_kv_latent,
+)
+from multihead.attention.designs import DESIGNS, HeadDesign, make_mask, register_design
 from multihead.attention.kv_cache import CacheLayout, KVCache
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.masks import AttentionMask, build_attention_mask
-from multihead.attention.steps import HeadDesign, PositionalPart
+from multihead.attention.positional import PositionalPart
+from multihead.attention.projection import QKVProjection
+from multihead.attention.rotary import RotaryPositions
 from multihead.attention.torch_swap import (
     TorchAttentionAdapter,
     replace_torch_attention,
@@ -21,6 +40,8 @@ from multihead.attention.torch_swap import (
 
 __all__ = [
     "BACKENDS",
+    "DESIGNS",
+    "ALiBi",
     "AttentionMask",
     "Backend",
     "BackendUnavailableError",
@@ -29,12 +50,22 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "PositionalPart",
+    "QKVProjection",
     "Reroute",
+    "RotaryPositions",
     "TorchAttentionAdapter",
+    "attend",
     "available_backends",
     "backend_rules",
     "build_attention_mask",
+    "expand_latent",
+    "from_torch",
+    "make_mask",
+    "prune_heads",
     "register_backend",
+    "register_design",
     "replace_torch_attention",
     "restore_torch_attention",
+    "with_kv_heads",
+    "with_kv_latent",
 ]

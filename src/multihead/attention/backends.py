@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -303,6 +302,8 @@ class Backend:
         dropout_rule: ``dropout_rule(p)``: why it cannot apply attention dropout ``p``.
         package: the pip package it needs (imported with ``_`` for ``-``), if any.
         attn_mask, padding_mask: it takes an ``attn_mask``, a ``key_padding_mask``.
+        score_bias: it takes a positional part's score bias (ALiBi): the additive mask,
+            or ``score_mod`` for ``flex``; a layer refuses the others by name.
         reroute: inputs it hands to another backend.
     """
 
@@ -313,6 +314,7 @@ class Backend:
     package: str | None = None
     attn_mask: bool = True
     padding_mask: bool = True
+    score_bias: bool = True
     reroute: Reroute | None = None
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float, scale: float) -> Tensor:
@@ -368,6 +370,7 @@ for _backend in (
         runs_on("SDPA's flash kernel", cpu=None, cuda=HALF),
         attn_mask=False,
         padding_mask=False,
+        score_bias=False,
     ),
     _pinned(
         "efficient", SDPBackend.EFFICIENT_ATTENTION, runs_on("SDPA's efficient kernel", cuda=None)
@@ -382,6 +385,7 @@ for _backend in (
             else f"SDPA's cuDNN kernel takes dropout in multiples of 1/16 only (got dropout={p})"
         ),
         attn_mask=False,
+        score_bias=False,
         # torch 2.13's sdp_utils refuses a length of 1: each decoding step's one query, the
         # first step's one key; such a call is one row (or column) of scores.
         reroute=Reroute(
@@ -403,6 +407,7 @@ for _backend in (
         runs_on("flash-attn", cuda=HALF),
         package="flash-attn",
         attn_mask=False,
+        score_bias=False,
     ),
 ):
     register_backend(_backend)
@@ -445,7 +450,7 @@ def backend_rules() -> dict[str, str]:
 
 def check_backend(
     name: str, device: torch.device | None, dtype: torch.dtype, *, dropout: float = 0.0,
-    head_dim: int | None = None, anywhere: bool = False,
+    head_dim: int | None = None,
 ) -> None:  # fmt: skip
     """Raise if backend ``name`` cannot run, by :func:`unavailable_reason`: the layer
     calls it when built (``device=None``: its parameters may still move) and on its first
@@ -455,9 +460,6 @@ def check_backend(
         ValueError: an unknown name, or a setting the backend lacks (dropout).
         BackendUnavailableError: what this machine lacks (a package, the device or dtype).
     """
-    if anywhere:  # deprecated (issue 49) for device=None, removed in the next release
-        warnings.warn("check_backend(anywhere=True): pass device=None", DeprecationWarning, 2)
-        device = None
     here = torch.device("cpu") if device is None else device
     reason = unavailable_reason(name, device, dtype, dropout=dropout, head_dim=head_dim)
     if reason is None:
@@ -475,3 +477,37 @@ def check_backend(
 def default_scale(head_dim: int) -> float:
     """The 1/sqrt(D) of "scaled" dot-product attention."""
     return 1.0 / math.sqrt(head_dim)
+
+
+# Where each backend was checked, (name, device, dtype, head_dim): once per kind of input.
+_checked: set[tuple[str, torch.device, torch.dtype, int]] = set()
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, backend: str, dropout_p: float,
+    scale: float, need_weights: bool = False, **hooks,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """softmax(Q K^T * scale + mask) V ``(B, H, L, D)`` by ``backend``, or by the math path
+    with the weights ``(B, H, L, S)`` when they are asked for or ``hooks`` (``on_logits``,
+    ``on_weights`` of :func:`math_attention_with_weights`) are given: the one call every
+    head design makes (HF's attention-function arguments: q, k, v, mask, scale, dropout).
+    Query rows with no key to attend to come out as zeros."""
+    weights = None
+    if need_weights or hooks:
+        out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, scale, **hooks)
+    else:
+        key = (backend, q.device, q.dtype, q.shape[-1])
+        if torch.compiler.is_compiling():
+            # Checked while tracing (Python only); adding to the checked set would fail the
+            # compiled code's guard on it and recompile the next call.
+            check_backend(backend, q.device, q.dtype, head_dim=q.shape[-1])
+        elif key not in _checked:
+            check_backend(backend, q.device, q.dtype, head_dim=q.shape[-1])
+            _checked.add(key)
+        out = BACKENDS[backend](q, k, v, mask, dropout_p, scale)
+    if mask.empty_rows is not None:
+        # Rows with no key to attend to: zeros, not the mean of unmasked values.
+        out = out.masked_fill(mask.empty_rows, 0.0)
+        if weights is not None:
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+    return out, weights

@@ -1,21 +1,19 @@
-"""Conversions of a layer's heads: from ``torch.nn.MultiheadAttention``, to fewer K/V heads,
-to a K/V latent (MLA) and back to the equivalent MHA layer, and to fewer query heads: each a
-new layer (built by :func:`rebuild`), its input left as it was; the layer's methods of the
-same names (:class:`HeadConversions`) call them.
+"""Conversions of a layer's heads, functions over layers: :func:`from_torch`
+(``torch.nn.MultiheadAttention``), :func:`with_kv_heads` (fewer K/V heads),
+:func:`with_kv_latent` (a K/V latent, MLA), :func:`expand_latent` (back to the equivalent MHA
+layer) and :func:`prune_heads` (fewer query heads): each a new layer (built by
+:func:`rebuild`), its input left as it was. A head design is kept where it declares the
+conversion (``HeadDesign.conversions``), else refused by name.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from multihead.attention.kv_cache import CacheLayout
-from multihead.attention.latent import LatentKV
-
-if TYPE_CHECKING:
-    from multihead.attention.layer import MultiHeadAttention
+from multihead.attention.layer import MultiHeadAttention
+from multihead.attention.projection import QKVProjection
 
 
 def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
@@ -44,10 +42,15 @@ def rebuild(
     With fewer than ``E / D`` query heads (pruned) the projections are ``(H*D + 2*G*D, E)``
     and ``(E, H*D)``: the one way every conversion gets a layer of new shapes.
     """
-    E, D, w = layer.embed_dim, layer.head_dim, layer.in_proj.weight
+    E, D, w = layer.embed_dim, layer.head_dim, layer.out_proj.weight
     H = layer.num_heads if num_heads is None else num_heads
     G = layer.num_kv_heads if num_kv_heads is None else num_kv_heads
-    bias = layer.in_proj.bias is not None
+    bias = layer.in_proj.blocks("bias")[0] is not None  # either layout of in_proj
+    if bias != (layer.out_proj.bias is not None):
+        raise ValueError(
+            f"cannot rebuild a layer whose in_proj has {'a' if bias else 'no'} bias and whose "
+            f"out_proj has {'none' if bias else 'one'} (a swapped Qwen2): the layer has one bias"
+        )
     factory = {"device": w.device, "dtype": w.dtype}
     common = {"dropout": layer.dropout, "bias": bias, "backend": layer.backend, **factory}
     if H * D == E:
@@ -55,15 +58,13 @@ def rebuild(
     else:  # pruned: built with all E / D heads, then its projections cut to H heads of D
         new = type(layer)(E, E // D, **common, **design)
         new.num_heads, new.num_kv_heads = H, G
-        new.in_proj = nn.Linear(E, (H + 2 * G) * D, bias, **factory)
+        new.in_proj = QKVProjection(E, H, G, D, bias=bias, **factory)
         new.out_proj = nn.Linear(H * D, E, bias, **factory)
     new.positions = layer.positions  # the positions (no parameters) stay the layer's
     return new.train(layer.training)
 
 
-def from_torch(
-    module: nn.MultiheadAttention, backend: str = "sdpa", *, cls: type | None = None
-) -> MultiHeadAttention:
+def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
     """An equivalent layer with ``module``'s weights.
 
     The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
@@ -76,9 +77,7 @@ def from_torch(
     if problem is not None:
         raise ValueError(f"from_torch cannot convert this module: {problem}")
     weight = module.in_proj_weight
-    if cls is None:
-        from multihead.attention.layer import MultiHeadAttention as cls
-    layer = cls(
+    layer = MultiHeadAttention(
         module.embed_dim,
         module.num_heads,
         dropout=module.dropout,
@@ -96,18 +95,17 @@ def from_torch(
     return layer.train(module.training)
 
 
-def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAttention:
+def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAttention:
     """A copy of ``layer`` with fewer K/V heads, each the mean of the heads in its group.
 
     This is the checkpoint conversion of the GQA paper (Ainslie et al., 2023): the ``G``
     current K (and V) projection heads are split into ``num_kv_heads`` consecutive groups
-    and each group is mean-pooled into one head. The head design (sparse heads, mixing) and
-    its parameters are kept.
+    and each group is mean-pooled into one head. A head design that declares the conversion
+    (sparse heads, mixings) is kept with its parameters.
     """
-    G, D, E = layer.num_kv_heads, layer.head_dim, layer.embed_dim
+    G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
-    if isinstance(layer.design, LatentKV):
-        raise ValueError("with_kv_heads pools K/V heads; an MLA layer has a K/V latent instead")
+    _check_design(layer, "with_kv_heads")
     if num_kv_heads <= 0 or G % num_kv_heads != 0:
         raise ValueError(
             f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
@@ -116,23 +114,23 @@ def pool_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     new = rebuild(layer, num_kv_heads=num_kv_heads, **design)
 
     def pool(t: Tensor) -> Tensor:  # (G*D, ...) -> (num_kv_heads*D, ...)
-        grouped = t.reshape(num_kv_heads, G // num_kv_heads, D, *t.shape[1:])
-        return grouped.mean(dim=1).reshape(num_kv_heads * D, *t.shape[1:])
+        grouped = t.reshape(num_kv_heads, G // num_kv_heads, -1, *t.shape[1:])
+        return grouped.mean(dim=1).reshape(-1, *t.shape[1:])
 
     with torch.no_grad():
         for name in ("weight", "bias"):
-            old = getattr(layer.in_proj, name)
-            if old is None:
+            if layer.in_proj.blocks(name)[0] is None:
                 continue
-            q, k, v = old.split([E, G * D, G * D], dim=0)
-            getattr(new.in_proj, name).copy_(torch.cat([q, pool(k), pool(v)], dim=0))
+            (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
+            new_q.copy_(q), new_k.copy_(pool(k)), new_v.copy_(pool(v))
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
         if layer.design is not None:
             new.design.load_state_dict(layer.design.state_dict())
+    new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
 
 
-def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAttention:
+def with_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAttention:
     """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
 
     The joint truncated SVD of the stacked K and V weights (TransMLA, MHA2MLA; 2025):
@@ -143,10 +141,7 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
     bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
     projection's bias (a query with no key left, zeroed by the layer, then differs).
     """
-    if layer.design is not None:
-        raise ValueError(
-            f"with_kv_latent converts a plain MHA/GQA/MQA layer, got head design {layer.head_tag!r}"
-        )
+    _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
     if layer.positions is not None:
         raise ValueError(
@@ -163,13 +158,13 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
             f"kv_latent_dim <= {2 * G * D}"
         )
     new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim)
-    w, b = layer.in_proj.weight, layer.in_proj.bias
+    (w_q, w_k, w_v), (b_q, _, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
 
     def per_query_head(t: Tensor) -> Tensor:  # (G*D, ...) -> (H*D, ...): repeated per group
         return t.view(G, D, -1).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
 
-    w_k, w_v = per_query_head(w[E : E + G * D]), per_query_head(w[E + G * D :])
-    b_v = None if b is None else per_query_head(b[E + G * D :])
+    w_k, w_v = per_query_head(w_k), per_query_head(w_v)
+    b_v = None if b_v is None else per_query_head(b_v)
     with torch.no_grad():
         stacked = torch.cat([w_k, w_v]).double()  # (2*H*D, E)
         U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)
@@ -180,12 +175,13 @@ def to_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAtte
         latent = new.design
         latent.up.weight.copy_(up)
         latent.down.weight.copy_(down)
-        new.in_proj.weight.copy_(layer.in_proj.weight[:E])
+        new.in_proj.weight.copy_(w_q)
         new.out_proj.weight.copy_(layer.out_proj.weight)
         if b_v is not None:
             latent.down.bias.zero_()
-            new.in_proj.bias.copy_(layer.in_proj.bias[:E])
+            new.in_proj.bias.copy_(b_q)
             new.out_proj.bias.copy_(layer.out_proj.bias + layer.out_proj.weight @ b_v)
+    new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
 
 
@@ -196,21 +192,37 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
     layer with one has no such equivalent and is refused.
     """
     latent = layer.design
-    if not isinstance(latent, LatentKV):
+    if latent is None or "expand_latent" not in latent.conversions:
         raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
     if latent.norm is not None:
         raise ValueError(
             f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
             "computes: it has no MHA equivalent"
         )
+    if latent.rope is not None:
+        raise ValueError(
+            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), which no MHA layer "
+            "computes (its scores are D + d_R wide): it has no MHA equivalent"
+        )
     new = rebuild(layer)
-    w_up = latent.up.weight  # (2E, r): [W_UK; W_UV]
+    w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
     with torch.no_grad():
-        new.in_proj.weight.copy_(torch.cat([layer.in_proj.weight, w_up @ latent.down.weight]))
-        if layer.in_proj.bias is not None:
-            new.in_proj.bias.copy_(torch.cat([layer.in_proj.bias, w_up @ latent.down.bias]))
+        for name in ("weight", "bias"):
+            (q, _, _), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
+            if q is not None:
+                down = getattr(latent.down, name)
+                new_q.copy_(q), new_k.copy_(w_uk @ down), new_v.copy_(w_uv @ down)
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
     return new
+
+
+def _check_design(layer: MultiHeadAttention, what: str) -> None:
+    # A design is kept only by the conversions it declares (HeadDesign.conversions).
+    if layer.design is not None and what not in layer.design.conversions:
+        raise ValueError(
+            f"{what} converts a plain MHA/GQA/MQA layer or a design that declares it; got "
+            f"head design {layer.head_tag!r}"
+        )
 
 
 def _check_unpruned(layer: MultiHeadAttention, what: str) -> None:
@@ -234,10 +246,11 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     keeps its entries for the heads that stay. Layers with a head design are refused.
     """
     H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    if layer.design is not None:
+    _check_design(layer, "prune_heads")
+    if layer.positions is not None and layer.positions.seam == "score_bias":
         raise ValueError(
-            f"prune_heads removes heads of a plain MHA/GQA/MQA layer, got head design "
-            f"{layer.head_tag!r}"
+            f"prune_heads cannot keep a score bias, one per head of {H} "
+            f"({type(layer.positions).__name__}); prune a layer without one"
         )
     pruned = sorted({int(i) for i in indices})
     if any(not 0 <= i < H for i in pruned):
@@ -256,33 +269,21 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     keep_kv = sorted({h // per_group for h in keep})
     H2, G2 = len(keep), len(keep_kv)
 
-    def rows(heads: list[int]) -> Tensor:  # the rows of heads' D-blocks
-        return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
+    def rows(heads: list[int], device) -> Tensor:  # the rows of heads' D-blocks
+        return torch.cat([torch.arange(h * D, (h + 1) * D, device=device) for h in heads])
 
-    HD = H * D  # the K rows start after the query heads': E, or less if already pruned
-    in_rows = torch.cat([rows(keep), HD + rows(keep_kv), HD + G * D + rows(keep_kv)])
-    in_rows = in_rows.to(layer.in_proj.weight.device)
     new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
-    bias = layer.in_proj.bias is not None
     with torch.no_grad():
-        new.in_proj.weight.copy_(layer.in_proj.weight[in_rows])
-        new.out_proj.weight.copy_(layer.out_proj.weight[:, in_rows[: H2 * D]])
-        if bias:
-            new.in_proj.bias.copy_(layer.in_proj.bias[in_rows])
+        for name in ("weight", "bias"):
+            if layer.in_proj.blocks(name)[0] is None:  # either layout of in_proj
+                continue
+            (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
+            new_q.copy_(q[rows(keep, q.device)])
+            new_k.copy_(k[rows(keep_kv, q.device)]), new_v.copy_(v[rows(keep_kv, q.device)])
+        w_o = layer.out_proj.weight
+        new.out_proj.weight.copy_(w_o[:, rows(keep, w_o.device)])
+        if layer.out_proj.bias is not None:
             new.out_proj.bias.copy_(layer.out_proj.bias)
     if layer.head_mask is not None:
         new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
     return new
-
-
-class HeadConversions:
-    """The conversions above as methods of :class:`~multihead.attention.MultiHeadAttention`."""
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, backend: str = "sdpa"):
-        """An equivalent layer with ``module``'s weights, see :func:`from_torch`."""
-        return from_torch(module, backend, cls=cls)
-
-    with_kv_heads = pool_kv_heads
-    with_kv_latent = to_kv_latent
-    prune_heads = prune_heads

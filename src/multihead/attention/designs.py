@@ -1,79 +1,292 @@
-"""Which head design a layer is built with: the one place that knows them all.
+"""Head designs by name, like backends: what a design is, the registry, and the steps that
+every design shares.
 
-A layer has at most one (:class:`~multihead.attention.steps.HeadDesign`), held under its
-``attribute``, the name its parameters have always had in checkpoints: ``head_gate``
-(sparse heads' router), ``head_mix`` (a mixing) or ``kv_latent`` (latent attention).
+A head design is an ``nn.Module`` subclassing :class:`HeadDesign`, registered under its name
+with :func:`register_design`; ``MultiHeadAttention(E, H, design=name, **options)`` builds it
+as ``cls(embed_dim, num_heads, num_kv_heads, bias=..., device=..., dtype=..., **options)``
+and holds it under its :attr:`~HeadDesign.attribute` (the prefix of its state_dict keys).
+A design changes the plain path in one of two ways:
+
+* it replaces steps of the layer's own forward: :meth:`HeadDesign.attend` (the kernel call:
+  talking heads) and :meth:`HeadDesign.mix` (the heads ``(B, L, H, D)`` as they enter
+  ``W^O``: group MLP, head attention);
+* or it writes the whole forward, :meth:`HeadDesign.attention` (``replaces_forward =
+  True``: sparse heads, latent attention), from the layer's parts (:class:`AttentionLayer`)
+  and the shared steps here: :func:`make_mask`, :func:`~.backends.attend`,
+  :func:`kernel_of`, :func:`merge_heads`, :func:`scale_heads`, :func:`new_positions`.
+
+It declares what it works with, and the layer checks it when built: ``seams`` (the
+positional parts, :mod:`~.positional`), ``backends``, ``any_kv_heads``, ``head_mask``;
+``cache_layout`` says what the KV cache holds; ``conversions`` which functions of
+:mod:`~.convert` keep it; :meth:`HeadDesign.head_outputs` gives head analysis each head's
+output before ``W^O``.
 """
 
 from __future__ import annotations
 
-from multihead.attention.latent import LatentKV
-from multihead.attention.mixing import HEAD_MIXINGS
-from multihead.attention.sparse import SparseHeads
-from multihead.attention.steps import HeadDesign
+import functools
+import inspect
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from multihead.attention.backends import attend
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.masks import AttentionMask, build_attention_mask
+from multihead.attention.positional import PositionalPart
+from multihead.attention.projection import QKVProjection
 
 
-def build_head_design(
-    embed_dim: int, num_heads: int, *, backend: str, top_k_heads: int | None = None,
-    num_shared_heads: int = 0, head_mixing: str | None = None, mixing_groups: int | None = None,
-    kv_latent_dim: int | None = None, num_kv_heads: int | None = None,
-    kv_latent_norm: bool = False, rotary_dim: int | None = None, rope_theta: float = 10000.0,
-    rope_interleaved: bool = False, bias: bool = True, device=None, dtype=None,
-) -> HeadDesign | None:  # fmt: skip
-    """The part for the design the layer's arguments ask for, or ``None``.
+class AttentionLayer(Protocol):
+    """What a design reads of the layer that holds it (``MultiHeadAttention``)."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dropout: float
+    backend: str
+    scale: float
+    training: bool
+    in_proj: QKVProjection
+    out_proj: nn.Linear
+    positions: PositionalPart | None
+
+
+Kernel = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+class HeadDesign(nn.Module):
+    """The interface of a head design; the defaults are the plain layer's.
+
+    Attributes:
+        name: its registry name (``"moh"``, ``"talking_heads"``, ``"mla"``, ...).
+        attribute: where the layer holds it: the prefix of its state_dict keys.
+        kind: ``head_config["kind"]`` if not the layer's (mha, gqa, mqa): MLA's ``"mla"``.
+        selected_by: an option that selects this design without ``design=`` (the layer's
+            older keywords: ``top_k_heads`` for ``moh``, ``kv_latent_dim`` for ``mla``).
+        replaces_forward: :meth:`attention` is the layer's forward with this design.
+        seams: the positional seams it works with (``"rotate"``, ``"score_bias"``).
+        backends: the backends it runs on; ``None``: every one.
+        any_kv_heads: it works with ``num_kv_heads < num_heads`` (GQA, MQA).
+        projects_kv: the layer's ``in_proj`` projects K and V (MLA's come from its latent).
+        head_mask: it takes a ``head_mask`` (each head has an output of its own to scale).
+        conversions: the functions of :mod:`~.convert` that keep it (``"with_kv_heads"``).
+        aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
+    """
+
+    name: ClassVar[str] = ""
+    attribute: ClassVar[str] = ""
+    kind: ClassVar[str | None] = None
+    selected_by: ClassVar[str | None] = None
+    replaces_forward: ClassVar[bool] = False
+    seams: ClassVar[frozenset[str]] = frozenset({"rotate", "score_bias"})
+    backends: ClassVar[frozenset[str] | None] = None
+    any_kv_heads: ClassVar[bool] = True
+    projects_kv: ClassVar[bool] = True
+    head_mask: ClassVar[bool] = True
+    conversions: ClassVar[frozenset[str]] = frozenset()
+    aux_loss: Tensor | None = None
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The layer's constructor arguments that build this design (besides its name)."""
+        return {}
+
+    @property
+    def tag(self) -> str:
+        """The part of the layer's ``head_tag`` it adds."""
+        return f"-{self.name}" if self.name else ""
+
+    @property
+    def active_head_fraction(self) -> float:
+        """The fraction of the ``H`` heads computed for each token."""
+        return 1.0
+
+    @property
+    def has_positions(self) -> bool:
+        """Whether the design places Q and K itself (MLA's decoupled rotary key)."""
+        return False
+
+    def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
+        """What the layer's KV cache holds per position."""
+        return CacheLayout(layer.num_kv_heads, layer.head_dim, shared_kv=False)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, kernel: Kernel
+    ) -> tuple[Tensor, Tensor | None]:
+        """The heads ``(B, H, L, D)`` and weights: ``kernel(q, k, v, mask, **hooks)`` (the
+        layer's :func:`kernel_of`), with hooks if the design changes the formula."""
+        return kernel(q, k, v, mask)
+
+    def mix(self, heads: Tensor) -> Tensor:
+        """``heads`` ``(B, L, H, D)`` as they enter ``W^O``."""
+        return heads
+
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
+        weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
+        A design that writes its own forward gives none unless it overrides this."""
+        if self.replaces_forward:
+            raise ValueError(
+                f"head design {self.name!r} gives no per-head outputs (HeadDesign.head_outputs) "
+                "for head analysis"
+            )
+        heads = weights_times_values(layer, weights, source)  # (B, H, L, D)
+        return self.mix(heads.transpose(1, 2)).transpose(1, 2)
+
+    def attention(
+        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
+        kv_cache: KVCache | None = None, need_weights: bool = False,
+        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+        """The layer's forward with this design (``replaces_forward``): the arguments and
+        result of ``MultiHeadAttention.forward``, ``key_value`` ``None`` for self-attention;
+        ``masks`` (``key_padding_mask``, ``attn_mask``, ``is_causal``) go to
+        :func:`make_mask`."""
+        raise NotImplementedError(f"design {self.name!r} changes steps of the layer's forward")
+
+
+DESIGNS: dict[str, type[HeadDesign]] = {}
+
+
+def register_design(name: str, cls: type[HeadDesign]) -> type[HeadDesign]:
+    """Add ``cls`` to :data:`DESIGNS` under ``name`` (replacing one of that name): from then
+    on ``MultiHeadAttention(..., design=name)`` and the configs' ``design: name`` build it."""
+    if not (isinstance(cls, type) and issubclass(cls, HeadDesign)):
+        raise TypeError(f"register_design needs a HeadDesign subclass, got {cls!r}")
+    DESIGNS[name] = cls
+    return cls
+
+
+def _options(cls: type[HeadDesign]) -> dict[str, object]:
+    """A design's own options and their defaults (``None`` for a required one)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    skip = ("bias", "device", "dtype")
+    return {
+        p.name: None if p.default is p.empty else p.default
+        for p in params
+        if p.kind is p.KEYWORD_ONLY and p.name not in skip
+    }
+
+
+def design_options() -> dict[str, object]:
+    """The keys a config may give the layer for its design, each ``None`` (unset)."""
+    return {"design": None, "head_mixing": None} | {
+        name: None for cls in DESIGNS.values() for name in _options(cls)
+    }
+
+
+def resolve_design(
+    design: str | HeadDesign | None, options: dict[str, object]
+) -> tuple[type[HeadDesign] | HeadDesign | None, dict[str, object]]:
+    """The design class ``design`` names (or the instance it is) and its options. An option
+    that is ``None``, or off (its design's default of 0 or False: ``num_shared_heads=0``),
+    is left out, so a config may give every key to every layer; with no name, the design
+    that an option selects (``selected_by``), or ``None``.
 
     Raises:
-        ValueError: options of a design that was not asked for, two designs at once, or a
-            design's own check (see each part).
+        ValueError: an unknown name, options of no design or of two, options the design
+            does not take.
     """
-    if top_k_heads is None and num_shared_heads:
-        raise ValueError(
-            f"num_shared_heads={num_shared_heads} needs sparse heads; set top_k_heads too"
-        )
-    if mixing_groups is not None and head_mixing != "group_mlp":
-        raise ValueError(
-            f"mixing_groups={mixing_groups} is for head_mixing='group_mlp', "
-            f"got head_mixing={head_mixing!r}"
-        )
-    if top_k_heads is not None and head_mixing is not None:
-        raise ValueError(
-            f"top_k_heads={top_k_heads} cannot be combined with head_mixing={head_mixing!r}: "
-            "a layer has one head design (a mixing reads every head, a sparse layer skips some)"
-        )
-    if kv_latent_norm and kv_latent_dim is None:
-        raise ValueError("kv_latent_norm=True needs latent attention; set kv_latent_dim too")
-    factory = {"device": device, "dtype": dtype}
-    if kv_latent_dim is not None:
-        others = {"top_k_heads": top_k_heads, "head_mixing": head_mixing}
-        if num_kv_heads not in (None, num_heads):
-            others["num_kv_heads"] = num_kv_heads
-        named = {k: v for k, v in others.items() if v is not None}
-        if named:
+    off = {(k, v) for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
+    options = {k: v for k, v in options.items() if v is not None and (k, v) not in off}
+    if "head_mixing" in options:  # the layer's older keyword naming a mixing
+        if design is not None:
+            raise ValueError(f"head_mixing={options['head_mixing']!r} and design={design!r}")
+        design = options.pop("head_mixing")
+    if design is None and options:
+        chosen = sorted({n for n, c in DESIGNS.items() if c.selected_by in options})
+        if len(chosen) != 1:
+            which = f"select head designs {chosen}" if chosen else "select no head design"
             raise ValueError(
-                f"kv_latent_dim={kv_latent_dim} cannot be combined with "
-                + ", ".join(f"{k}={v!r}" for k, v in named.items())
-                + ": latent attention builds every K/V head from one latent (a layer has one "
-                "head design)"
+                f"options {sorted(options)} {which}; a layer has one, named by design= "
+                f"(registered: {', '.join(DESIGNS)})"
             )
-        return LatentKV(
-            embed_dim, num_heads, kv_latent_dim, bias=bias, norm=kv_latent_norm,
-            rope_dim=rotary_dim, rope_theta=rope_theta, rope_interleaved=rope_interleaved,
-            **factory,
-        )  # fmt: skip
-    if top_k_heads is not None:
-        return SparseHeads(embed_dim, num_heads, top_k_heads, num_shared_heads, **factory)
-    if head_mixing is None:
+        design = chosen[0]
+    if design is None or isinstance(design, HeadDesign):
+        if options:
+            raise ValueError(f"options {sorted(options)} need a design name, not an instance")
+        return design, {}
+    if design not in DESIGNS:
+        raise ValueError(f"unknown head design {design!r}; registered: {', '.join(DESIGNS)}")
+    unknown = sorted(set(options) - set(_options(DESIGNS[design])))
+    if unknown:
+        raise ValueError(
+            f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
+            + ", ".join(_options(DESIGNS[design]))
+        )
+    return DESIGNS[design], options
+
+
+# --------------------------------------------------------------------------- shared steps
+def new_positions(
+    kv_cache: KVCache | None, length: int, device: torch.device, position_ids: Tensor | None
+) -> Tensor:
+    """The positions of ``length`` new tokens: ``position_ids`` ``(L,)`` or ``(B, L)`` if
+    given (a left-padded batch), else those after the positions in ``kv_cache``."""
+    if position_ids is not None:
+        return position_ids
+    start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
+    return start + torch.arange(length, device=device)  # (L,)
+
+
+def make_mask(
+    q: Tensor, k: Tensor, kv_cache: KVCache | None = None, *, num_heads: int,
+    score_bias: Tensor | None = None, key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None, is_causal: bool = False,
+) -> AttentionMask:  # fmt: skip
+    """The caller's masks (and a positional ``score_bias`` ``(B or 1, H, L, S)``) for
+    queries ``q`` ``(B, ·, L, ·)`` and keys ``k`` ``(B, ·, S, ·)``, in the kernels' form
+    (:func:`~.masks.build_attention_mask`). With a static ``kv_cache`` the keys are its
+    whole buffers: the positions it hides (:meth:`KVCache.hide_unwritten`) join ``attn_mask``."""
+    if kv_cache is not None and kv_cache.static:
+        attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
+    return build_attention_mask(
+        key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+        batch_size=q.shape[0], num_heads=num_heads, q_len=q.shape[2], kv_len=k.shape[2],
+        dtype=q.dtype, device=q.device, score_bias=score_bias,
+    )  # fmt: skip
+
+
+def kernel_of(layer: AttentionLayer, need_weights: bool, scale: float | None = None) -> Kernel:
+    """:func:`~.backends.attend` with the layer's backend, dropout (training mode only) and
+    scale (``scale``: a design's own, e.g. MLA's wider scores): ``kernel(q, k, v, mask)``."""
+    return functools.partial(
+        attend, backend=layer.backend, dropout_p=layer.dropout if layer.training else 0.0,
+        scale=layer.scale if scale is None else scale, need_weights=need_weights,
+    )  # fmt: skip
+
+
+def weights_times_values(layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+    """``weights`` ``(B, H, L, S)`` times the V heads of ``source`` ``(B, S, E)``, each K/V
+    head repeated for its group: ``(B, H, L, D)``."""
+    _, v = layer.in_proj.kv(source)  # (B, G, S, D)
+    return weights @ v.repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=1)
+
+
+def merge_heads(heads: Tensor) -> Tensor:
+    """Heads ``(B, H, L, D)`` concatenated, ``(B, L, H*D)``, as they enter ``W^O``."""
+    B, H, L, D = heads.shape
+    return heads.transpose(1, 2).reshape(B, L, H * D)
+
+
+def check_head_mask(head_mask: Tensor | None, num_heads: int) -> Tensor | None:
+    """``head_mask`` if it is ``None`` or a ``(H,)`` tensor, else ValueError."""
+    if head_mask is None:
         return None
-    if head_mixing not in HEAD_MIXINGS:
-        raise ValueError(
-            f"unknown head_mixing {head_mixing!r}; expected None or one of "
-            + ", ".join(HEAD_MIXINGS)
-        )
-    if head_mixing == "talking_heads" and backend != "math":
-        raise ValueError(
-            f"head_mixing='talking_heads' mixes the full attention logits, which only the "
-            f"'math' backend computes; got backend={backend!r}. Use backend='math', or a "
-            "mixing that runs on any backend: group_mlp, head_attention"
-        )
-    mixing = HEAD_MIXINGS[head_mixing]
-    return mixing(num_heads, embed_dim // num_heads, groups=mixing_groups, **factory)
+    if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (num_heads,):
+        got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+        raise ValueError(f"head_mask must be a tensor of shape ({num_heads},), got {got}")
+    return head_mask
+
+
+def scale_heads(heads: Tensor, head_mask: Tensor | None) -> Tensor:
+    """``heads`` ``(B, H, L, ·)`` each scaled by its entry of ``head_mask`` ``(H,)``
+    (Michel et al., NeurIPS 2019: 0 removes a head; a ones tensor that requires grad gives
+    each head's importance as the gradient of the loss with respect to it)."""
+    if head_mask is None:
+        return heads
+    return heads * head_mask.to(heads.dtype).view(1, -1, 1, 1)

@@ -84,6 +84,9 @@ class KVCache:
         # a fused optimiser step changes parameters in place, without a trace to check.
         self.derived: dict[str, object] = {}
         self.static = static
+        # The keys' positions (B, max_len), stored when update is given them: a score bias
+        # (ALiBi) reads them back, so a left-padded batch's keys keep their own positions.
+        self.positions: Tensor | None = None
         # Static mode: positions filled so far, a tensor so the step's graph does not change.
         self.position = torch.zeros((), dtype=torch.long, device=device) if static else None
 
@@ -100,11 +103,14 @@ class KVCache:
         per_position = self.k[:, :, 0].numel() * self.k.element_size() * (1 if self.share_kv else 2)
         return per_position * self.size
 
-    def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared); return all
+    def update(
+        self, k: Tensor, v: Tensor | None, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared), and their
+        ``positions`` ``(L,)`` or ``(B, L)`` if given (:meth:`key_positions`); return all
         filled ``(B, G, size, D)`` (static: the ``(B, G, max_len, D)`` buffers)."""
         if self.static:
-            return self._update_static(k, v)
+            return self._update_static(k, v, positions)
         L = k.shape[2]
         if self.size + L > self.max_len:
             raise ValueError(
@@ -113,15 +119,29 @@ class KVCache:
             )
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
+        self._store_positions(positions, self.size, L)
         self.k[:, :, self.size : self.size + L] = k
         if not self.share_kv:
             self.v[:, :, self.size : self.size + L] = v
         self.size += L
         return self.get()
 
-    def _update_static(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _store_positions(self, positions: Tensor | None, start: int | Tensor, L: int) -> None:
+        if positions is None:
+            return
+        if self.positions is None:
+            self.positions = torch.zeros(
+                self.batch_size, self.max_len, dtype=torch.long, device=self.k.device
+            )
+        index = start + torch.arange(L, device=self.k.device)  # (L,)
+        self.positions.index_copy_(1, index, positions.expand(self.batch_size, L).to(torch.long))
+
+    def _update_static(
+        self, k: Tensor, v: Tensor | None, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
+        self._store_positions(positions, self.position, k.shape[2])
         index = self.position + torch.arange(k.shape[2], device=self.position.device)  # (L,)
         self.k.index_copy_(2, index, k)
         if not self.share_kv:
@@ -145,6 +165,13 @@ class KVCache:
             return (hidden if attn_mask is None else attn_mask | hidden), False
         return attn_mask.masked_fill(hidden, float("-inf")), False
 
+    def key_positions(self) -> Tensor:
+        """The positions of the filled keys, ``(B, size)`` (static: ``(B, max_len)``), as
+        :meth:`update` was given them."""
+        if self.positions is None:
+            raise ValueError("this KVCache stored no key positions: pass positions to update")
+        return self.positions[:, : self.size]
+
     def get(self) -> tuple[Tensor, Tensor]:
         """The filled keys and values, ``(B, G, size, D)`` each (static: all of them)."""
         return self.k[:, :, : self.size], self.v[:, :, : self.size]
@@ -166,6 +193,8 @@ class KVCache:
             setattr(self, name, new)
         if self.share_kv:
             self.v = self.k
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, index)
 
     def reset(self) -> None:
         """Forget every position and derived weight (the buffers are kept)."""

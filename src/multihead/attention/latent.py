@@ -32,38 +32,35 @@ scored, never a value): absorbed decoding stays exact.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention.checks import check_positive_int
-from multihead.attention.kv_cache import CacheLayout, KVCache
-from multihead.attention.rotary import RotaryPositions
-from multihead.attention.steps import (
+from multihead.attention.designs import (
+    AttentionLayer,
     HeadDesign,
-    attend,
+    kernel_of,
     make_mask,
     merge_heads,
     new_positions,
-    project_queries,
+    register_design,
     scale_heads,
 )
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.rotary import RotaryPositions
 
-if TYPE_CHECKING:
-    from multihead.attention.layer import MultiHeadAttention
 
-
-class LatentKV(HeadDesign, nn.Module):
+class LatentKV(HeadDesign):
     """The latent K/V of an MLA layer with ``num_heads`` heads of ``head_dim``.
 
     Args:
         embed_dim, num_heads: ``E``, ``H`` (K and V have ``H`` heads, from the latent).
-        kv_latent_dim: ``r``, the latent's width, at least 1.
+        num_kv_heads: must be ``H``.
         bias: a bias on the down-projection (as the layer's projections).
-        norm: RMSNorm on the latent, as DeepSeek-V2 (no MHA equivalent then).
-        rope_dim: ``d_R``, the width of the decoupled rotary key and of each head's rotary
+        kv_latent_dim: ``r``, the latent's width, at least 1.
+        kv_latent_norm: RMSNorm on the latent, as DeepSeek-V2 (no MHA equivalent then).
+        rotary_dim: ``d_R``, the width of the decoupled rotary key and of each head's rotary
             query features; ``None``: no positions. ``rope_theta``, ``rope_interleaved``: as
             :class:`~multihead.attention.rotary.RotaryPositions`.
         device, dtype: for the parameters.
@@ -75,11 +72,18 @@ class LatentKV(HeadDesign, nn.Module):
 
     name = kind = "mla"
     attribute = "kv_latent"
+    selected_by = "kv_latent_dim"
+    replaces_forward = True
+    seams = frozenset()  # its rotary key is its own (rotary_dim)
+    any_kv_heads = False
+    projects_kv = False
+    conversions = frozenset({"expand_latent"})
 
     def __init__(
-        self, embed_dim: int, num_heads: int, kv_latent_dim: int, *, bias: bool = True,
-        norm: bool = False, rope_dim: int | None = None, rope_theta: float = 10000.0,
-        rope_interleaved: bool = False, device=None, dtype=None,
+        self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = True,
+        device=None, dtype=None, kv_latent_dim: int, kv_latent_norm: bool = False,
+        rotary_dim: int | None = None, rope_theta: float = 10000.0,
+        rope_interleaved: bool = False,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
         super().__init__()
@@ -87,28 +91,28 @@ class LatentKV(HeadDesign, nn.Module):
         self.num_heads = num_heads
         self.latent_dim = kv_latent_dim
         self.down = nn.Linear(embed_dim, kv_latent_dim, bias, **factory)  # W_DKV
-        self.norm = nn.RMSNorm(kv_latent_dim, **factory) if norm else None
+        self.norm = nn.RMSNorm(kv_latent_dim, **factory) if kv_latent_norm else None
         self.up = nn.Linear(kv_latent_dim, 2 * embed_dim, bias=False, **factory)  # [W_UK; W_UV]
         self.absorb = True
         self.rope_dim = 0
         self.rope = None
-        if rope_dim is not None:
-            # RotaryPositions checks rope_dim (even, >= 2).
-            self.rope = RotaryPositions(rope_dim, theta=rope_theta, interleaved=rope_interleaved)
-            self.rope_dim = rope_dim
-            self.q_rope = nn.Linear(embed_dim, num_heads * rope_dim, bias, **factory)  # W_QR
-            self.k_rope = nn.Linear(embed_dim, rope_dim, bias, **factory)  # W_KR, shared
+        if rotary_dim is not None:
+            # RotaryPositions checks rotary_dim (even, >= 2).
+            self.rope = RotaryPositions(rotary_dim, theta=rope_theta, interleaved=rope_interleaved)
+            self.rope_dim = rotary_dim
+            self.q_rope = nn.Linear(embed_dim, num_heads * rotary_dim, bias, **factory)  # W_QR
+            self.k_rope = nn.Linear(embed_dim, rotary_dim, bias, **factory)  # W_KR, shared
 
     @property
-    def positions(self) -> RotaryPositions | None:
-        """The decoupled rotary key's rotation, or ``None``."""
-        return self.rope
+    def has_positions(self) -> bool:
+        """Whether it has the decoupled rotary key."""
+        return self.rope is not None
 
     @property
     def options(self) -> dict[str, int | bool]:
         norm = {"kv_latent_norm": True} if self.norm is not None else {}
-        rope = {} if self.positions is None else {"rotary_dim": self.rope_dim}
-        rope |= {} if self.positions is None else self.positions.options
+        rope = {} if self.rope is None else {"rotary_dim": self.rope_dim}
+        rope |= {} if self.rope is None else self.rope.options
         return {"kv_latent_dim": self.latent_dim, **norm, **rope}
 
     @property
@@ -116,7 +120,7 @@ class LatentKV(HeadDesign, nn.Module):
         rope = f"rope{self.rope_dim}" if self.rope_dim else ""
         return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + rope
 
-    def cache_layout(self, layer: MultiHeadAttention) -> CacheLayout:
+    def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """One latent of width ``r`` (and the rotary key, ``r + d_R``), stored once for K
         and V."""
         return CacheLayout(1, self.latent_dim + self.rope_dim, shared_kv=True)
@@ -134,30 +138,36 @@ class LatentKV(HeadDesign, nn.Module):
         v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
         return k, v
 
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """``weights @ V`` per head ``(B, H, L, D)``, V of every head from the latent."""
+        _, v = self.expand(self.latent(source))  # (B, H, S, D)
+        return weights @ v
+
     def folded(
-        self, layer: MultiHeadAttention, kv_cache: KVCache
+        self, layer: AttentionLayer, kv_cache: KVCache
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """``W_UK`` folded into the query projection, ``W_UV`` into the output one:
-        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Kept in
-        ``kv_cache`` for the search: no check could tell that parameters changed between
-        two searches (a fused optimiser step writes them without bumping their version)."""
-        if "mla_folded" not in kv_cache.derived:
-            E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
-            D = E // H
-            w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
-            with torch.no_grad():
-                w_q = layer.in_proj.weight.view(H, D, E)
-                w_q = torch.einsum("hdr,hde->hre", w_uk, w_q).reshape(H * r, E)
-                b_q = layer.in_proj.bias
-                if b_q is not None:
-                    b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
-                w_o = layer.out_proj.weight.view(E, H, D)
-                w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
+        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Without
+        autograd they are kept in ``kv_cache`` for the search (no check could tell that
+        parameters changed between two searches: a fused optimiser step writes them without
+        bumping their version); with it, folded at every call, so gradients flow through."""
+        if "mla_folded" in kv_cache.derived:
+            return kv_cache.derived["mla_folded"]
+        E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
+        D = E // H
+        w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
+        (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, D, E)).reshape(H * r, E)
+        if b_q is not None:
+            b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
+        w_o = layer.out_proj.weight.view(E, H, D)
+        w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
+        if not torch.is_grad_enabled():
             kv_cache.derived["mla_folded"] = (w_q, b_q, w_o)
-        return kv_cache.derived["mla_folded"]
+        return w_q, b_q, w_o
 
     def attention(
-        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
         head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
@@ -175,12 +185,12 @@ class LatentKV(HeadDesign, nn.Module):
             c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
         else:
             c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
-            if self.positions is not None:  # self-attention only (the layer checks)
+            if self.rope is not None:  # self-attention only (the layer checks)
                 positions = new_positions(kv_cache, L, query.device, position_ids)
-                k_rope = self.positions(self.k_rope(query).unsqueeze(1), positions)  # (B,1,L,d_R)
+                k_rope = self.rope.rotate(self.k_rope(query).unsqueeze(1), positions)  # (B,1,L,d_R)
                 c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + d_R)
                 q_rope = self.q_rope(query).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
-                q_rope = self.positions(q_rope, positions)
+                q_rope = self.rope.rotate(q_rope, positions)
                 scale = (E // H + d_R) ** -0.5  # the scores are D + d_R wide
             if kv_cache is not None:
                 c, _ = kv_cache.update(c, None)  # (B, 1, S, r [+ d_R]), new positions appended
@@ -190,13 +200,13 @@ class LatentKV(HeadDesign, nn.Module):
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
             if q_rope is not None:
                 q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + d_R)
-            mask = make_mask(layer, q, c, kv_cache, **masks)
-            heads, weights = attend(layer, q, c, c, mask, need_weights, scale)
+            mask = make_mask(q, c, kv_cache, num_heads=H, **masks)
+            heads, weights = kernel_of(layer, need_weights, scale)(q, c, c, mask)
             heads = heads[..., :r]  # (B, H, L, r): the rotary key is scored, not a value
             # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
             out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
-            q = project_queries(layer, query)  # (B, H, L, D)
+            q = layer.in_proj.q(query)  # (B, H, L, D)
             k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, D) each
             if q_rope is not None:
                 q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, D + d_R)
@@ -204,8 +214,11 @@ class LatentKV(HeadDesign, nn.Module):
                 k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, D + d_R)
                 # Kernels take one head width for K and V: V padded, the padding dropped.
                 v = F.pad(v, (0, d_R))  # (B, H, S, D + d_R)
-            mask = make_mask(layer, q, k, kv_cache, **masks)
-            heads, weights = attend(layer, q, k, v, mask, need_weights, scale)
+            mask = make_mask(q, k, kv_cache, num_heads=H, **masks)
+            heads, weights = kernel_of(layer, need_weights, scale)(q, k, v, mask)
             heads = heads[..., : E // H]  # (B, H, L, D)
             out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out
+
+
+register_design(LatentKV.name, LatentKV)

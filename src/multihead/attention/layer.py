@@ -12,37 +12,45 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
        | | | |              \\| |/               \\ \\/ /
     kv:1 2 3 4           kv:  1  2            kv:   1
 
-``forward`` is that formula as four steps (:mod:`~multihead.attention.steps`), ``project ->
-mask -> attend -> out_proj``. A head design (:class:`~multihead.attention.steps.HeadDesign`:
-sparse heads, a head mixing, latent K/V) replaces the steps it changes.
+The layer composes parts that sit below it: the Q/K/V projection
+(:mod:`~multihead.attention.projection`), a positional part
+(:mod:`~multihead.attention.positional`), the KV cache, the kernel
+(:mod:`~multihead.attention.backends`) and a head design
+(:mod:`~multihead.attention.designs`). ``forward`` reads top to bottom: project, positions,
+cache, attend, merge, output; a design changes the attend or merge step, or replaces the
+forward. Conversions of a layer's heads are functions over layers,
+:mod:`~multihead.attention.convert`.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
-from multihead.attention.backends import check_backend, default_scale
+# The built-in head designs register themselves by name when imported.
+from multihead.attention import differential, latent, mixing, sparse  # noqa: F401
+from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
-from multihead.attention.convert import HeadConversions
-from multihead.attention.designs import build_head_design
-from multihead.attention.kv_cache import CacheLayout, KVCache
-from multihead.attention.rotary import RotaryPositions
-from multihead.attention.steps import (
+from multihead.attention.designs import (
     HeadDesign,
-    PositionalPart,
-    attend,
     check_head_mask,
+    kernel_of,
     make_mask,
-    merge_heads,
-    project,
+    new_positions,
+    resolve_design,
     scale_heads,
 )
+from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.positional import PositionalPart
+from multihead.attention.projection import QKVProjection
+from multihead.attention.rotary import RotaryPositions
 
 _NO_DESIGN = HeadDesign()  # the defaults of a layer without a head design
 
 
-class MultiHeadAttention(HeadConversions, nn.Module):
+class MultiHeadAttention(nn.Module):
     """Multi-head attention with ``num_kv_heads`` shared key/value heads.
 
     Tensors are batch-first. Boolean masks mean **True = masked out**, as in
@@ -57,19 +65,23 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         bias: add biases to the input and output projections.
         backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
             (``math``: the written-out reference); if it cannot run, it says why.
-        top_k_heads, num_shared_heads: sparse heads, see
-            :class:`~multihead.attention.sparse.SparseHeads` (state_dict ``head_gate``).
-        head_mixing, mixing_groups: a head mixing, ``"talking_heads"`` (``math`` backend
-            only), ``"group_mlp"`` (``mixing_groups`` groups, default 2) or
-            ``"head_attention"``; see :mod:`~multihead.attention.mixing` (``head_mix``).
-        kv_latent_dim, kv_latent_norm: multi-head latent attention (MLA), see
-            :mod:`~multihead.attention.latent`. A layer has at most one head design.
+        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS`
+            (``"moh"``, ``"talking_heads"``, ``"group_mlp"``, ``"head_attention"``,
+            ``"mla"``, ``"diff"``) or a :class:`~multihead.attention.designs.HeadDesign` instance;
+            ``None``: the textbook layer, or the design one of ``design_options`` selects.
+        positions: a positional part (:mod:`~multihead.attention.positional`) for
+            self-attention: rotary (Q and K turned) or a score bias; ``None``: none, or
+            rotary from ``rotary_dim``.
         rotary_dim: rotary position embeddings (:mod:`~multihead.attention.rotary`) on Q
             and K of self-attention, rotating the first ``rotary_dim`` features of each head
-            (``head_dim``: all of them); ``None`` (the default): no positions in the layer.
-            With ``kv_latent_dim``: the width of MLA's decoupled rotary key, added to each
-            head's query and key (DeepSeek-V2's ``qk_rope_head_dim``).
+            (``head_dim``: all of them). With a design that takes ``rotary_dim`` (MLA): the
+            width of its decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
         rope_theta, rope_interleaved: the rotary base and pairing, with ``rotary_dim``.
+        design_options: the design's own options, as its class takes them. The older
+            keywords work as before: ``top_k_heads``, ``num_shared_heads`` (sparse heads,
+            ``"moh"``, state_dict ``head_gate``), ``head_mixing`` (a mixing's name),
+            ``mixing_groups`` (``head_mix``), ``kv_latent_dim``, ``kv_latent_norm`` (MLA,
+            ``kv_latent``). A layer has at most one head design.
         device, dtype: for the parameters.
 
     Example:
@@ -90,11 +102,10 @@ class MultiHeadAttention(HeadConversions, nn.Module):
     def __init__(
         self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
         dropout: float = 0.0, bias: bool = True, backend: str = "sdpa",
-        top_k_heads: int | None = None, num_shared_heads: int = 0,
-        head_mixing: str | None = None, mixing_groups: int | None = None,
-        kv_latent_dim: int | None = None, kv_latent_norm: bool = False,
+        design: str | HeadDesign | None = None, positions: PositionalPart | None = None,
         rotary_dim: int | None = None, rope_theta: float = 10000.0, rope_interleaved: bool = False,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        **design_options,
     ) -> None:  # fmt: skip
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
@@ -113,6 +124,17 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         # Construction knows the name, packages and dropout; the device and dtype are checked
         # on the first forward pass on each, since the parameters may still move.
         check_backend(backend, None, dtype or torch.float32, dropout=dropout)
+        if rotary_dim is None and (rope_theta != 10000.0 or rope_interleaved):
+            raise ValueError(
+                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
+                "positions; set rotary_dim too"
+            )
+        design, design_options = resolve_design(design, design_options)
+        if isinstance(design, type) and "rotary_dim" in inspect.signature(design).parameters:
+            # The design's own rotary key (MLA's decoupled one), not the layer's positions.
+            rotary = dict(rotary_dim=rotary_dim, rope_theta=rope_theta)
+            design_options |= rotary | dict(rope_interleaved=rope_interleaved)
+            rotary_dim = None
 
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -121,44 +143,62 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         self.dropout = dropout
         self.backend = backend
         self.scale = default_scale(self.head_dim)
-        # Q, K and V projections stacked in one matrix, (E + 2*G*D, E): self-attention
-        # does one GEMM for all three; cross-attention uses the row slices [Q] and [K; V].
-        # Latent attention's K and V come from its latent: Q alone here.
-        kv_dim = 0 if kv_latent_dim is not None else num_kv_heads * self.head_dim
-        self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias, device, dtype)
+        # Q, K and V stacked in one (E + 2*G*D, E) matrix (the projection part owns that
+        # layout); a design whose K and V come from elsewhere (MLA's latent) projects Q alone.
+        projects_kv = design is None or design.projects_kv
+        self.in_proj = QKVProjection(
+            embed_dim, num_heads, num_kv_heads, self.head_dim, bias=bias, kv=projects_kv,
+            device=device, dtype=dtype,
+        )  # fmt: skip
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
-        # Where the backend was checked: steps.attend checks once per (device, dtype).
-        self.checked_backends: set[tuple[torch.device, torch.dtype]] = set()
         # Michel et al.'s per-head scale, (H,): None, or a tensor scaling each query head's
         # output before W^O (a plain attribute, not in the state_dict); see forward.
         self.head_mask: Tensor | None = None
-        # A position encoding applied to Q and K after the projection: none by default
-        # (torchtune's pos_embeddings). MLA keeps its decoupled rotary key in its own part.
-        if rotary_dim is None and (rope_theta != 10000.0 or rope_interleaved):
-            raise ValueError(
-                f"rope_theta={rope_theta} and rope_interleaved={rope_interleaved} need rotary "
-                "positions; set rotary_dim too"
-            )
-        self.positions: PositionalPart | None = None
-        if rotary_dim is not None and kv_latent_dim is None:
-            self.positions = RotaryPositions(
+        # A position encoding for self-attention (torchtune's pos_embeddings): none by default.
+        if positions is not None and rotary_dim is not None:
+            raise ValueError(f"rotary_dim={rotary_dim} builds positions; positions was given too")
+        if rotary_dim is not None:
+            positions = RotaryPositions(
                 self.head_dim, rotary_dim=rotary_dim, theta=rope_theta, interleaved=rope_interleaved
             )
+        self.positions = positions
         self._reset_parameters()
 
         # The head design comes after the projections' init, so a layer with one draws the
         # same Q/K/V/O weights as the plain layer from the same seed.
-        design = build_head_design(
-            embed_dim, num_heads, backend=backend, top_k_heads=top_k_heads,
-            num_shared_heads=num_shared_heads, head_mixing=head_mixing,
-            mixing_groups=mixing_groups, kv_latent_dim=kv_latent_dim, num_kv_heads=num_kv_heads,
-            kv_latent_norm=kv_latent_norm, bias=bias, device=device, dtype=dtype,
-            **({} if kv_latent_dim is None else dict(rotary_dim=rotary_dim, rope_theta=rope_theta,
-               rope_interleaved=rope_interleaved)),
-        )  # fmt: skip
+        if isinstance(design, type):
+            factory = {"bias": bias, "device": device, "dtype": dtype}
+            design = design(embed_dim, num_heads, num_kv_heads, **factory, **design_options)
         self._design_name = None if design is None else design.attribute
         if design is not None:
             self.add_module(design.attribute, design)
+        self._check_parts(self._part)
+
+    def _check_parts(self, design: HeadDesign) -> None:
+        # What the design and the backend declare they work with (HeadDesign's attributes,
+        # the backend's registry entry).
+        if design.backends is not None and self.backend not in design.backends:
+            raise ValueError(
+                f"head design {design.name!r} runs on backend {', '.join(sorted(design.backends))} "
+                f"only; got backend={self.backend!r}"
+            )
+        if not design.any_kv_heads and self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"head design {design.name!r} has one K/V head per query head; got "
+                f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}"
+            )
+        seam = None if self.positions is None else self.positions.seam
+        if seam is not None and seam not in design.seams:
+            raise ValueError(
+                f"head design {design.name!r} takes no positional part with seam {seam!r}; "
+                f"it takes: {', '.join(sorted(design.seams)) or 'none'}"
+            )
+        if seam == "score_bias" and not BACKENDS[self.backend].score_bias:
+            takes = [n for n, b in BACKENDS.items() if b.score_bias]
+            raise ValueError(
+                f"backend {self.backend!r} takes no score bias ({type(self.positions).__name__}); "
+                f"use one of {', '.join(takes)}"
+            )
 
     def _reset_parameters(self) -> None:
         # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
@@ -187,7 +227,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
         kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
         kind = self._part.kind or kind
-        rotary = {} if self.positions is None else getattr(self.positions, "options", {})
+        rotary = {} if self.positions is None else self.positions.options
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             **self._part.options, **rotary,
@@ -205,7 +245,7 @@ class MultiHeadAttention(HeadConversions, nn.Module):
     @property
     def has_positions(self) -> bool:
         """Whether the layer places Q and K at positions (rotary, or MLA's rotary key)."""
-        return self.positions is not None or self._part.positions is not None
+        return self.positions is not None or self._part.has_positions
 
     @property
     def active_head_fraction(self) -> float:
@@ -223,6 +263,12 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, dropout={self.dropout}, backend={self.backend!r}"
         )
+
+    def head_outputs(self, weights: Tensor, source: Tensor) -> Tensor:
+        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from attention
+        ``weights`` ``(B, H, L, S)`` and the keys' ``source`` ``(B, S, E)``, by the head
+        design (:meth:`~.designs.HeadDesign.head_outputs`; one without it is refused)."""
+        return self._part.head_outputs(self, weights, source)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
@@ -271,10 +317,10 @@ class MultiHeadAttention(HeadConversions, nn.Module):
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`.
             need_weights: also return the weights ``(B, H, L, S)``, by the ``math`` path.
             head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
-                (:func:`~.steps.scale_heads`); ``None``: the layer's :attr:`head_mask`,
+                (:func:`~.designs.scale_heads`); ``None``: the layer's :attr:`head_mask`,
                 ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
-            position_ids: ``(L,)`` or ``(B, L)`` positions of the queries, for rotary
-                positions (a left-padded batch); ``None``: those after the positions in
+            position_ids: ``(L,)`` or ``(B, L)`` positions of the queries, for a
+                positional part (a left-padded batch); ``None``: those after the positions in
                 ``kv_cache`` (``0 .. L-1`` without a cache).
 
         Returns:
@@ -283,30 +329,62 @@ class MultiHeadAttention(HeadConversions, nn.Module):
         self._check_inputs(query, key_value, is_causal)
         key_value = None if key_value is query else key_value
         if position_ids is not None and not self.has_positions:
-            raise ValueError("position_ids are for rotary positions; this layer has none")
+            raise ValueError("position_ids are for a positional part; this layer has none")
         if key_value is not None and self.has_positions:
-            raise ValueError(
-                "rotary positions are for self-attention; got a key_value (cross-attention)"
-            )
+            raise ValueError("positions are for self-attention; got a key_value (cross-attention)")
         head_mask = check_head_mask(
             self.head_mask if head_mask is None else head_mask, self.num_heads
         )
-        if self.design is not None:
-            # The one hook: a head design runs these steps itself, with its own in place of
-            # the ones it changes (sparse heads: all but the mask; a mixing: attend or W^O).
-            return self.design.attention(
-                self, query, key_value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                is_causal=is_causal, kv_cache=kv_cache, need_weights=need_weights,
-                head_mask=head_mask, position_ids=position_ids,
+        part = self._part
+        if head_mask is not None and not part.head_mask:
+            raise ValueError(
+                f"head_mask is undefined for head design {part.name!r}: it mixes the heads "
+                "after the scale, so a head has no contribution of its own to scale; use "
+                "a layer without a mixing, or talking_heads"
+            )
+        masks = dict(key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)
+        if part.replaces_forward:  # sparse heads, latent K/V: the design's own forward
+            return part.attention(
+                self, query, key_value, kv_cache=kv_cache, need_weights=need_weights,
+                head_mask=head_mask, position_ids=position_ids, **masks,
             )  # fmt: skip
-        q, k, v = project(self, query, key_value, kv_cache, position_ids)  # (B,H,L,D), (B,G,S,D)
-        mask = make_mask(
-            self, q, k, kv_cache,
-            key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
-        )  # fmt: skip
-        heads, weights = attend(self, q, k, v, mask, need_weights)  # (B, H, L, D)
-        # Heads concatenated: H * D is E, or less in a layer with pruned heads.
-        out = self.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
+        B, L, _ = query.shape
+
+        # 1. Project: Q (B, H, L, D); K, V (B, G, S, D) of key_value, or of query (self).
+        memory_cached = key_value is not None and kv_cache is not None and kv_cache.size > 0
+        if key_value is None:
+            q, k, v = self.in_proj.qkv(query)
+        elif memory_cached:  # cross-attention: the memory was projected at the first step
+            q, (k, v) = self.in_proj.q(query), kv_cache.get()
+        else:
+            q, (k, v) = self.in_proj.q(query), self.in_proj.kv(key_value)
+
+        # 2. Positions (self-attention): Q and the new K turned, before K is cached, so
+        # each key is placed once, at its own position.
+        positions = None
+        if self.positions is not None:
+            positions = new_positions(kv_cache, L, query.device, position_ids)  # (L,)/(B, L)
+            q, k = self.positions.rotate(q, positions), self.positions.rotate(k, positions)
+
+        # 3. Cache: the new positions appended, all of them back (B, G, S, D). A score bias
+        # reads the keys' own positions back from it (a left-padded row's start at 0).
+        biased = self.positions is not None and self.positions.seam == "score_bias"
+        if kv_cache is not None and not memory_cached:
+            k, v = kv_cache.update(k, v, positions) if biased else kv_cache.update(k, v)
+
+        # 4. Attend: the caller's masks and a positional score bias (B or 1, H, L, S).
+        score_bias = None
+        if biased:
+            key_positions = positions if kv_cache is None else kv_cache.key_positions()
+            score_bias = self.positions.score_bias(positions, key_positions)
+        mask = make_mask(q, k, kv_cache, num_heads=self.num_heads, score_bias=score_bias, **masks)
+        heads, weights = part.attend(q, k, v, mask, kernel_of(self, need_weights))  # (B,H,L,D)
+
+        # 5. Merge: each head scaled by head_mask, the heads side by side as they enter W^O
+        # (a mixing changes them here); H * D is E, or less in a layer with pruned heads.
+        heads = part.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)
+        # 6. Output.
+        out = self.out_proj(heads.reshape(B, L, -1))  # (B, L, E)
         return (out, weights) if need_weights else out
 
     def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool) -> None:

@@ -129,11 +129,12 @@ def apply_mask(scores: Tensor, mask: AttentionMask) -> Tensor:
 def build_attention_mask(
     *, key_padding_mask: Tensor | None, attn_mask: Tensor | None, is_causal: bool,
     batch_size: int, num_heads: int, q_len: int, kv_len: int, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, score_bias: Tensor | None = None,
 ) -> AttentionMask:  # fmt: skip
     """Validate the user's masks (as for :meth:`MultiHeadAttention.forward`; with ``L < S``
     the queries are the *last* ``L`` positions) and merge them into one
-    :class:`AttentionMask` for sizes ``B, H, L, S``, float masks in ``dtype``."""
+    :class:`AttentionMask` for sizes ``B, H, L, S``, float masks in ``dtype``; a positional
+    part's ``score_bias`` ``(B or 1, H, L, S)`` joins the float mask."""
     target = (batch_size, num_heads, q_len, kv_len)
     if is_causal and q_len > kv_len:
         raise ValueError(f"is_causal needs q_len <= kv_len, got L={q_len}, S={kv_len}")
@@ -167,6 +168,9 @@ def build_attention_mask(
             bias = attn_mask.to(dtype)
         else:
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if score_bias is not None:
+        score_bias = score_bias.to(dtype)
+        bias = score_bias if bias is None else bias + score_bias
 
     # Causal attention is written into the mask only when the kernels' own (free, top-left
     # aligned) causal mask cannot serve: another mask is present, or L < S. A single newest

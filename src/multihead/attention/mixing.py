@@ -15,7 +15,6 @@ Each replaces one step, :meth:`HeadMixing.attend` or :meth:`HeadMixing.mix`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,57 +22,17 @@ from torch import Tensor, nn
 
 from multihead.attention.backends import softmax
 from multihead.attention.checks import check_positive_int
-from multihead.attention.kv_cache import KVCache
+from multihead.attention.designs import HeadDesign, Kernel, register_design
 from multihead.attention.masks import AttentionMask
-from multihead.attention.steps import (
-    HeadDesign,
-    attend,
-    make_mask,
-    project,
-    scale_heads,
-)
-
-if TYPE_CHECKING:
-    from multihead.attention.layer import MultiHeadAttention
 
 
-class HeadMixing(HeadDesign, nn.Module):
-    """A mixing part; subclasses replace :meth:`attend` or :meth:`mix` (or both)."""
+class HeadMixing(HeadDesign):
+    """A mixing: it replaces :meth:`~HeadDesign.attend` or :meth:`~HeadDesign.mix` (or both)
+    of the layer's own forward. A mixing that replaces ``mix`` refuses a ``head_mask``: its
+    heads have no output of their own after the mix."""
 
     attribute = "head_mix"
-
-    def attention(
-        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
-        kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
-    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """``project -> mask -> attend -> mix -> W^O``. ``head_mask`` scales each head's
-        output after :meth:`attend`; a mixing that replaces :meth:`mix` refuses it (its
-        heads have no output of their own after the mix)."""
-        B, L, E = query.shape
-        if head_mask is not None and type(self).mix is not HeadMixing.mix:
-            raise ValueError(
-                f"head_mask is undefined for head_mixing={self.name!r}: it mixes the heads "
-                "after the scale, so a head has no contribution of its own to scale; use "
-                "a layer without a mixing, or talking_heads"
-            )
-        q, k, v = project(layer, query, key_value, kv_cache, position_ids)  # (B,H,L,D), (B,G,S,D)
-        mask = make_mask(layer, q, k, kv_cache, **masks)
-        heads, weights = self.attend(layer, q, k, v, mask, need_weights)  # (B, H, L, D)
-        heads = self.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)
-        out = layer.out_proj(heads.reshape(B, L, E))  # (B, L, E)
-        return (out, weights) if need_weights else out
-
-    def attend(
-        self, layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
-        need_weights: bool,
-    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """The heads ``(B, H, L, D)``: the layer's own kernel unless a mixing replaces it."""
-        return attend(layer, q, k, v, mask, need_weights)
-
-    def mix(self, heads: Tensor) -> Tensor:
-        """``heads`` ``(B, L, H, D)`` as they enter ``W^O``; unchanged unless replaced."""
-        return heads
+    conversions = frozenset({"with_kv_heads"})
 
     @property
     def options(self) -> dict[str, str | int]:
@@ -90,16 +49,16 @@ class TalkingHeads(HeadMixing):
     """
 
     name = "talking_heads"
+    backends = frozenset({"math"})  # it mixes the full logits, which only math computes
 
-    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
+    def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
         super().__init__()
         self.logit_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
         self.weight_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
 
     def attend(
-        self, layer: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
-        need_weights: bool,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, kernel: Kernel
+    ) -> tuple[Tensor, Tensor]:
         def on_logits(scores: Tensor) -> Tensor:  # (B, H, L, S)
             # Mixed before masking: a masked (-inf) logit mixed into other heads gives NaN.
             return torch.einsum("bhls,hj->bjls", scores, self.logit_mix)
@@ -112,9 +71,7 @@ class TalkingHeads(HeadMixing):
             # A per-head mask stays a mask after mixing: no head attends where it may not.
             return weights.masked_fill(torch.isneginf(scores), 0.0)
 
-        return attend(
-            layer, q, k, v, mask, need_weights, on_logits=on_logits, on_weights=on_weights
-        )
+        return kernel(q, k, v, mask, on_logits=on_logits, on_weights=on_weights)
 
 
 class GroupMLPMixing(HeadMixing):
@@ -127,10 +84,14 @@ class GroupMLPMixing(HeadMixing):
     """
 
     name = "group_mlp"
+    head_mask = False
 
-    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
+    def __init__(
+        self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None,
+        mixing_groups: int = 2,
+    ):  # fmt: skip
         super().__init__()
-        groups = 2 if groups is None else groups
+        groups, head_dim = mixing_groups, embed_dim // num_heads
         check_positive_int("mixing_groups", groups)
         if num_heads % groups != 0:
             raise ValueError(f"mixing_groups ({groups}) must divide num_heads ({num_heads})")
@@ -172,9 +133,11 @@ class HeadAttentionMixing(HeadMixing):
     """
 
     name = "head_attention"
+    head_mask = False
 
-    def __init__(self, num_heads: int, head_dim: int, *, groups=None, device=None, dtype=None):
+    def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
         super().__init__()
+        head_dim = embed_dim // num_heads
         self.head_mix = nn.Linear(head_dim, 3 * head_dim, device=device, dtype=dtype)
         with torch.no_grad():
             self.head_mix.weight[2 * head_dim :].zero_()
@@ -190,9 +153,5 @@ class HeadAttentionMixing(HeadMixing):
     mix = nn.Module.__call__  # the mixing is the module's forward
 
 
-# The mixings by name, each built as ``cls(num_heads, head_dim, groups=..., device, dtype)``.
-HEAD_MIXINGS = {
-    "talking_heads": TalkingHeads,
-    "group_mlp": GroupMLPMixing,
-    "head_attention": HeadAttentionMixing,
-}
+for _mixing in (TalkingHeads, GroupMLPMixing, HeadAttentionMixing):
+    register_design(_mixing.name, _mixing)

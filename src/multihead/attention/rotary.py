@@ -24,11 +24,13 @@ takes the positions from the KV cache's length unless the caller gives ``positio
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from multihead.attention.positional import PositionalPart
 
 
-class RotaryPositions(nn.Module):
-    """Rotate Q and K by their positions.
+class RotaryPositions(PositionalPart):
+    """Rotate Q and K by their positions (the ``"rotate"`` seam).
 
     Args:
         head_dim: ``D``, the width of one head.
@@ -41,6 +43,8 @@ class RotaryPositions(nn.Module):
     The part has no parameters and no buffers: the angles are computed in the inputs'
     precision, fp32 at least, at every call, so a checkpoint holds nothing of it.
     """
+
+    seam = "rotate"
 
     def __init__(
         self,
@@ -92,7 +96,7 @@ class RotaryPositions(nn.Module):
             angles = torch.cat((angles, angles), dim=-1)  # (..., L, R): pair i at i, i + R/2
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """``x`` ``(B, heads, L, D)`` rotated by ``positions``, ``(L,)`` or ``(B, L)``."""
         cos, sin = self.cos_sin(positions, x.dtype)  # (L, R) or (B, L, R)
         if cos.dim() == 3:

@@ -22,27 +22,23 @@ Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
 from multihead.attention.backends import softmax
 from multihead.attention.checks import check_positive_int
-from multihead.attention.kv_cache import KVCache
-from multihead.attention.steps import (
+from multihead.attention.designs import (
+    AttentionLayer,
     HeadDesign,
-    attend,
+    kernel_of,
     make_mask,
     merge_heads,
     new_positions,
-    project_kv,
-    project_queries,
+    register_design,
     scale_heads,
+    weights_times_values,
 )
-
-if TYPE_CHECKING:
-    from multihead.attention.layer import MultiHeadAttention
+from multihead.attention.kv_cache import KVCache
 
 
 def _kv_for_heads(t: Tensor, first: int, count: int, num_heads: int) -> Tensor:
@@ -93,9 +89,16 @@ class SparseHeads(HeadDesign, nn.Linear):
     ``torch.compile``).
     """
 
+    name = "moh"
+    attribute = "head_gate"
+    selected_by = "top_k_heads"
+    replaces_forward = True
+    seams = frozenset({"rotate"})
+    conversions = frozenset({"with_kv_heads"})
+
     def __init__(
-        self, embed_dim: int, num_heads: int, top_k_heads: int, num_shared_heads: int = 0, *,
-        device=None, dtype=None,
+        self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = True,
+        device=None, dtype=None, top_k_heads: int, num_shared_heads: int = 0,
     ) -> None:  # fmt: skip
         check_positive_int(
             "num_shared_heads", num_shared_heads, minimum=0, maximum=num_heads - 1,
@@ -116,9 +119,6 @@ class SparseHeads(HeadDesign, nn.Linear):
         # The last aux_loss holds an autograd graph, which can be neither copied nor pickled.
         return {**self.__dict__, "aux_loss": None}
 
-    name = "moh"
-    attribute = "head_gate"
-
     @property
     def options(self) -> dict[str, int]:
         shared = {"num_shared_heads": self.num_shared} if self.num_shared else {}
@@ -138,8 +138,13 @@ class SparseHeads(HeadDesign, nn.Linear):
             f"{super().extra_repr()}, top_k_heads={self.top_k}, num_shared_heads={self.num_shared}"
         )
 
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """``weights @ V`` per head ``(B, H, L, D)``: zero where a token did not select the
+        head (its weights are zero there); the routing weight is not applied."""
+        return weights_times_values(layer, weights, source)
+
     def attention(
-        self, layer: MultiHeadAttention, query: Tensor, key_value: Tensor | None, *,
+        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
         head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
@@ -151,26 +156,31 @@ class SparseHeads(HeadDesign, nn.Linear):
         B, L, E = query.shape
         H, D = layer.num_heads, layer.head_dim
         Hs, top_k, R = self.num_shared, self.top_k, self.out_features
-        w, b = layer.in_proj.weight, layer.in_proj.bias
+        (w, _, _), (b, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
         w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
+        kernel = kernel_of(layer, need_weights)
 
         # Project: the shared heads' queries densely, K/V for every K/V head; self-attention
         # places them at their positions if the layer has a positional part.
-        positions = None
-        if layer.positions is not None and key_value is None:
-            positions = new_positions(kv_cache, L, query.device, position_ids)  # (L,) or (B, L)
-        q_shared = project_queries(layer, query, Hs, positions)  # (B, Hs, L, D)
-        source = query if key_value is None else key_value
-        k, v = project_kv(
-            layer, source, kv_cache, cross=key_value is not None, positions=positions
-        )  # (B, G, S, D)
+        rotate = layer.positions is not None and key_value is None
+        positions = new_positions(kv_cache, L, query.device, position_ids) if rotate else None
+        q_shared = layer.in_proj.q(query, Hs)  # (B, Hs, L, D)
+        if key_value is not None and kv_cache is not None and kv_cache.size > 0:
+            k, v = kv_cache.get()  # the memory's K/V, projected at the first step
+        else:
+            k, v = layer.in_proj.kv(query if key_value is None else key_value)  # (B, G, S, D)
+            if rotate:
+                q_shared = layer.positions.rotate(q_shared, positions)
+                k = layer.positions.rotate(k, positions)
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)
         S = k.shape[2]
-        mask = make_mask(layer, q_shared, k, kv_cache, **masks)
+        mask = make_mask(q_shared, k, kv_cache, num_heads=H, **masks)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             heads_mask = mask.for_heads(first, count, slots, L, S)
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
-            return attend(layer, q, k_h, v_h, heads_mask, need_weights)
+            return kernel(q, k_h, v_h, heads_mask)
 
         # Route: each token picks its top-k routed heads, weighted by a softmax over them.
         logits = self(query)  # (B, L, R)
@@ -203,12 +213,12 @@ class SparseHeads(HeadDesign, nn.Linear):
 
         # Queries of the selected pairs only: per routed head, its (D, E) rows of W^Q.
         x = query.reshape(B * L, E).index_select(0, pair_token.reshape(-1)).view(R, M, E)
-        q = torch.bmm(x, w[Hs * D : E].view(R, D, E).transpose(1, 2))  # (R, M, D)
+        q = torch.bmm(x, w[Hs * D :].view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b is not None:
-            q = q + b[Hs * D : E].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
+            q = q + b[Hs * D :].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
         if positions is not None:  # each pair's query at its token's position
             pair_position = positions.expand(B, L).reshape(B * L)[pair_token]  # (R, M)
-            q = layer.positions(q.unsqueeze(1), pair_position).squeeze(1)  # (R, M, D)
+            q = layer.positions.rotate(q.unsqueeze(1), pair_position).squeeze(1)  # (R, M, D)
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
         q = q.new_zeros(R, B * C + 1, D).scatter(1, spare, q)[:, : B * C]  # (R, B*C, D)
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
@@ -241,3 +251,6 @@ class SparseHeads(HeadDesign, nn.Linear):
         if Hs:
             weights = torch.cat([shared_weights, weights], dim=1)
         return out, weights
+
+
+register_design(SparseHeads.name, SparseHeads)

@@ -8,7 +8,7 @@ does not change. Then the layer's own features apply, GQA first:
     >>> import torch
     >>> from torch import nn
     >>> from multihead import replace_torch_attention
-    >>> from multihead.attention import TorchAttentionAdapter
+    >>> from multihead.attention import TorchAttentionAdapter, with_kv_heads
     >>> block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dropout=0.0, batch_first=True)
     >>> encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
     >>> x = torch.randn(2, 5, 32)
@@ -18,7 +18,7 @@ does not change. Then the layer's own features apply, GQA first:
     True
     >>> for module in encoder.modules():  # 2 K/V heads for the 4 query heads
     ...     if isinstance(module, TorchAttentionAdapter):
-    ...         module.attn = module.attn.with_kv_heads(2)
+    ...         module.attn = with_kv_heads(module.attn, 2)
     >>> encoder.layers[0].self_attn.attn.num_kv_heads
     2
 
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from multihead.attention.convert import unsupported_torch_options
+from multihead.attention.convert import from_torch, unsupported_torch_options
 from multihead.attention.layer import MultiHeadAttention
 
 
@@ -76,7 +76,7 @@ class TorchAttentionAdapter(nn.Module):
 
     Args:
         attn: the layer that computes the attention. Replace it (for example by
-            ``adapter.attn.with_kv_heads(2)``) and the adapter calls the new one.
+            ``with_kv_heads(adapter.attn, 2)``) and the adapter calls the new one.
         batch_first: as ``nn.MultiheadAttention``'s: the caller's tensors are ``(B, L, E)``
             when True, ``(L, B, E)`` when False.
         name: the module's path in its model, for error messages.
@@ -333,7 +333,7 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
     """
 
     def adapter(module: nn.MultiheadAttention, path: str) -> TorchAttentionAdapter:
-        attn = MultiHeadAttention.from_torch(module, backend)  # checked, with copied weights
+        attn = from_torch(module, backend)  # checked, with copied weights
         attn.in_proj.weight = module.in_proj_weight  # then the module's own, in their place
         attn.in_proj.bias = module.in_proj_bias
         attn.out_proj = module.out_proj

@@ -2,9 +2,9 @@
 
 Each attention sublayer in scope keeps its query heads and gets either ``num_kv_heads`` K/V
 heads, each the mean of a group of the trained K/V projection heads, as in the GQA paper
-(Ainslie et al., 2023; :meth:`~multihead.attention.MultiHeadAttention.with_kv_heads`), or a
+(Ainslie et al., 2023; :func:`~multihead.attention.convert.with_kv_heads`), or a
 K/V latent of ``kv_latent_dim`` numbers per token from a joint truncated SVD of its K/V
-weights (TransMLA, MHA2MLA; :meth:`~multihead.attention.MultiHeadAttention.with_kv_latent`).
+weights (TransMLA, MHA2MLA; :func:`~multihead.attention.convert.with_kv_latent`).
 The converted checkpoint is then uptrained for a small fraction of the original steps.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from multihead.attention.convert import with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer
 
@@ -83,9 +84,9 @@ def convert_model(
     for kind, _, path, attn in list(model.attention_sublayers()):
         if kind in kinds:
             new = (
-                attn.with_kv_heads(num_kv_heads)
+                with_kv_heads(attn, num_kv_heads)
                 if num_kv_heads
-                else attn.with_kv_latent(kv_latent_dim)
+                else with_kv_latent(attn, kv_latent_dim)
             )
             model.set_submodule(path, new)
     for kind in kinds:

@@ -45,8 +45,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.alibi import ALiBi
 from multihead.attention.convert import expand_latent
-from multihead.attention.latent import LatentKV
 from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
 from multihead.data.tokenizer import BOS, EOS, UNK
@@ -111,7 +111,7 @@ def _same_across_layers(kind: str, layers: list[MultiHeadAttention]) -> tuple[in
                 f"{kind} is a {type(attn).__name__}; expected multihead.MultiHeadAttention "
                 "(an unknown head design cannot be exported)"
             )
-        if isinstance(attn.design, LatentKV):
+        if _is_latent(attn):
             if attn.design.norm is not None:
                 raise ExportError(
                     f"{kind} normalises its K/V latent ({attn.head_tag}), which CTranslate2 "
@@ -139,6 +139,13 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
+    if any(
+        isinstance(getattr(a, "positions", None), ALiBi) for *_, a in model.attention_sublayers()
+    ):
+        raise ExportError(
+            "positional='alibi' cannot be exported: CTranslate2 (4.8) has ALiBi in its decoder "
+            "spec only, not in TransformerEncoderSpec; expected sinusoidal or learned positions"
+        )
     if model.encoder_embedding.positional is None:
         raise ExportError(
             "positional='rope' cannot be exported yet; expected sinusoidal or learned positions "
@@ -177,17 +184,24 @@ def _set_layer_norm(spec: Any, norm: nn.LayerNorm) -> None:
     spec.beta = _numpy(norm.bias)
 
 
+def _is_latent(attn: MultiHeadAttention) -> bool:
+    """Whether ``attn`` is an MLA layer (a design that converts to its MHA equivalent)."""
+    return attn.design is not None and "expand_latent" in attn.design.conversions
+
+
 def _set_attention(spec: Any, attn: MultiHeadAttention, *, cross: bool) -> None:
     """Our stacked ``[Q; K; V]`` projection into CTranslate2's one or two input linears."""
-    if isinstance(attn.design, LatentKV):
+    if _is_latent(attn):
         attn = expand_latent(attn)  # the MHA layer it equals
-    E = attn.embed_dim
-    weight, bias = attn.in_proj.weight, attn.in_proj.bias
+    (q, k, v), (b_q, b_k, b_v) = attn.in_proj.blocks(), attn.in_proj.blocks("bias")
+    bias = b_q is not None
     if cross:
-        _set_linear(spec.linear[0], weight[:E], None if bias is None else bias[:E])  # Q
-        _set_linear(spec.linear[1], weight[E:], None if bias is None else bias[E:])  # [K; V]
-    else:
-        _set_linear(spec.linear[0], weight, bias)  # [Q; K; V], CTranslate2's fused order
+        _set_linear(spec.linear[0], q, b_q)  # Q
+        _set_linear(spec.linear[1], torch.cat([k, v]), torch.cat([b_k, b_v]) if bias else None)
+    else:  # [Q; K; V], CTranslate2's fused order
+        _set_linear(
+            spec.linear[0], torch.cat([q, k, v]), torch.cat([b_q, b_k, b_v]) if bias else None
+        )
     _set_linear(spec.linear[-1], attn.out_proj.weight, attn.out_proj.bias)
     # Read per attention scope by CTranslate2 (attention_layer.cc), so each sublayer kind
     # keeps its own K/V heads (the decoder spec gives cross-attention the self-attention's).

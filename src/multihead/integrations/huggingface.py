@@ -14,13 +14,17 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
   positions and cache. A backend that cannot run raises ``BackendUnavailableError``; a
   feature the kernels do not compute (logit softcapping, attention sinks, a position bias)
-  raises ``ValueError``. Nothing falls back in silence.
+  raises ``ValueError``; a model whose attention does not dispatch through the interface
+  (Bloom, Falcon, ...) raises ``ValueError`` when it is built
+  (:func:`routes_through_interface`). Nothing falls back in silence.
 * Through the module. :func:`replace_hf_attention` swaps each attention module of a
   supported family for an :class:`HFAttentionAdapter` holding a
   :class:`~multihead.attention.MultiHeadAttention` with the same weights, which takes HF's
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
-  Supported: GPT-2, and the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
-  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`).
+  Supported: GPT-2, the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
+  layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), DiffLlama,
+  on the layer's differential design (:func:`_from_diffllama`), and BLOOM, whose ALiBi the
+  layer adds itself (:class:`BloomAttentionAdapter`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -30,16 +34,29 @@ all, so a left-padded row attends to its padding
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+from functools import cache
+
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.bloom.modeling_bloom import BloomAttention
+from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from multihead.attention import BACKENDS, MultiHeadAttention, build_attention_mask
+from multihead.attention import (
+    BACKENDS,
+    MultiHeadAttention,
+    QKVProjection,
+    build_attention_mask,
+)
+from multihead.attention.alibi import ALiBi
 from multihead.attention.backends import check_backend, math_attention_with_weights
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
@@ -71,11 +88,16 @@ def register() -> dict[str, str]:
     Returns:
         ``{attn_implementation name: backend}``, ``"multihead"`` included.
     """
-    names = {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
+    names = _names()
     for name, backend in names.items():
         AttentionInterface.register(name, attention_function(backend))
         AttentionMaskInterface.register(name, multihead_mask)
+    _refuse_models_that_compute_attention_themselves()
     return names
+
+
+def _names() -> dict[str, str]:
+    return {"multihead": DEFAULT_BACKEND} | {hf_name(b): b for b in BACKENDS}
 
 
 def multihead_mask(*, q_length: int, kv_length: int, allow_is_causal_skip: bool = True, **kwargs):
@@ -181,6 +203,78 @@ def attention_function(backend: str):
     return attention
 
 
+# ------------------------------------------------- models that never reach the interface
+@cache
+def routes_through_interface(model_class: type) -> bool:
+    """Whether ``model_class`` computes its attention through HF's ``AttentionInterface``.
+
+    HF accepts any registered name for any model. A model whose attention modules call their
+    own eager code (Bloom, XGLM, GPT-NeoX-Japanese, RoFormer, ...) never calls the registered
+    function: it reads the mask :func:`multihead_mask` built (``None`` for plain causality)
+    as an additive bias, so causality is lost in silence; others index a dict of their own by
+    the name (Falcon, GPT-Neo: ``KeyError``) or fail later (MPT). The rule: the source of the
+    module defining ``model_class`` looks the function up
+    (``ALL_ATTENTION_FUNCTIONS.get_interface(``) if it defines an attention module (a
+    ``class *Attention*(nn.Module)``); a module with none (a head class reusing another
+    model's layers, Mamba) passes. It is HF's own test for ``set_attn_implementation``
+    (``PreTrainedModel._can_set_attn_implementation``), read once per class, before any
+    weight is built: exact on every small-buildable causal LM of transformers 5.24
+    (``tests/integrations/test_hf_sweep.py`` also counts the calls of the attention
+    function), and cheap. A flag set by the function and checked after the first forward
+    would need a hook on every model built (HF offers no place to add one) and comes too
+    late for Falcon's ``KeyError`` at build. A source that cannot be read (a class defined in
+    a notebook) does not pass.
+    """
+    module = sys.modules.get(model_class.__module__)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE):
+        return True
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+
+
+def refusal(model_class: type, name: str) -> str:
+    """The one-line reason a ``model_class`` built with ``attn_implementation=name`` is
+    refused, pointing to :func:`replace_hf_attention` where its table covers the model."""
+    swappable = sorted(c.__name__ for c in CONVERTERS if c.__module__ == model_class.__module__)
+    if swappable:
+        fix = (
+            "build it with attn_implementation='eager' and call replace_hf_attention(model) "
+            f"({', '.join(swappable)} supported)"
+        )
+    else:
+        fix = "use attn_implementation='eager'; replace_hf_attention supports " + ", ".join(
+            c.__name__ for c in CONVERTERS
+        )
+    return (
+        f"{model_class.__name__} computes its attention in its own code, not through "
+        f"transformers' AttentionInterface, so attn_implementation={name!r} would not reach "
+        f"the multihead kernels; {fix}"
+    )
+
+
+def _refuse_models_that_compute_attention_themselves() -> None:
+    """Extend HF's check of an ``attn_implementation`` name (``get_correct_attn_implementation``,
+    run when a model is built, before its layers, and by ``set_attn_implementation``) with
+    :func:`routes_through_interface` for :func:`register`'s names: such a model raises
+    ``ValueError`` (:func:`refusal`) at build instead of running wrong or failing on our name."""
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_multihead", False):
+        return
+    names = set(_names())
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        applicable = original(self, requested_attention, is_init_check)
+        if applicable in names and not routes_through_interface(type(self)):
+            raise ValueError(refusal(type(self), applicable))
+        return applicable
+
+    get_correct_attn_implementation._multihead = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
 # --------------------------------------------------------------------------- module swap
 class _CacheLayer:
     """One layer of an HF ``Cache`` as the layer's self-attention sees a cache: it asks for
@@ -223,7 +317,7 @@ class HFAttentionAdapter(nn.Module):
 
     Args:
         attn: the layer that computes the attention (replace it, e.g. by
-            ``adapter.attn.with_kv_heads(2)``, and the adapter calls the new one).
+            ``with_kv_heads(adapter.attn, 2)``, and the adapter calls the new one).
         layer_idx: the module's index in HF's cache.
         resid_dropout: the dropout the HF module applies after its output projection
             (GPT-2's ``resid_dropout``), kept as it was; ``None``: none (Llama).
@@ -264,25 +358,20 @@ class HFAttentionAdapter(nn.Module):
         return self.resid_dropout(out), None
 
 
-def _copy_into(ours: nn.Parameter, *theirs: Tensor) -> None:
-    """``ours`` := ``theirs`` stacked by rows, frozen if they are: frozen stays frozen, and a
-    stack of frozen and trainable tensors is refused (one parameter has one flag)."""
-    trainable = {t.requires_grad for t in theirs}
-    if len(trainable) > 1:
-        raise ValueError(
-            "the projections stacked into one parameter are partly frozen "
-            "(requires_grad differs); freeze all or none of them"
-        )
+def _copy_into(ours: nn.Parameter, theirs: Tensor) -> None:
+    """``ours`` := ``theirs``, frozen if it is."""
     with torch.no_grad():
-        ours.copy_(torch.cat(theirs) if len(theirs) > 1 else theirs[0])
-    ours.requires_grad_(trainable.pop())
+        ours.copy_(theirs)
+    ours.requires_grad_(theirs.requires_grad)
 
 
 def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
-    """GPT-2's attention as an adapter with the same weights.
+    """GPT-2's attention as an adapter with the same weights, copied.
 
     ``c_attn`` is a ``Conv1D`` of weight ``(E, 3E)`` (``x @ W + b``) holding Q, K, V side by
-    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is.
+    side: its transpose is the layer's stacked ``in_proj`` ``(3E, E)`` as it is. Being a
+    transpose, it is a new parameter (as ``c_proj``'s is): an optimizer built before the swap
+    does not hold it.
     """
     if module.is_cross_attention:
         raise ValueError("GPT-2 cross-attention (add_cross_attention=True) is not supported")
@@ -303,19 +392,16 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     return adapter.train(module.training)
 
 
-def _bias_or_zeros(linear: nn.Linear) -> Tensor:
-    """``linear``'s bias, or a zero one that no gradient moves (``zeros_like`` of a
-    parameter does not require grad): Qwen2's ``o_proj`` beside its biased Q/K/V."""
-    return torch.zeros_like(linear.weight[:, 0]) if linear.bias is None else linear.bias
-
-
 def _from_llama(
-    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str
+    module: LlamaAttention | Qwen2Attention | MistralAttention, backend: str, **design
 ) -> HFAttentionAdapter:
-    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter with the same weights.
+    """A Llama-family attention (Llama, Qwen2, Mistral) as an adapter holding its weights.
 
-    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) stacked
-    by rows are the layer's ``in_proj``; ``o_proj`` is its ``out_proj``; HF's
+    ``q_proj``, ``k_proj`` and ``v_proj`` (``(H*D, E)``, ``(G*D, E)``, ``(G*D, E)``) are the
+    layer's ``in_proj`` in its separate layout (``QKVProjection.from_linears``) and ``o_proj``
+    is its ``out_proj``: the module's own ``nn.Linear``, not copies, so an optimizer built
+    before the swap trains them, a frozen one stays frozen, and Qwen2's ``o_proj`` keeps no
+    bias beside its biased Q/K/V. HF's
     ``num_key_value_heads`` is ``num_kv_heads`` (GQA, MQA). Rotary positions are the layer's
     own, "rotate half" as HF's ``apply_rotary_pos_emb``, ``rope_theta`` from the config.
 
@@ -328,11 +414,9 @@ def _from_llama(
       ``cos`` and ``sin`` with the layer's and refuses a difference, should HF change that.
     * ``head_dim * num_attention_heads != hidden_size`` (a config's explicit ``head_dim``):
       refused, the layer's head width is ``E / H``.
-    * Qwen2's ``o_proj`` has no bias while ``q/k/v_proj`` have one, and the layer's ``bias``
-      covers both projections: the out-projection gets a zero bias, frozen
-      (``requires_grad=False``), so that training keeps it zero and the logits are Qwen2's
-      (any projection without a bias beside one with a bias gets the same).
     * Mistral's (and Qwen2's) sliding window is in the mask HF builds for the layer.
+
+    ``design``: the layer's head design arguments (DiffLlama's, :func:`_from_diffllama`).
     """
     config = module.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -348,32 +432,120 @@ def _from_llama(
             f"head_dim ({module.head_dim}) * num_attention_heads ({heads}) must equal "
             f"hidden_size ({config.hidden_size}), the layer's head width is E / H"
         )
-    projections = (module.q_proj, module.k_proj, module.v_proj)
-    weight, bias = (
-        module.q_proj.weight,
-        any(p.bias is not None for p in (*projections, module.o_proj)),
-    )
     attn = MultiHeadAttention(
-        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=bias,
+        config.hidden_size, heads, kv_heads, dropout=module.attention_dropout, bias=False,
         backend=backend, rotary_dim=module.head_dim, rope_theta=rope.get("rope_theta", 10000.0),
-        device=weight.device, dtype=weight.dtype,
+        device="meta", **design,  # its own projections are replaced by the module's
     )  # fmt: skip
     attn.scale = module.scaling
-    _copy_into(attn.in_proj.weight, *(p.weight for p in projections))
-    _copy_into(attn.out_proj.weight, module.o_proj.weight)
-    if bias:
-        _copy_into(attn.in_proj.bias, *(_bias_or_zeros(p) for p in projections))
-        _copy_into(attn.out_proj.bias, _bias_or_zeros(module.o_proj))
+    attn.in_proj = QKVProjection.from_linears(
+        module.q_proj, module.k_proj, module.v_proj, heads, kv_heads
+    )
+    attn.out_proj = module.o_proj
     adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
     return adapter.train(module.training)
 
 
+# --------------------------------------------------------------------------- BLOOM (ALiBi)
+class _BloomCacheLayer(_CacheLayer):
+    """HF's cache for a layer with ALiBi: each key at its index in the cache (static: in
+    the whole buffer), the query positions after the cached ones. Only distances enter
+    ALiBi, and a left-padded row's tokens are as far apart by index as by BLOOM's positions."""
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None):
+        k, v = self.cache.update(k, v, self.layer_idx)
+        self.keys = k  # (B, H, S, D): S keys, of which HF's mask hides the unwritten
+        return k, v
+
+    def key_positions(self) -> Tensor:
+        return torch.arange(self.keys.shape[2], device=self.keys.device)  # (S,)
+
+
+class BloomAttentionAdapter(HFAttentionAdapter):
+    """BLOOM's attention call around a :class:`MultiHeadAttention` with ALiBi.
+
+    ``forward(hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs) ->
+    (residual + dropout(output), None)``, as ``BloomBlock`` calls it: BLOOM adds the residual
+    inside its attention (``dropout_add`` with ``hidden_dropout``). ``alibi`` (HF's bias,
+    ``m_h`` times each key's position) is ignored: the layer's own ALiBi part adds
+    ``-m_h |i - j|``, which differs from it by one constant per query row, cancelled by
+    softmax. BLOOM does not dispatch through ``AttentionInterface``, so its model always
+    builds HF's eager mask, additive (0 where a query attends, the dtype's minimum where
+    not); the adapter reads it as a bool mask, so rows of padding come out as zeros.
+    """
+
+    def forward(
+        self, hidden_states: Tensor, residual: Tensor, alibi: Tensor | None = None,
+        attention_mask: Tensor | None = None, layer_past=None, **kwargs,
+    ) -> tuple[Tensor, None]:  # fmt: skip
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # HF's convention: True = attend
+        out = self.attn(
+            hidden_states,
+            attn_mask=_layer_mask(attention_mask),
+            is_causal=attention_mask is None,
+            kv_cache=None if layer_past is None else _BloomCacheLayer(layer_past, self.layer_idx),
+        )
+        return residual + self.resid_dropout(out), None
+
+
+def _from_bloom(module: BloomAttention, backend: str) -> BloomAttentionAdapter:
+    """BLOOM's attention as an adapter with the same weights.
+
+    ``query_key_value`` ``(3E, E)`` holds each head's q, k and v rows together (head ``h``:
+    rows ``3hD .. 3hD + 3D``, q then k then v); the layer's ``in_proj`` stacks all the q rows,
+    then the k rows, then the v rows. ``dense`` is ``out_proj``. BLOOM's tensor-parallel
+    ``slow_but_exact`` path (``pretraining_tp > 1``) leaves out ``dense``'s bias: refused.
+    """
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        raise ValueError(
+            f"slow_but_exact=True with pretraining_tp={module.pretraining_tp} (BLOOM's sliced "
+            "output projection without its bias) is not supported"
+        )
+    E, H, D = module.hidden_size, module.num_heads, module.head_dim
+    weight = module.query_key_value.weight
+    attn = MultiHeadAttention(
+        E, H, dropout=module.attention_dropout.p, backend=backend, positions=ALiBi(H),
+        device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    _copy_into(attn.in_proj.weight, weight.view(H, 3, D, E).transpose(0, 1).reshape(3 * E, E))
+    _copy_into(
+        attn.in_proj.bias, module.query_key_value.bias.view(H, 3, D).transpose(0, 1).flatten()
+    )
+    _copy_into(attn.out_proj.weight, module.dense.weight)
+    _copy_into(attn.out_proj.bias, module.dense.bias)
+    adapter = BloomAttentionAdapter(
+        attn, layer_idx=module.layer_idx, resid_dropout=nn.Dropout(module.hidden_dropout)
+    )
+    return adapter.train(module.training)
+
+
+# --------------------------------------------------------------------------- DiffLlama
+def _from_diffllama(module: DiffLlamaAttention, backend: str) -> HFAttentionAdapter:
+    """DiffLlama's attention: a Llama one (:func:`_from_llama`) with the layer's differential
+    design (:mod:`~multihead.attention.differential`), which pairs the heads as DiffLlama
+    does, given the module's ``lambda_init`` (its depth's), its four ``lambda`` vectors and
+    its RMSNorm's epsilon (``rms_norm_eps``)."""
+    adapter = _from_llama(
+        module, backend, design="diff", lambda_init=module.lambda_init,
+        norm_eps=module.groupnorm.eps,
+    )  # fmt: skip
+    # Built on the meta device with the projections: the lambda vectors get storage here.
+    adapter.attn.design.to_empty(device=module.q_proj.weight.device)
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        _copy_into(getattr(adapter.attn.design, name), getattr(module, name))
+    return adapter
+
+
+# --------------------------------------------------------------------------- the swap
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
 CONVERTERS = {
     GPT2Attention: _from_gpt2,
     LlamaAttention: _from_llama,
     Qwen2Attention: _from_llama,
     MistralAttention: _from_llama,
+    BloomAttention: _from_bloom,
+    DiffLlamaAttention: _from_diffllama,
 }
 
 
@@ -394,6 +566,15 @@ def _check_rotary_angles(
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "inv_freq", None), Tensor):
             continue
+        if module.inv_freq.dtype != torch.float32:
+            # HF keeps inv_freq in fp32 when the model is built with dtype=; a cast of the
+            # whole model (.to(torch.bfloat16)) rounds it, and HF's angles with it.
+            raise ValueError(
+                f"cannot replace the attention: {name!r} ({type(module).__name__}) holds its "
+                f"inv_freq in {module.inv_freq.dtype} (the model was cast after it was built), "
+                "so HF's rotary angles are rounded; build the model with dtype= instead of "
+                "casting it, or call replace_hf_attention before casting"
+            )
         positions = torch.arange(4096, device=module.inv_freq.device)[None]  # (1, 4096)
         probe = torch.zeros((), device=module.inv_freq.device)  # HF reads its device, dtype
         theirs = module(probe, positions)  # cos, sin: (1, 4096, R)
@@ -412,6 +593,20 @@ def _check_rotary_angles(
                 )
 
 
+def _refuse_output_attentions(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of a swapped model: ``output_attentions`` (the call's, else the
+    config's) is refused by name. HF records the weights with hooks on its own attention
+    classes (``_can_record_outputs``), which the adapters replaced: the model would return
+    ``attentions=()``. The interface path (``attn_implementation="multihead"``) returns them."""
+    config = getattr(model, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise ValueError(
+            f"output_attentions=True: {type(model).__name__}'s attention modules were replaced "
+            "by replace_hf_attention and HF records the weights only from its own; use "
+            "attn_implementation='multihead' on an unswapped model for the weights"
+        )
+
+
 def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) -> nn.Module:
     """Swap every attention module of a supported HF family in ``model`` for an
     :class:`HFAttentionAdapter` with the same weights, in place.
@@ -421,14 +616,15 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, DiffLlama, BLOOM).
         backend: the layer's backend.
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: a module that cannot be converted (named), or none to convert.
+        ValueError: a module that cannot be converted (named), or none to convert; when
+            called with ``output_attentions=True`` (:func:`_refuse_output_attentions`).
     """
     register()
     adapters = {}
@@ -448,5 +644,8 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     for name, adapter in adapters.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, adapter)
-    model.set_attn_implementation(hf_name(backend))
+    if not all(isinstance(a, BloomAttentionAdapter) for a in adapters.values()):
+        # BLOOM builds its eager mask whatever the name (HF would warn that it cannot set it).
+        model.set_attn_implementation(hf_name(backend))
+    model.register_forward_pre_hook(_refuse_output_attentions, with_kwargs=True)
     return model

@@ -93,8 +93,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 POSITIONAL = {"sinusoidal": SinusoidalPositionalEncoding, "learned": LearnedPositionalEmbedding}
-# Rotary positions live in the self-attention layers, not in the embedding.
-POSITIONS = (*POSITIONAL, "rope")
+# Rotary positions and ALiBi live in the self-attention layers, not in the embedding.
+POSITIONS = (*POSITIONAL, "rope", "alibi")
 
 
 class TransformerEmbedding(nn.Module):
@@ -103,8 +103,8 @@ class TransformerEmbedding(nn.Module):
     Args:
         token: the token embedding, possibly shared with another stack and with the output
             projection (see :func:`make_token_embedding`).
-        positional: ``"sinusoidal"``, ``"learned"``, or ``"rope"``: no positions added here,
-            the self-attention layers rotate Q and K instead.
+        positional: ``"sinusoidal"``, ``"learned"``, or ``"rope"`` and ``"alibi"``: no
+            positions added here, the self-attention layers rotate Q and K or bias the scores.
         max_positions: the longest sequence (including positions reached while decoding).
         dropout: applied to the sum.
 
@@ -134,7 +134,7 @@ class TransformerEmbedding(nn.Module):
     def forward(self, tokens: Tensor, start_pos: int = 0) -> Tensor:
         """Embed ``tokens`` ``(B, L)`` placed at positions ``start_pos ..`` (for decoding)."""
         x = self.token(tokens) * self.scale  # (B, L, E)
-        if self.positional is None:  # rotary: the attention layers place the tokens
+        if self.positional is None:  # rope, alibi: the attention layers place the tokens
             _check_positions(start_pos, tokens.shape[1], self.max_positions)
         else:
             x = x + self.positional(tokens.shape[1], start_pos)  # (L, E) broadcast over B

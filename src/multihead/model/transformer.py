@@ -19,19 +19,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.attention.alibi import ALiBi
+from multihead.attention.designs import design_options
+from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
 ATTENTION_SUBLAYERS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-ATTENTION_KINDS = ATTENTION_SUBLAYERS  # deprecated alias, removed in the next release
 # The layer's head options (not its sizes or dropout, which the model sets) and their
-# defaults, read from its signature so that a new option needs no second list here.
-_ATTENTION_OPTIONS = {
+# defaults, read from its signature and the registered designs' so that a new option needs
+# no second list here.
+_ATTENTION_OPTIONS = design_options() | {
     name: param.default
     for name, param in inspect.signature(MultiHeadAttention).parameters.items()
-    if name not in ("embed_dim", "dropout", "bias", "device", "dtype")
+    if name not in ("embed_dim", "dropout", "bias", "device", "dtype", "design_options")
 }
 
 
@@ -273,12 +276,22 @@ def _attention_config(
     return config
 
 
-def _place_rotary(
+def _at_depth(config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """A sublayer's options in the layer at ``depth`` of its stack (0 first): differential
+    attention's ``lambda_init``, unless set, is the paper's for that depth."""
+    if config.get("design") == "diff" and config.get("lambda_init") is None:
+        return {**config, "lambda_init": lambda_init_at(depth)}
+    return config
+
+
+def _place_positions(
     configs: dict[str, dict[str, Any]], positional: str, d_model: int, cross: Mapping | None
 ) -> None:
     """With ``positional="rope"``, rotary positions in both self-attentions: every feature of
-    a head unless ``rotary_dim`` says fewer. Never in cross-attention (its queries and keys
-    are positions of two different sentences); ``attention.rotary_dim`` is for the others."""
+    a head unless ``rotary_dim`` says fewer; with ``"alibi"``, ALiBi in both (the encoder's
+    symmetric, see :mod:`~multihead.attention.alibi`). Never in cross-attention (its queries
+    and keys are positions of two different sentences); ``attention.rotary_dim`` is for the
+    others."""
     asked_cross = (cross or {}).get("rotary_dim")
     if asked_cross is not None:
         raise ValueError(
@@ -289,6 +302,9 @@ def _place_rotary(
     for sublayer in ("encoder_self_attention", "decoder_self_attention"):
         config = configs[sublayer]
         asked = config.get("rotary_dim")
+        if positional == "alibi" and asked is None:
+            config["positions"] = ALiBi(config["num_heads"])  # no parameters: one per stack
+            continue
         if positional != "rope":
             if asked is not None:
                 raise ValueError(
@@ -325,9 +341,11 @@ class Transformer(nn.Module):
         activation_dropout: after the FFN activation.
         activation: ``"relu"`` or ``"gelu"``.
         norm_first: pre-LN instead of post-LN.
-        positional: ``"sinusoidal"``, ``"learned"`` (added to the embeddings) or ``"rope"``
+        positional: ``"sinusoidal"``, ``"learned"`` (added to the embeddings), ``"rope"``
             (rotary positions in every self-attention sublayer, all of each head's features
-            rotated unless ``attention.rotary_dim`` says fewer; cross-attention has none).
+            rotated unless ``attention.rotary_dim`` says fewer) or ``"alibi"`` (ALiBi's
+            score bias in every self-attention sublayer, symmetric in the encoder);
+            cross-attention has none.
         max_positions: the longest source or target sequence (bos included).
         share_embeddings: tie the source, target and output embeddings (one matrix); needs
             ``src_vocab_size == tgt_vocab_size`` (a joint vocabulary).
@@ -340,7 +358,9 @@ class Transformer(nn.Module):
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one sublayer, e.g. ``{"num_kv_heads": 1}`` for the
             decoder self-attention only; ``None`` values inherit from ``attention``. Any
-            ``Mapping`` (an omegaconf ``DictConfig`` too).
+            ``Mapping`` (an omegaconf ``DictConfig`` too). A differential sublayer
+            (``design="diff"``) without a ``lambda_init`` gets the paper's for its layer's depth
+            in its stack (:func:`~multihead.attention.differential.lambda_init_at`).
 
     Shapes:
         src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.
@@ -411,7 +431,7 @@ class Transformer(nn.Module):
             sublayer: _attention_config(sublayer, attention, override)
             for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True)
         }
-        _place_rotary(self.attention_config, positional, d_model, cross_attention)
+        _place_positions(self.attention_config, positional, d_model, cross_attention)
         # The encoder and cross-attention always mask padded source tokens: their backends
         # must take a padding mask (the registry says which do).
         padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
@@ -446,11 +466,14 @@ class Transformer(nn.Module):
         )
         enc_cfg, dec_cfg, cross_cfg = self.attention_config.values()
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d_model, ffn_dim, enc_cfg, **layer_args) for _ in range(num_encoder_layers)
+            EncoderLayer(d_model, ffn_dim, _at_depth(enc_cfg, i), **layer_args)
+            for i in range(num_encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(d_model, ffn_dim, dec_cfg, cross_cfg, **layer_args)
-            for _ in range(num_decoder_layers)
+            DecoderLayer(
+                d_model, ffn_dim, _at_depth(dec_cfg, i), _at_depth(cross_cfg, i), **layer_args
+            )
+            for i in range(num_decoder_layers)
         )
         # Pre-LN leaves the residual stream unnormalised; post-LN already ends with a norm.
         self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
@@ -566,8 +589,8 @@ class Transformer(nn.Module):
             )
         if caches is None and start_pos and self.decoder_embedding.positional is None:
             raise ValueError(
-                f"start_pos={start_pos} without caches: rotary positions are taken from the "
-                "caches; decode incrementally with make_decoder_cache"
+                f"start_pos={start_pos} without caches: the attention layers' positions (rope, "
+                "alibi) are taken from the caches; decode incrementally with make_decoder_cache"
             )
         x = self.decoder_embedding(tgt_in, start_pos)  # (B, T, E)
         for i, layer in enumerate(self.decoder_layers):

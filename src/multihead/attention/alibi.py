@@ -1,0 +1,70 @@
+"""Attention with linear biases (ALiBi; Press et al., "Train Short, Test Long", ICLR 2022).
+
+ALiBi adds no positions to the tokens: head ``h`` adds ``-m_h`` times the distance between
+query ``i`` and key ``j`` to their score, so far keys weigh less, at a slope of its own::
+
+    score_h(i, j) = q_i . k_j / sqrt(D) - m_h |i - j|
+
+The slopes are ``m_h = 2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a power of two; else the
+``p`` slopes of the largest power of two ``p < n``, then every other slope of ``2p`` (odd
+``h``), as the paper's code and BLOOM define them. BLOOM adds ``m_h j`` instead: on every key
+a causal query sees, that is ``-m_h (i - j)`` plus ``m_h i``, a constant per row that softmax
+cancels. The distance kept here gives near keys small biases, which fp16 and bf16 hold
+exactly. Only differences of positions enter, so a left-padded row needs no ``position_ids``.
+
+The encoder: the paper defines ALiBi for causal language models. Here bidirectional
+attention gets ``-m_h |i - j|``, symmetric, as MosaicBERT and x-transformers extend it: one
+formula, which under a causal mask (``j <= i``) is the paper's to the letter. Refusing the
+encoder instead would leave a translation model's encoder without positions.
+Cross-attention gets no bias: its queries and keys are positions of two different sentences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from multihead.attention.positional import PositionalPart
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
+    """The ``(H,)`` slopes ``m_h`` of the module docstring, in fp32."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"ALiBi needs a positive int number of heads, got {num_heads!r}")
+    p = 2 ** math.floor(math.log2(num_heads))  # the largest power of two <= H
+    exponents = torch.cat(
+        (
+            torch.arange(1, p + 1, device=device) * (8 / p),  # 2^(-8h/p), h = 1 .. p
+            (2 * torch.arange(num_heads - p, device=device) + 1) * (4 / p),  # 2^(-8h/2p), odd h
+        )
+    )
+    return torch.exp2(-exponents.float())  # (H,)
+
+
+class ALiBi(PositionalPart):
+    """Linear biases on the scores of ``num_heads`` heads (the ``"score_bias"`` seam; see the
+    module). No parameters, no buffers: the slopes are computed at each call."""
+
+    seam = "score_bias"
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        alibi_slopes(num_heads)  # validates
+        self.num_heads = num_heads
+
+    @property
+    def options(self) -> dict[str, bool]:
+        return dict(alibi=True)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
+
+    def score_bias(self, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """The fp32 bias ``-m_h |i - j|`` ``(B or 1, H, L, S)`` of queries at
+        ``query_positions`` ``(L,)`` or ``(B, L)`` and keys at ``(S,)`` or ``(B, S)``."""
+        slopes = alibi_slopes(self.num_heads, query_positions.device)  # (H,)
+        i, j = query_positions[..., :, None], key_positions[..., None, :]  # (·, L, 1), (·, 1, S)
+        distance = (i - j).abs().float()  # (L, S) or (B, L, S)
+        return -slopes[:, None, None] * distance[(None,) * (3 - distance.dim())][:, None]

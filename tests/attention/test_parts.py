@@ -1,0 +1,232 @@
+"""The parts below the layer: the head-design interface, the positional seams (rotate Q and
+K; a score bias on every backend that takes one), the projection's two layouts, and the
+import graph of ``attention/``."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import multihead.attention
+from multihead import MultiHeadAttention
+from multihead.attention import BACKENDS, HeadDesign, PositionalPart, QKVProjection
+
+ATTENTION = Path(multihead.attention.__file__).parent
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_module_of_the_layer_calls_another_objects_private_method():
+    """Each part reads on its own: it calls the public steps, never ``layer._step(...)``;
+    and no module imports another's private names."""
+    found = []
+    for path in sorted(ATTENTION.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+                own = own or (
+                    isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super"
+                )
+                if _private(node.func.attr) and not own:
+                    found.append(f"{path.name}:{node.lineno} calls .{node.func.attr}()")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("multihead"):
+                found += [
+                    f"{path.name}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if _private(a.name)
+                ]
+    assert found == []
+
+
+def test_every_design_is_a_head_design_with_its_state_dict_name():
+    designs = {
+        "head_gate": {"top_k_heads": 2},
+        "head_mix": {"head_mixing": "group_mlp"},
+        "kv_latent": {"kv_latent_dim": 8},
+    }
+    for attribute, options in designs.items():
+        layer = MultiHeadAttention(16, 4, **options)
+        assert isinstance(layer.design, HeadDesign) and layer.design.attribute == attribute
+        assert all(
+            k.startswith(("in_proj.", "out_proj.", f"{attribute}.")) for k in layer.state_dict()
+        )
+
+
+class ScaleByPosition(PositionalPart):
+    """A toy positional part: Q and K at position p scaled by 1 + p / 10."""
+
+    seam = "rotate"
+
+    def rotate(self, x, positions):
+        return x * (1.0 + positions.to(x.dtype) / 10)[:, None]  # positions (L,)
+
+
+def test_a_positional_part_acts_on_q_and_k_after_the_projection_and_before_the_cache():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, backend="math").eval()
+    layer.positions = ScaleByPosition()
+    x = torch.randn(2, 5, 16)
+    # Written out: project, scale Q and K rows by position, causal softmax, W^O.
+    q, k, v = F.linear(x, layer.in_proj.weight, layer.in_proj.bias).split([16, 8, 8], dim=-1)
+    q = q.view(2, 5, 4, 4).transpose(1, 2)
+    k, v = (t.view(2, 5, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    s = (1.0 + torch.arange(5) / 10)[:, None]
+    scores = (q * s) @ (k * s).transpose(-2, -1) / 2.0
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    expected = layer.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
+        cache = layer.make_kv_cache(2, 5)
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        torch.testing.assert_close(torch.cat(steps, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+class KeyPositionBias(PositionalPart):
+    """A toy score bias: head h adds ``(h + 1) / 4 * key position`` to every score."""
+
+    seam = "score_bias"
+
+    def score_bias(self, query_positions, key_positions):
+        key_positions = key_positions.expand(1, -1) if key_positions.dim() == 1 else key_positions
+        slopes = torch.arange(1, 5, dtype=torch.float32) / 4  # (H,)
+        return (slopes[:, None, None] * key_positions[:, None, None, :]).expand(
+            -1, -1, query_positions.shape[-1], -1
+        )  # (B or 1, H, L, S)
+
+
+def _biased_reference(layer, x, key_positions, pad=None):
+    """softmax(QK^T / sqrt(D) + (h+1)/4 * key position, causal, padding) V W^O, written out."""
+    B, L, _ = x.shape
+    q, k, v = F.linear(x, layer.in_proj.weight, layer.in_proj.bias).split([16, 8, 8], dim=-1)
+    q = q.view(B, L, 4, 4).transpose(1, 2)
+    k, v = (t.view(B, L, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    bias = (torch.arange(1, 5) / 4)[None, :, None, None] * key_positions[:, None, None, :]
+    scores = q @ k.transpose(-2, -1) / 2.0 + bias
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    if pad is not None:
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    return layer.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, 16))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flex"])
+def test_a_score_bias_reaches_every_backend_that_takes_one_and_the_cache(backend):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, 2, backend=backend, positions=KeyPositionBias()).eval()
+    x = torch.randn(2, 5, 16)
+    expected = _biased_reference(layer, x, torch.arange(5.0).expand(2, 5))
+    with torch.no_grad():  # flex has no backward on the CPU
+        torch.testing.assert_close(layer(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
+        for static in (False, True):
+            cache = layer.make_kv_cache(2, 5, static=static)
+            steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+            torch.testing.assert_close(torch.cat(steps, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_score_bias_sees_the_keys_own_positions_in_a_left_padded_cached_batch():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, 2, backend="math", positions=KeyPositionBias()).eval()
+    x = torch.randn(2, 5, 16)
+    pad = torch.tensor([[False] * 5, [True, True, False, False, False]])
+    position_ids = (torch.cumsum(~pad, dim=1) - 1).clamp(min=0)  # row 1 starts at 0 after pad
+    expected = _biased_reference(layer, x, position_ids.float(), pad)
+    with torch.no_grad():
+        full = layer(x, is_causal=True, key_padding_mask=pad, position_ids=position_ids)
+        cache = layer.make_kv_cache(2, 5)
+        steps = [
+            layer(
+                x[:, t : t + 1], is_causal=True, kv_cache=cache, key_padding_mask=pad[:, : t + 1],
+                position_ids=position_ids[:, t : t + 1],
+            )
+            for t in range(5)
+        ]  # fmt: skip
+    for out in (full, torch.cat(steps, 1)):  # the padded queries of row 1 see no key
+        torch.testing.assert_close(out[0], expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1, 2:], expected[1, 2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend", [n for n, b in BACKENDS.items() if not b.score_bias and b.package is None]
+)
+def test_a_backend_without_score_bias_refuses_it_by_name(backend):
+    assert set(BACKENDS) - {n for n, b in BACKENDS.items() if b.score_bias} >= {"flash", "cudnn"}
+    with pytest.raises(ValueError, match=f"backend '{backend}' takes no score bias"):
+        MultiHeadAttention(16, 4, backend=backend, positions=KeyPositionBias())
+
+
+def test_a_design_refuses_a_positional_seam_it_does_not_declare():
+    with pytest.raises(ValueError, match="'moh' takes no positional part with seam 'score_bias'"):
+        MultiHeadAttention(16, 4, top_k_heads=2, positions=KeyPositionBias())
+
+
+def test_the_separate_projection_layout_keeps_the_linears_and_computes_the_same():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, 2).eval()
+    q_proj, k_proj, v_proj = (torch.nn.Linear(16, n) for n in (16, 8, 8))
+    with torch.no_grad():
+        for ours, theirs in zip(layer.in_proj.blocks(), (q_proj, k_proj, v_proj), strict=True):
+            theirs.weight.copy_(ours)
+        for ours, theirs in zip(
+            layer.in_proj.blocks("bias"), (q_proj, k_proj, v_proj), strict=True
+        ):
+            theirs.bias.copy_(ours)
+    x = torch.randn(2, 5, 16)
+    expected = layer(x, is_causal=True)
+    layer.in_proj = QKVProjection.from_linears(q_proj, k_proj, v_proj, 4, 2)
+    assert (
+        layer.in_proj.blocks()[1] is k_proj.weight and "in_proj.q_proj.weight" in layer.state_dict()
+    )
+    torch.testing.assert_close(layer(x, is_causal=True), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="q_proj, k_proj must have 4 and 3 heads"):
+        QKVProjection.from_linears(q_proj, k_proj, v_proj, 4, 3)
+
+
+def test_the_import_graph_of_attention_has_no_cycle():
+    """Every import between modules of ``attention/``, type-hint imports included."""
+    graph = {}
+    for path in sorted(ATTENTION.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "multihead.attention":
+                edges |= {a.name for a in node.names}  # from multihead.attention import latent
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "multihead.attention."
+            ):
+                edges.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = edges & {p.stem for p in ATTENTION.glob("*.py")}
+    done, stack = set(), []
+
+    def visit(name):
+        assert name not in stack, f"import cycle: {' -> '.join([*stack, name])}"
+        if name in done:
+            return
+        stack.append(name)
+        for other in graph[name]:
+            visit(other)
+        stack.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
+    assert importlib.import_module("multihead.attention.layer")
+
+
+class OwnForward(HeadDesign):
+    """A design that writes its own forward and gives no per-head outputs."""
+
+    name = attribute = "own_forward"
+    replaces_forward = True
+
+
+def test_head_analysis_refuses_a_design_without_per_head_outputs_by_name():
+    layer = MultiHeadAttention(16, 4, design=OwnForward())
+    weights, source = torch.rand(1, 4, 3, 3), torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="'own_forward' gives no per-head outputs"):
+        layer.head_outputs(weights, source)
