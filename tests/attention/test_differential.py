@@ -145,3 +145,12 @@ def test_tag_config_and_conversion_keep_the_design() -> None:
 def test_invalid_options_raise(options: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         MultiHeadAttention(E, 4, **options)
+
+
+def test_head_analysis_refuses_differential_heads_by_name() -> None:
+    """Each query head's map times V is not a differential head's output (two maps
+    subtracted, over V of two K/V heads, normalised): head analysis refuses the design."""
+    layer = MultiHeadAttention(E, 4, design="diff")
+    weights, source = torch.rand(1, 4, 3, 3), torch.randn(1, 3, E)
+    with pytest.raises(ValueError, match="'diff' gives no per-head outputs"):
+        layer.head_outputs(weights, source)

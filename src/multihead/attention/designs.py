@@ -74,6 +74,8 @@ class HeadDesign(nn.Module):
         projects_kv: the layer's ``in_proj`` projects K and V (MLA's come from its latent).
         head_mask: it takes a ``head_mask`` (each head has an output of its own to scale).
         conversions: the functions of :mod:`~.convert` that keep it (``"with_kv_heads"``).
+        weights_are_final: its own :meth:`attend` returns the weights that multiply V, so
+            head analysis may rebuild each head's output from them (talking heads).
         aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
     """
 
@@ -88,6 +90,7 @@ class HeadDesign(nn.Module):
     projects_kv: ClassVar[bool] = True
     head_mask: ClassVar[bool] = True
     conversions: ClassVar[frozenset[str]] = frozenset()
+    weights_are_final: ClassVar[bool] = False
     aux_loss: Tensor | None = None
 
     @property
@@ -128,8 +131,11 @@ class HeadDesign(nn.Module):
     def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
         """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
         weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
-        A design that writes its own forward gives none unless it overrides this."""
-        if self.replaces_forward:
+        A design that writes its own forward, or its own :meth:`attend` whose weights are not
+        the ones that multiply V (``weights_are_final``), gives none unless it overrides this:
+        weights times V would be silently wrong for it."""
+        own_attend = type(self).attend is not HeadDesign.attend and not self.weights_are_final
+        if self.replaces_forward or own_attend:
             raise ValueError(
                 f"head design {self.name!r} gives no per-head outputs (HeadDesign.head_outputs) "
                 "for head analysis"

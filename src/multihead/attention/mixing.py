@@ -50,6 +50,7 @@ class TalkingHeads(HeadMixing):
 
     name = "talking_heads"
     backends = frozenset({"math"})  # it mixes the full logits, which only math computes
+    weights_are_final = True  # the mixed weights multiply V: head analysis may use them
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
         super().__init__()
