@@ -53,3 +53,28 @@ def test_kv_cache_bytes_are_the_hand_counts() -> None:
     assert sizes["MHA 8/8"] == 4 * 4 * 2 * 8 * 16 and sizes["MQA 8/1"] == 4 * 4 * 2 * 1 * 16
     assert sizes["MLA r = 32, rotary key d_R = 8"] == 4 * 4 * (32 + 8)
     assert sizes["MLA r = 16, rotary key d_R = 8"] == 4 * 4 * (16 + 8)
+
+
+def test_a_head_design_written_outside_the_package_works_by_name() -> None:
+    """docs/examples/own_head_design.py registers a design of its own; the layer and the
+    Transformer build it by name and decode with the cache as in the full pass. The design
+    does what it says: temperature t on every head equals the plain layer with its queries
+    scaled by 1 / t (the same softmax(Q K^T / (sqrt(D) t)))."""
+    import torch
+
+    from multihead import MultiHeadAttention
+
+    diffs = example("own_head_design.py")["main"]()
+    assert diffs["layer"] < 1e-5 and diffs["model"] < 1e-5
+    attn = MultiHeadAttention(32, 4, num_kv_heads=2, design="head_temperature", start=0.5)
+    plain = MultiHeadAttention(32, 4, num_kv_heads=2)
+    weights = {k: v for k, v in attn.state_dict().items() if not k.startswith("head_temp.")}
+    plain.load_state_dict(weights)
+    with torch.no_grad():
+        for block in (plain.in_proj.blocks("weight")[0], plain.in_proj.blocks("bias")[0]):
+            block.mul_(2.0)  # Q / 0.5
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(attn(x, is_causal=True), plain(x, is_causal=True))
+    with torch.no_grad():
+        attn.head_temp.log_temperature.zero_()  # t = 1: no longer the scaled layer
+    assert (attn(x, is_causal=True) - plain(x, is_causal=True)).abs().max() > 1e-3

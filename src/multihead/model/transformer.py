@@ -28,14 +28,17 @@ from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
 ATTENTION_SUBLAYERS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
-# The layer's head options (not its sizes or dropout, which the model sets) and their
-# defaults, read from its signature and the registered designs' so that a new option needs
-# no second list here.
-_ATTENTION_OPTIONS = design_options() | {
-    name: param.default
-    for name, param in inspect.signature(MultiHeadAttention).parameters.items()
-    if name not in ("embed_dim", "dropout", "bias", "device", "dtype", "design_options")
-}
+
+
+def _attention_options() -> dict[str, Any]:
+    """The layer's head options (not its sizes or dropout, which the model sets) and their
+    defaults, read from its signature and the designs registered now (one registered after
+    this module was imported included), so that a new option needs no second list here."""
+    return design_options() | {
+        name: param.default
+        for name, param in inspect.signature(MultiHeadAttention).parameters.items()
+        if name not in ("embed_dim", "dropout", "bias", "device", "dtype", "design_options")
+    }
 
 
 class FeedForward(nn.Module):
@@ -257,16 +260,17 @@ def _attention_config(
     A ``None`` value in ``override`` means "as in ``base``", so a config can list every key
     of a per-sublayer section and set only the ones it changes.
     """
-    config = {k: v for k, v in _ATTENTION_OPTIONS.items() if v is not inspect.Parameter.empty}
+    options = _attention_options()
+    config = {k: v for k, v in options.items() if v is not inspect.Parameter.empty}
     for name, mapping in (("attention", base), (sublayer, override)):
         if mapping is None:
             continue
         if not isinstance(mapping, Mapping):
             raise TypeError(f"{name} must be a mapping or None, got {type(mapping).__name__}")
-        unknown = set(mapping) - set(_ATTENTION_OPTIONS)
+        unknown = set(mapping) - set(options)
         if unknown:
             raise ValueError(
-                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(_ATTENTION_OPTIONS)}"
+                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(options)}"
             )
         config.update(
             mapping if mapping is base else {k: v for k, v in mapping.items() if v is not None}
