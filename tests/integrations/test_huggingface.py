@@ -351,6 +351,19 @@ def test_an_optimizer_built_before_the_swap_trains_the_attention_as_on_eager(fam
     assert all(not torch.equal(eager.state_dict()[k], before[k]) for k in changed)
 
 
+def test_a_swap_that_copies_weights_says_an_earlier_optimizer_no_longer_trains_them() -> None:
+    """GPT-2's Conv1D weights are stored transposed: the layer holds copies, so an optimizer
+    built before the swap would silently stop training the attention; the swap warns. The
+    Llama family keeps its own parameters and does not."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"GPT2Attention are copied.*build it after the swap"):
+        hf.replace_hf_attention(eager_model("gpt2"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="replace_hf_attention")
+        hf.replace_hf_attention(eager_model("llama"))
+
+
 @pytest.mark.parametrize(
     "convert",
     [lambda a: with_kv_heads(a, 1), lambda a: prune_heads(a, [2, 3])],

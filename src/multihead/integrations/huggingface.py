@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import warnings
 from functools import cache
 
 import torch
@@ -627,7 +628,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
             called with ``output_attentions=True`` (:func:`_refuse_output_attentions`).
     """
     register()
-    adapters = {}
+    adapters, copied = {}, set()
     for name, module in model.named_modules():
         convert = CONVERTERS.get(type(module))
         if convert is not None:
@@ -635,6 +636,19 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
                 adapters[name] = convert(module, backend)
             except ValueError as err:
                 raise ValueError(f"cannot replace {name!r}: {err}") from err
+            own = {id(p) for p in module.parameters()}
+            if any(id(p) not in own for p in adapters[name].parameters() if p.requires_grad):
+                copied.add(type(module).__name__)
+    if copied:
+        # The Llama family keeps its own projections; a layout the layer cannot hold as it
+        # is (GPT-2's transposed Conv1D, BLOOM's per-head q,k,v rows, DiffLlama's lambdas in
+        # the design) is copied into new parameters, which an existing optimizer does not hold.
+        warnings.warn(
+            f"replace_hf_attention: the weights of {', '.join(sorted(copied))} are copied into "
+            "new parameters; an optimizer built before the swap no longer trains them: build "
+            "it after the swap",
+            stacklevel=2,
+        )
     _check_rotary_angles(model, adapters, backend)
     if not adapters:
         raise ValueError(
