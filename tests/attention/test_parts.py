@@ -230,3 +230,13 @@ def test_head_analysis_refuses_a_design_without_per_head_outputs_by_name():
     weights, source = torch.rand(1, 4, 3, 3), torch.randn(1, 3, 16)
     with pytest.raises(ValueError, match="'own_forward' gives no per-head outputs"):
         layer.head_outputs(weights, source)
+
+
+def test_a_positional_part_names_itself_in_the_head_tag() -> None:
+    """Runs of one head configuration with other positions get other run names, so
+    compare.py does not pool them as seeds of one configuration."""
+    from multihead.attention import ALiBi
+
+    assert MultiHeadAttention(32, 4).head_tag == "mha4"
+    assert MultiHeadAttention(32, 4, 2, rotary_dim=8).head_tag == "gqa4kv2-rope"
+    assert MultiHeadAttention(32, 4, positions=ALiBi(4)).head_tag == "mha4-alibi"

@@ -48,6 +48,7 @@ class ALiBi(PositionalPart):
     module). No parameters, no buffers: the slopes are computed at each call."""
 
     seam = "score_bias"
+    tag = "-alibi"
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()

@@ -236,11 +236,12 @@ class MultiHeadAttention(nn.Module):
     @property
     def head_tag(self) -> str:
         """A short name for :attr:`head_config`, for run names: the kind, ``H``, ``G`` for
-        GQA, and the design's tag. E.g. ``"mha4"``, ``"gqa8kv2"``, ``"mqa4-moh-k2s1"``,
-        ``"mha4-group_mlp2"``."""
+        GQA, the design's tag and the positional part's. E.g. ``"mha4"``, ``"gqa8kv2"``,
+        ``"mqa4-moh-k2s1"``, ``"mha4-group_mlp2"``, ``"mha8-alibi"``."""
         config = self.head_config
         kv = f"kv{self.num_kv_heads}" if config["kind"] == "gqa" else ""
-        return f"{config['kind']}{self.num_heads}{kv}{self._part.tag}"
+        positions = "" if self.positions is None else self.positions.tag
+        return f"{config['kind']}{self.num_heads}{kv}{self._part.tag}{positions}"
 
     @property
     def has_positions(self) -> bool:

@@ -30,6 +30,7 @@ class PositionalPart(nn.Module):
     """
 
     seam: ClassVar[str]
+    tag: ClassVar[str] = ""  # what it adds to the layer's head_tag: "-rope", "-alibi"
 
     @property
     def options(self) -> dict[str, object]:

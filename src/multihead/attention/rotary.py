@@ -45,6 +45,7 @@ class RotaryPositions(PositionalPart):
     """
 
     seam = "rotate"
+    tag = "-rope"
 
     def __init__(
         self,
