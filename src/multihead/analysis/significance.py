@@ -204,7 +204,7 @@ def t_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
 # Over seeds: the paired t-test, Holm's correction, what the test could detect, and TOST.
 # Student t's and the noncentral t's tails come from mpmath, which torch installs (torch needs
 # sympy, sympy needs mpmath): not an extra of ours, so the core stays torch alone (.ci/run).
-# the regularized incomplete beta function and a quadrature over the chi-square density.
+# Used: the regularized incomplete beta function and a quadrature over the chi-square density.
 
 ALPHA = 0.05
 POWER = 0.80
