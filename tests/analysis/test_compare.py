@@ -41,7 +41,7 @@ def summary(kind: str, heads: int, kv: int, **figures) -> dict:
         "num_kv_heads": kv,
         "backend": "sdpa",
         "head_tag": name,
-        "tag": kind,
+        "tag": f"{kind}{heads}" + (f"kv{kv}" if kind == "gqa" else ""),  # as a layer tags itself
         "heads/active_fraction": 1.0,
         "params/total": 70000 + 1000 * kv,
         "params/attention": 20000 + 1000 * kv,
@@ -172,11 +172,11 @@ def test_table_rows_values_and_ratios(runs_dir: Path, tmp_path: Path) -> None:
         "| beam sent/s (in training) |"
     )
     assert table[1] == (
-        "| mha-h4-kv4-sdpa | mha | mha | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "
+        "| mha-h4-kv4-sdpa | mha | mha4 | 4 | 1.00 | 4 | sdpa | 74,000 | 24,000 | 512 "
         "| 500 | 2.50 | 24.00 | 30,000 | 100.0 | 25.0 |"
     )
     assert table[3].startswith(
-        "| mqa-h4-kv1-sdpa | mqa | mqa | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
+        "| mqa-h4-kv1-sdpa | mqa | mqa4 | 4 | 1.00 | 1 | sdpa | 71,000 | 21,000 | 128 |"
     )
     assert table[3].endswith("| 400.0 | – |")  # the missing beam speed
     assert "No two runs trained at the same time on one machine." in md
@@ -576,3 +576,17 @@ def test_wandb_true_logs_the_tables_and_plots_to_a_run_of_its_own(
     assert len(seeds["data"]) == 6  # five designs against MHA, one contrast
     images = sorted(p.name.split("_")[0] for p in (files / "media" / "images").glob("*.png"))
     assert len(images) == 4 and {"bleu", "delta", "validation"} <= set(images)
+
+
+def test_mha_shaped_designs_are_compared_with_plain_mha_not_taken_for_it() -> None:
+    """Differential attention and ALiBi are MHA-shaped (kind "mha"); the reference is the
+    plain layer, whose tag names no design or positional part."""
+    from multihead.analysis.runs import RunResult, is_mha, mha_baseline
+
+    def run(tag: str) -> RunResult:
+        return RunResult(tag, {"kind": "mha", "tag": tag, "num_heads": 8, "seed": 1})
+
+    plain, diff, alibi = run("mha8"), run("mha8-diff"), run("mha8-alibi")
+    assert is_mha(plain) and not is_mha(diff) and not is_mha(alibi)
+    assert mha_baseline(diff, [alibi, diff, plain]) is plain
+    assert mha_baseline(plain, [alibi, diff, plain]) is None

@@ -22,6 +22,7 @@ from typing import Any
 from multihead.analysis.runs import (
     HYP_BLEU,
     RunResult,
+    is_mha,
     number,
     paired_baseline,
     seed_groups,
@@ -172,7 +173,7 @@ def add_significance(
     by_baseline: dict[str, tuple[RunResult, list[RunResult]]] = {}
     unpaired = []
     for run in runs:
-        if run.get("kind") == "mha" or run.label not in outputs:
+        if is_mha(run) or run.label not in outputs:
             continue
         base = paired_baseline(run, runs)
         if base is None or base.label not in outputs:
@@ -290,7 +291,7 @@ def contrasts(
     Holm-adjusted over these contrasts."""
     groups = seed_groups(runs)
     means = dict(zip(groups, seed_means(runs), strict=True))
-    names = [n for n, group in groups.items() if group[0].get("kind") != "mha"]
+    names = [n for n, group in groups.items() if not is_mha(group[0])]
     deltas = {}
     for i, a in enumerate(names):
         for b in names[i + 1 :]:

@@ -277,18 +277,24 @@ def value(run: RunResult, key: str) -> Any:
     return run.summary.get(key)
 
 
+def is_mha(run: RunResult) -> bool:
+    """Whether ``run`` is the plain MHA layer, the reference: kind ``mha`` with no head design
+    or positional part in its decoder tag (``mha8``; not ``mha8-diff`` or ``mha8-alibi``,
+    which are MHA-shaped designs compared with it). Runs without a tag go by kind."""
+    tag = run.get("tag")
+    return run.get("kind") == "mha" and (tag is None or tag == f"mha{run.get('num_heads')}")
+
+
 def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
     """The MHA run with ``run``'s number of heads, if any: the one with the same seed
     preferred (a paired comparison), then the one with the same backend.
 
     MHA runs themselves have no baseline: only the other kinds are compared with MHA.
     """
-    if run.get("kind") == "mha":
+    if is_mha(run):
         return None
     candidates = [
-        other
-        for other in runs
-        if other.get("kind") == "mha" and other.get("num_heads") == run.get("num_heads")
+        other for other in runs if is_mha(other) and other.get("num_heads") == run.get("num_heads")
     ]
     candidates.sort(key=lambda c: (c.seed != run.seed, c.get("backend") != run.get("backend")))
     return candidates[0] if candidates else None
