@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, BloomConfig  # noqa: E402
 from multihead.attention.alibi import ALiBi  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
+from helpers.hf import max_token_difference, padded_batch  # noqa: E402
+
 TOLERANCE = 1e-5
 
 
@@ -30,20 +32,6 @@ def eager_bloom(**overrides):
         eos_token_id=None, initializer_range=0.3, **overrides,
     )  # fmt: skip
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-
-
-def padded_batch():
-    """Three rows of 8: no padding, 3 left-padding tokens, 2 right-padding tokens."""
-    ids = torch.randint(2, 64, (3, 8), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 8, dtype=torch.long)
-    mask[1, :3] = 0
-    mask[2, 6:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def max_token_difference(model, reference, ids, mask) -> float:
-    got, want = (m(ids, attention_mask=mask).logits for m in (model, reference))
-    return (got - want)[mask.bool()].abs().max().item()
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])

@@ -38,6 +38,8 @@ from multihead.attention import (  # noqa: E402
 )
 from multihead.integrations import huggingface as hf  # noqa: E402
 
+from helpers.hf import max_token_difference, padded_batch  # noqa: E402
+
 COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
 COMMON |= dict(initializer_range=0.2)
 DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -79,29 +81,10 @@ def through(model, path: str, backend: str = hf.DEFAULT_BACKEND):
     return ours
 
 
-def padded_batch():
-    """Three rows of 8: no padding, 3 left-padding tokens, 2 right-padding tokens."""
-    ids = torch.randint(2, 64, (3, 8), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 8, dtype=torch.long)
-    mask[1, :3] = 0
-    mask[2, 6:] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
 def left_padded_batch():
     """Two prompts of 8, the second of 5 tokens after 3 left-padding ones: for generation."""
     ids, mask = padded_batch()
     return ids[:2], mask[:2]
-
-
-def max_token_difference(model, reference, ids, mask) -> float:
-    keep = mask.bool()
-    return (
-        (model(ids, attention_mask=mask).logits - reference(ids, attention_mask=mask).logits)[keep]
-        .abs()
-        .max()
-        .item()
-    )
 
 
 SWAPPED = ["llama", "qwen2", "mistral", "gpt2", "gpt2-layer-scaled"]

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, DiffLlamaConfig  # noqa: E402
 from multihead.attention.differential import lambda_init_at  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
+from helpers.hf import max_token_difference  # noqa: E402
+
 TOLERANCE = 1e-5
 
 
@@ -50,11 +52,6 @@ def left_padded_batch():
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0
     return ids.masked_fill(mask == 0, 0), mask
-
-
-def max_token_difference(model, reference, ids, mask) -> float:
-    diff = model(ids, attention_mask=mask).logits - reference(ids, attention_mask=mask).logits
-    return diff[mask.bool()].abs().max().item()
 
 
 def test_the_swap_holds_differential_layers_with_each_layers_lambda() -> None:
