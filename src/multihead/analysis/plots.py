@@ -52,9 +52,7 @@ def plot_bleu_against(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_deltas(report: Report, path: Path) -> None:
@@ -91,9 +89,7 @@ def plot_deltas(report: Report, path: Path) -> None:
     ax.set_xlabel(f"Δ {report.bleu_name} vs MHA of the same seed")
     ax.set_title("squares: mean over seeds, t 95%; dots: each seed, bootstrap 95%", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _no_data(ax, what: str) -> None:
@@ -116,6 +112,12 @@ def plot_validation_curves(runs: list[RunResult], path: Path) -> None:
         ax.set_ylabel(key)
         ax.set_title(key)
         ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt  # imported when a plot is drawn, as above
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
