@@ -20,7 +20,6 @@ from multihead.attention.backends import (
 )
 from multihead.attention.convert import (
     expand_latent,
-    from_torch,
     prune_heads,
     with_kv_heads,
     with_kv_latent,
@@ -34,6 +33,7 @@ from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
 from multihead.attention.torch_swap import (
     TorchAttentionAdapter,
+    from_torch,
     replace_torch_attention,
     restore_torch_attention,
 )

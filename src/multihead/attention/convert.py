@@ -1,5 +1,4 @@
-"""Conversions of a layer's heads, functions over layers: :func:`from_torch`
-(``torch.nn.MultiheadAttention``), :func:`with_kv_heads` (fewer K/V heads),
+"""Conversions of a layer's heads, functions over layers: :func:`with_kv_heads` (fewer K/V heads),
 :func:`with_kv_latent` (a K/V latent, MLA), :func:`expand_latent` (back to the equivalent MHA
 layer) and :func:`prune_heads` (fewer query heads): each a new layer (built by
 :func:`rebuild`), its input left as it was. A head design is kept where it declares the
@@ -14,21 +13,6 @@ from torch import Tensor, nn
 from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
-
-
-def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
-    """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``: the one
-    check of ``nn.MultiheadAttention``'s options (``from_torch``, ``replace_torch_attention``)."""
-    if not module._qkv_same_embed_dim:
-        return (
-            f"kdim={module.kdim}, vdim={module.vdim} differ from embed_dim={module.embed_dim} "
-            "(MultiHeadAttention projects K and V from inputs of width embed_dim)"
-        )
-    if module.bias_k is not None:
-        return "add_bias_kv=True is not supported"
-    if module.add_zero_attn:
-        return "add_zero_attn=True is not supported"
-    return None
 
 
 def rebuild(
@@ -62,37 +46,6 @@ def rebuild(
         new.out_proj = nn.Linear(H * D, E, bias, **factory)
     new.positions = layer.positions  # the positions (no parameters) stay the layer's
     return new.train(layer.training)
-
-
-def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
-    """An equivalent layer with ``module``'s weights.
-
-    The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
-    same in both (bool True = masked out; float added), except that a 3-D
-    ``attn_mask`` here broadcasts to ``(B, H, L, S)`` instead of being ``(B*H, L, S)``.
-    """
-    if not isinstance(module, nn.MultiheadAttention):
-        raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(module).__name__}")
-    problem = unsupported_torch_options(module)
-    if problem is not None:
-        raise ValueError(f"from_torch cannot convert this module: {problem}")
-    weight = module.in_proj_weight
-    layer = MultiHeadAttention(
-        module.embed_dim,
-        module.num_heads,
-        dropout=module.dropout,
-        bias=module.in_proj_bias is not None,
-        backend=backend,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    with torch.no_grad():
-        layer.in_proj.weight.copy_(weight)
-        layer.out_proj.weight.copy_(module.out_proj.weight)
-        if module.in_proj_bias is not None:
-            layer.in_proj.bias.copy_(module.in_proj_bias)
-            layer.out_proj.bias.copy_(module.out_proj.bias)
-    return layer.train(module.training)
 
 
 def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAttention:
