@@ -1,7 +1,6 @@
 """replace_torch_attention: torch's own models compute what they did, with our layer inside."""
 
 import copy
-import doctest
 import importlib
 from operator import attrgetter
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-import multihead.attention.torch_swap
 from multihead import MultiHeadAttention, replace_torch_attention
 from multihead.attention import (
     TorchAttentionAdapter,
@@ -58,11 +56,6 @@ def import_or_skip(name: str):
         return importlib.import_module(name)
     except (ImportError, RuntimeError) as error:
         pytest.skip(f"{name} cannot be imported here (it needs torchvision): {error}")
-
-
-def test_doctest() -> None:
-    result = doctest.testmod(multihead.attention.torch_swap)
-    assert result.attempted > 0 and result.failed == 0
 
 
 # ------------------------------------------------------------------ nn.MultiheadAttention

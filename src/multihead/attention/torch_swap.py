@@ -1,29 +1,11 @@
 """Swap ``torch.nn.MultiheadAttention`` for :class:`MultiHeadAttention` inside any model, and back.
 
 :func:`replace_torch_attention` puts a :class:`TorchAttentionAdapter` wherever a model holds an
-``nn.MultiheadAttention``. The adapter holds a :class:`MultiHeadAttention` made of the old
-module's own parameters and takes ``nn.MultiheadAttention``'s call, so the code that calls it
-does not change. Then the layer's own features apply, GQA first:
-
-    >>> import torch
-    >>> from torch import nn
-    >>> from multihead import replace_torch_attention
-    >>> from multihead.attention import TorchAttentionAdapter, with_kv_heads
-    >>> block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dropout=0.0, batch_first=True)
-    >>> encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
-    >>> x = torch.randn(2, 5, 32)
-    >>> before = encoder(x)
-    >>> encoder = replace_torch_attention(encoder)
-    >>> torch.allclose(encoder(x), before, atol=1e-5)
-    True
-    >>> for module in encoder.modules():  # 2 K/V heads for the 4 query heads
-    ...     if isinstance(module, TorchAttentionAdapter):
-    ...         module.attn = with_kv_heads(module.attn, 2)
-    >>> encoder.layers[0].self_attn.attn.num_kv_heads
-    2
-
-:func:`restore_torch_attention` goes back to ``nn.MultiheadAttention`` modules, for a model
-whose layers still have torch's shape.
+``nn.MultiheadAttention``: a :class:`MultiHeadAttention` made of the old module's own
+parameters, behind ``nn.MultiheadAttention``'s call, so the code that calls it does not change
+and the layer's own features apply (``module.attn = with_kv_heads(module.attn, 2)``).
+:func:`restore_torch_attention` goes back, for a model whose layers still have torch's shape.
+``docs/reuse.md`` shows both on a model.
 """
 
 from __future__ import annotations
