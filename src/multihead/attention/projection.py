@@ -9,10 +9,8 @@ Two layouts of the same part, :class:`QKVProjection`:
   ``q_proj``, ``k_proj``, ``v_proj`` (a Hugging Face model's own, so its parameter objects,
   optimizer state and hooks stay); ``weight`` and ``bias`` are then ``None``.
 
-Every other file reads and writes the blocks through :meth:`QKVProjection.blocks` (views of
-the stacked weight's rows, or the three parameters): ``for ours, theirs in
-zip(proj.blocks(), (w_q, w_k, w_v)): ours.copy_(theirs)`` under ``torch.no_grad()`` writes
-either layout.
+Every other file reads and writes the blocks through :meth:`QKVProjection.blocks`, which
+gives the Q, K and V blocks of either layout.
 """
 
 from __future__ import annotations
