@@ -12,14 +12,8 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
        | | | |              \\| |/               \\ \\/ /
     kv:1 2 3 4           kv:  1  2            kv:   1
 
-The layer composes parts that sit below it: the Q/K/V projection
-(:mod:`~multihead.attention.projection`), a positional part
-(:mod:`~multihead.attention.positional`), the KV cache, the kernel
-(:mod:`~multihead.attention.backends`) and a head design
-(:mod:`~multihead.attention.designs`). ``forward`` reads top to bottom: project, positions,
-cache, attend, merge, output; a design changes the attend or merge step, or replaces the
-forward. Conversions of a layer's heads are functions over layers,
-:mod:`~multihead.attention.convert`.
+The layer composes the parts below it (projection, positions, KV cache, kernel, head
+design); ``forward`` reads top to bottom: project, positions, cache, attend, merge, output.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
     HeadDesign,
-    check_head_mask,
     kernel_of,
     make_mask,
     new_positions,
@@ -65,23 +58,19 @@ class MultiHeadAttention(nn.Module):
         bias: add biases to the input and output projections.
         backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
             (``math``: the written-out reference); if it cannot run, it says why.
-        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS`
-            (``"moh"``, ``"talking_heads"``, ``"group_mlp"``, ``"head_attention"``,
-            ``"mla"``, ``"diff"``) or a :class:`~multihead.attention.designs.HeadDesign` instance;
-            ``None``: the textbook layer, or the design one of ``design_options`` selects.
+        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS` or a
+            :class:`~multihead.attention.designs.HeadDesign` instance; ``None``: the textbook
+            layer, or the design that one of ``design_options`` selects.
         positions: a positional part (:mod:`~multihead.attention.positional`) for
-            self-attention: rotary (Q and K turned) or a score bias; ``None``: none, or
-            rotary from ``rotary_dim``.
-        rotary_dim: rotary position embeddings (:mod:`~multihead.attention.rotary`) on Q
-            and K of self-attention, rotating the first ``rotary_dim`` features of each head
-            (``head_dim``: all of them). With a design that takes ``rotary_dim`` (MLA): the
-            width of its decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
+            self-attention; ``None``: none, or rotary from ``rotary_dim``.
+        rotary_dim: rotary embeddings (:mod:`~multihead.attention.rotary`) on the first
+            ``rotary_dim`` features of each head of Q and K; with MLA, the width of its
+            decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
         rope_theta, rope_interleaved: the rotary base and pairing, with ``rotary_dim``.
         design_options: the design's own options, as its class takes them. The older
-            keywords work as before: ``top_k_heads``, ``num_shared_heads`` (sparse heads,
-            ``"moh"``, state_dict ``head_gate``), ``head_mixing`` (a mixing's name),
-            ``mixing_groups`` (``head_mix``), ``kv_latent_dim``, ``kv_latent_norm`` (MLA,
-            ``kv_latent``). A layer has at most one head design.
+            keywords select their design: ``top_k_heads``, ``num_shared_heads`` (``"moh"``),
+            ``head_mixing`` (a mixing's name), ``mixing_groups``, ``kv_latent_dim``,
+            ``kv_latent_norm`` (``"mla"``).
         device, dtype: for the parameters.
 
     Example:
@@ -333,9 +322,12 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("position_ids are for a positional part; this layer has none")
         if key_value is not None and self.has_positions:
             raise ValueError("positions are for self-attention; got a key_value (cross-attention)")
-        head_mask = check_head_mask(
-            self.head_mask if head_mask is None else head_mask, self.num_heads
-        )
+        head_mask = self.head_mask if head_mask is None else head_mask
+        if head_mask is not None and (
+            not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,)
+        ):
+            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
         part = self._part
         if head_mask is not None and not part.head_mask:
             raise ValueError(
