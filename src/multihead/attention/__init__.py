@@ -1,10 +1,7 @@
 """The reusable attention layer. Imports torch only (no Lightning, no Hydra).
 
-Floors, each importing only those below it: kernels and plumbing (``backends``, ``masks``,
-``kv_cache``, ``checks``); the parts (``projection``, ``positional``, ``rotary``,
-``alibi``); the head designs (``designs``: interface, registry, shared steps; one file
-each: ``latent``, ``sparse``, ``mixing``); the layer (``layer``); functions over layers
-(``convert``, ``torch_swap``).
+Built in floors, each importing only those below it (``docs/reuse.md`` names the files):
+kernels and plumbing, the parts, the head designs, the layer, functions over layers.
 """
 
 from multihead.attention.alibi import ALiBi

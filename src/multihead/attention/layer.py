@@ -151,7 +151,14 @@ class MultiHeadAttention(nn.Module):
                 self.head_dim, rotary_dim=rotary_dim, theta=rope_theta, interleaved=rope_interleaved
             )
         self.positions = positions
-        self._reset_parameters()
+        # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
+        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases, whatever G is: a smaller
+        # GQA/MQA stack would otherwise draw larger weights (27% for MQA at 4 heads).
+        bound = (6.0 / (embed_dim + 3 * embed_dim)) ** 0.5
+        nn.init.uniform_(self.in_proj.weight, -bound, bound)
+        if bias:
+            nn.init.zeros_(self.in_proj.bias)
+            nn.init.zeros_(self.out_proj.bias)
 
         # The head design comes after the projections' init, so a layer with one draws the
         # same Q/K/V/O weights as the plain layer from the same seed.
@@ -161,26 +168,24 @@ class MultiHeadAttention(nn.Module):
         self._design_name = None if design is None else design.attribute
         if design is not None:
             self.add_module(design.attribute, design)
-        self._check_parts(self._part)
-
-    def _check_parts(self, design: HeadDesign) -> None:
+        part = self._part
         # What the design and the backend declare they work with (HeadDesign's attributes,
         # the backend's registry entry).
-        if design.backends is not None and self.backend not in design.backends:
+        if part.backends is not None and self.backend not in part.backends:
             raise ValueError(
-                f"head design {design.name!r} runs on backend {', '.join(sorted(design.backends))} "
+                f"head design {part.name!r} runs on backend {', '.join(sorted(part.backends))} "
                 f"only; got backend={self.backend!r}"
             )
-        if not design.any_kv_heads and self.num_kv_heads != self.num_heads:
+        if not part.any_kv_heads and self.num_kv_heads != self.num_heads:
             raise ValueError(
-                f"head design {design.name!r} has one K/V head per query head; got "
+                f"head design {part.name!r} has one K/V head per query head; got "
                 f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}"
             )
         seam = None if self.positions is None else self.positions.seam
-        if seam is not None and seam not in design.seams:
+        if seam is not None and seam not in part.seams:
             raise ValueError(
-                f"head design {design.name!r} takes no positional part with seam {seam!r}; "
-                f"it takes: {', '.join(sorted(design.seams)) or 'none'}"
+                f"head design {part.name!r} takes no positional part with seam {seam!r}; "
+                f"it takes: {', '.join(sorted(part.seams)) or 'none'}"
             )
         if seam == "score_bias" and not BACKENDS[self.backend].score_bias:
             takes = [n for n, b in BACKENDS.items() if b.score_bias]
@@ -188,16 +193,6 @@ class MultiHeadAttention(nn.Module):
                 f"backend {self.backend!r} takes no score bias ({type(self.positions).__name__}); "
                 f"use one of {', '.join(takes)}"
             )
-
-    def _reset_parameters(self) -> None:
-        # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
-        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases, whatever G is: a smaller
-        # GQA/MQA stack would otherwise draw larger weights (27% for MQA at 4 heads).
-        bound = (6.0 / (self.embed_dim + 3 * self.embed_dim)) ** 0.5
-        nn.init.uniform_(self.in_proj.weight, -bound, bound)
-        if self.in_proj.bias is not None:
-            nn.init.zeros_(self.in_proj.bias)
-            nn.init.zeros_(self.out_proj.bias)
 
     # ------------------------------------------------------------------ what was built
     @property
@@ -213,9 +208,8 @@ class MultiHeadAttention(nn.Module):
     def head_config(self) -> dict[str, str | int]:
         """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"``, ``"mqa"``, or a
         design's own, ``"mla"``), ``H``, ``G`` and the head design's constructor arguments."""
-        kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
-        kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
-        kind = self._part.kind or kind
+        H, G = self.num_heads, self.num_kv_heads
+        kind = self._part.kind or ("mha" if G == H else "mqa" if G == 1 else "gqa")
         rotary = {} if self.positions is None else self.positions.options
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -255,9 +249,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def head_outputs(self, weights: Tensor, source: Tensor) -> Tensor:
-        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from attention
-        ``weights`` ``(B, H, L, S)`` and the keys' ``source`` ``(B, S, E)``, by the head
-        design (:meth:`~.designs.HeadDesign.head_outputs`; one without it is refused)."""
+        """Each head's output as it enters ``W^O``: :meth:`.designs.HeadDesign.head_outputs`."""
         return self._part.head_outputs(self, weights, source)
 
     # ------------------------------------------------------------------ KV cache

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from multihead.attention.layer import MultiHeadAttention
 
@@ -280,13 +279,8 @@ def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb
 def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Module:
     """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by a
     :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` made of its own
-    parameter objects, so the model computes what it did and its optimizer still holds them.
-
-    The old module's forward and backward hooks move to the adapter; state-dict hooks do not
-    (a warning names them). A module shared at several places gets one adapter, shared the
-    same way. Every ``nn.TransformerEncoder`` that now holds an adapter has its nested-tensor
-    fast path turned off: the layer does not take nested tensors. ``docs/reuse.md`` says what
-    changes and what code written for torch's module still reads.
+    parameter objects, which takes over its forward and backward hooks. ``docs/reuse.md``
+    says what holds and what changes.
 
     Args:
         model: changed in place.
@@ -296,9 +290,8 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
         ``model``, or the adapter when ``model`` is itself an ``nn.MultiheadAttention``.
 
     Raises:
-        ValueError: a module the layer cannot stand in for: a subclass with its own
-            ``forward``, ``kdim``/``vdim`` unequal to ``embed_dim``, ``add_bias_kv``,
-            ``add_zero_attn``. The message names the module's path; nothing is replaced.
+        ValueError: a module the layer cannot stand in for, named by its path; nothing is
+            replaced.
     """
 
     def adapter(module: nn.MultiheadAttention, path: str) -> TorchAttentionAdapter:
@@ -316,8 +309,7 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
 def restore_torch_attention(model: nn.Module) -> nn.Module:
     """Put an ``nn.MultiheadAttention`` back wherever ``model`` holds a
     :class:`TorchAttentionAdapter`: :func:`replace_torch_attention` undone, with the same
-    parameter objects under the same names, the adapter's hooks, and
-    ``nn.TransformerEncoder``'s nested-tensor setting as it was.
+    parameter objects under the same names and the adapter's hooks.
 
     Args:
         model: changed in place.
@@ -326,9 +318,8 @@ def restore_torch_attention(model: nn.Module) -> nn.Module:
         ``model``, or the new module when ``model`` is itself an adapter.
 
     Raises:
-        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold: fewer K/V heads
-            than query heads, a head design, pruned heads, a head mask. The message names
-            the module's path; nothing is restored.
+        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold (GQA, a head design,
+            pruned heads, a head mask), named by its path; nothing is restored.
     """
 
     def torch_module(adapter: TorchAttentionAdapter, path: str) -> nn.MultiheadAttention:
@@ -338,12 +329,9 @@ def restore_torch_attention(model: nn.Module) -> nn.Module:
             attn.embed_dim, attn.num_heads, dropout=attn.dropout, bias=bias is not None,
             batch_first=adapter.batch_first, device="meta", dtype=weight.dtype,
         )  # fmt: skip
-        # The layer's parameter objects in place of the placeholders made on "meta".
+        # The layer's parameters and out_proj in place of the placeholders made on "meta".
         module.in_proj_weight, module.in_proj_bias = weight, bias
-        if isinstance(attn.out_proj, NonDynamicallyQuantizableLinear):
-            module.out_proj = attn.out_proj  # the one replace_torch_attention took
-        else:
-            module.out_proj.weight, module.out_proj.bias = attn.out_proj.weight, attn.out_proj.bias
+        module.out_proj = attn.out_proj
         _carry_hooks(adapter, module, path)
         return module.train(adapter.training)
 
