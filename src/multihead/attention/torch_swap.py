@@ -158,18 +158,6 @@ def _torch_shaped_projection(attn: MultiHeadAttention) -> bool:
     return tuple(attn.in_proj.weight.shape) == (3 * attn.embed_dim, attn.embed_dim)
 
 
-# The hooks a module's call runs. The adapter takes nn.MultiheadAttention's call and returns
-# its tuple, so they mean the same on either.
-_CALL_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_is_full_backward_hook",
-)
 # The hooks that see parameter names, which differ between the two.
 _STATE_DICT_HOOKS = {
     "_state_dict_pre_hooks": "state_dict pre-hooks",
@@ -180,10 +168,13 @@ _STATE_DICT_HOOKS = {
 
 
 def _carry_hooks(old: nn.Module, new: nn.Module, path: str) -> None:
-    """Give ``new`` the call hooks of ``old``: the same dicts, so the handles that registered
-    them still remove them. State-dict hooks are left behind, with a warning."""
-    for name in _CALL_HOOKS:
-        setattr(new, name, getattr(old, name))
+    """Give ``new`` the forward and backward hooks of ``old`` (the adapter takes
+    ``nn.MultiheadAttention``'s call and returns its tuple, so they mean the same on either):
+    the same dicts, so the handles that registered them still remove them. State-dict hooks
+    are left behind, with a warning."""
+    for name in vars(old):
+        if name.startswith(("_forward_", "_backward_", "_is_full_backward_hook")):
+            setattr(new, name, getattr(old, name))
     left = [kind for name, kind in _STATE_DICT_HOOKS.items() if getattr(old, name)]
     if left:
         warnings.warn(
@@ -251,12 +242,9 @@ def _no_torch_equivalent(attn: MultiHeadAttention) -> str | None:
 
 
 def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb: str) -> nn.Module:
-    """Replace each module of type ``kind`` in ``model`` by ``make(module, path)``.
-
-    ``check(module)`` says why one cannot be replaced (an error naming its path, and nothing
-    is replaced: "cannot ``verb`` ...") or ``None``. A module shared at several places gets
-    one replacement, shared the same way. Returns ``model``, or its replacement when it is
-    itself of ``kind``.
+    """Replace each module of type ``kind`` in ``model`` (once, however often it is shared)
+    by ``make(module, path)``, or none if ``check(module)`` says why one cannot be: "cannot
+    ``verb`` path: why". Returns ``model``, or its replacement when it is itself of ``kind``.
     """
     found = {}  # id -> (path, module), the first path of each module
     for path, module in model.named_modules(remove_duplicate=False):
