@@ -222,19 +222,18 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     keep_kv = sorted({h // per_group for h in keep})
     H2, G2 = len(keep), len(keep_kv)
 
-    def rows(heads: list[int], device) -> Tensor:  # the rows of heads' D-blocks
-        return torch.cat([torch.arange(h * D, (h + 1) * D, device=device) for h in heads])
-
     new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
     with torch.no_grad():
         for name in ("weight", "bias"):
             if layer.in_proj.blocks(name)[0] is None:  # either layout of in_proj
                 continue
             (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
-            new_q.copy_(q[rows(keep, q.device)])
-            new_k.copy_(k[rows(keep_kv, q.device)]), new_v.copy_(v[rows(keep_kv, q.device)])
-        w_o = layer.out_proj.weight
-        new.out_proj.weight.copy_(w_o[:, rows(keep, w_o.device)])
+            # (H*D, ...) -> (H, D, ...): the kept heads' D-blocks -> (H'*D, ...)
+            new_q.copy_(q.unflatten(0, (H, D))[keep].flatten(0, 1))
+            new_k.copy_(k.unflatten(0, (G, D))[keep_kv].flatten(0, 1))
+            new_v.copy_(v.unflatten(0, (G, D))[keep_kv].flatten(0, 1))
+        w_o = layer.out_proj.weight  # (E, H*D) -> (E, H, D) -> (E, H'*D)
+        new.out_proj.weight.copy_(w_o.unflatten(1, (H, D))[:, keep].flatten(1, 2))
         if layer.out_proj.bias is not None:
             new.out_proj.bias.copy_(layer.out_proj.bias)
     if layer.head_mask is not None:

@@ -116,9 +116,8 @@ class HeadDesign(nn.Module):
     def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
         """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
         weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
-        A design that writes its own forward, or its own :meth:`attend` whose weights are not
-        the ones that multiply V (``weights_are_final``), gives none unless it overrides this:
-        weights times V would be silently wrong for it."""
+        Weights times V, refused where that would be wrong: a design that writes its own
+        forward or :meth:`attend` (unless ``weights_are_final``) overrides this."""
         own_attend = type(self).attend is not HeadDesign.attend and not self.weights_are_final
         if self.replaces_forward or own_attend:
             raise ValueError(

@@ -122,9 +122,12 @@ class TorchAttentionAdapter(nn.Module):
                 )
             mask = mask.reshape(B, H, L, S)  # torch's row b*H + h is (batch b, head h)
         if key_padding_mask is not None and key_padding_mask.is_floating_point():
-            # A float padding mask is added to the scores, like a float attn_mask.
+            # A float padding mask is added to the scores, like a float attn_mask; a bool
+            # attn_mask joins it as -inf where masked out.
             padding = key_padding_mask[:, None, None, :].to(query.dtype)  # (B, 1, 1, S)
-            mask = padding if mask is None else _additive(mask, query.dtype) + padding
+            if mask is not None and mask.dtype == torch.bool:
+                mask = padding.new_zeros(mask.shape).masked_fill(mask, float("-inf"))
+            mask = padding if mask is None else mask.to(query.dtype) + padding
             key_padding_mask = None
 
         result = self.attn(
@@ -144,13 +147,6 @@ class TorchAttentionAdapter(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)  # (L, B, E); torch's weights stay batch-first
         return out, weights
-
-
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bool mask (True = masked out) as a float one: ``-inf`` where masked, else 0."""
-    if mask.dtype != torch.bool:
-        return mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
 def _torch_shaped_projection(attn: MultiHeadAttention) -> bool:
