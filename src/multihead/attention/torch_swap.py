@@ -242,10 +242,8 @@ def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb
     by ``make(module, path)``, or none if ``check(module)`` says why one cannot be: "cannot
     ``verb`` path: why". Returns ``model``, or its replacement when it is itself of ``kind``.
     """
-    found = {}  # id -> (path, module), the first path of each module
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, kind):
-            found.setdefault(id(module), (path, module))
+    # id -> (path, module): named_modules gives a shared module once, at its first path.
+    found = {id(m): (path, m) for path, m in model.named_modules() if isinstance(m, kind)}
     for path, module in found.values():
         problem = check(module)
         if problem is not None:
