@@ -211,18 +211,15 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     if len(pruned) == H:
         raise ValueError(f"prune_heads must keep at least one of the {H} heads, got {pruned}")
     per_group = H // G
-    if G > 1 and per_group > 1:
-        partial = [g for g in range(G) if 0 < sum(i // per_group == g for i in pruned) < per_group]
-        if partial:
-            raise ValueError(
-                f"GQA prunes whole groups of {per_group} query heads (heads {per_group}g .. "
-                f"{per_group}g+{per_group - 1} with K/V head g); got heads {pruned}"
-            )
     keep = [h for h in range(H) if h not in pruned]
     keep_kv = sorted({h // per_group for h in keep})
-    H2, G2 = len(keep), len(keep_kv)
+    if G > 1 and len(keep) != len(keep_kv) * per_group:  # a K/V head kept for part of its group
+        raise ValueError(
+            f"GQA prunes whole groups of {per_group} query heads (heads {per_group}g .. "
+            f"{per_group}g+{per_group - 1} with K/V head g); got heads {pruned}"
+        )
 
-    new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
+    new = rebuild(layer, num_heads=len(keep), num_kv_heads=len(keep_kv))
     with torch.no_grad():
         for name in ("weight", "bias"):
             if layer.in_proj.blocks(name)[0] is None:  # either layout of in_proj
@@ -237,5 +234,5 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
         if layer.out_proj.bias is not None:
             new.out_proj.bias.copy_(layer.out_proj.bias)
     if layer.head_mask is not None:
-        new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
+        new.head_mask = layer.head_mask[keep]
     return new
