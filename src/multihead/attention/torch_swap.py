@@ -224,8 +224,9 @@ def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHea
     return copy.deepcopy(_layer_made_of(module, backend))
 
 
-def _no_torch_equivalent(attn: MultiHeadAttention) -> str | None:
-    """Why ``attn`` has no ``nn.MultiheadAttention`` equivalent, or ``None``."""
+def _no_torch_equivalent(adapter: TorchAttentionAdapter) -> str | None:
+    """Why ``adapter``'s layer has no ``nn.MultiheadAttention`` equivalent, or ``None``."""
+    attn = adapter.attn
     if attn.design is not None:
         return f"its layer has a head design ({attn.head_tag})"
     if attn.num_kv_heads != attn.num_heads:
@@ -317,10 +318,7 @@ def restore_torch_attention(model: nn.Module) -> nn.Module:
         _carry_hooks(adapter, module, path)
         return module.train(adapter.training)
 
-    model = _swap(
-        model, TorchAttentionAdapter, lambda a: _no_torch_equivalent(a.attn), torch_module,
-        verb="restore",
-    )  # fmt: skip
+    model = _swap(model, TorchAttentionAdapter, _no_torch_equivalent, torch_module, verb="restore")
     _set_nested_tensor(model)
     return model
 
