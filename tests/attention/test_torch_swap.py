@@ -1,7 +1,6 @@
 """replace_torch_attention: torch's own models compute what they did, with our layer inside."""
 
 import copy
-import doctest
 import importlib
 from operator import attrgetter
 
@@ -9,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import multihead.attention.torch_swap
 from multihead import MultiHeadAttention, replace_torch_attention
 from multihead.attention import (
     TorchAttentionAdapter,
+    from_torch,
     prune_heads,
     restore_torch_attention,
     with_kv_heads,
@@ -58,11 +57,6 @@ def import_or_skip(name: str):
         return importlib.import_module(name)
     except (ImportError, RuntimeError) as error:
         pytest.skip(f"{name} cannot be imported here (it needs torchvision): {error}")
-
-
-def test_doctest() -> None:
-    result = doctest.testmod(multihead.attention.torch_swap)
-    assert result.attempted > 0 and result.failed == 0
 
 
 # ------------------------------------------------------------------ nn.MultiheadAttention
@@ -297,6 +291,20 @@ def test_from_torch_layer_is_the_plain_layer() -> None:
     adapter = replace_torch_attention(nn.MultiheadAttention(E, H, dropout=0.1))
     assert type(adapter.attn) is MultiHeadAttention and adapter.attn.dropout == 0.1
     assert adapter.batch_first is False and adapter.training
+
+
+def test_from_torch_copies_and_refuses_what_the_swap_refuses() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    layer = from_torch(mha)
+    with torch.no_grad():
+        layer.in_proj.weight.zero_(), layer.out_proj.weight.zero_()
+    assert mha.in_proj_weight.abs().sum() > 0 and mha.out_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="from_torch cannot convert .*DoubledAttention has its"):
+        from_torch(DoubledAttention(E, H))
+    with pytest.raises(ValueError, match="from_torch cannot convert .*add_zero_attn=True"):
+        from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True))
+    with pytest.raises(TypeError, match="expected torch.nn.MultiheadAttention, got Linear"):
+        from_torch(nn.Linear(E, E))
 
 
 def test_fully_masked_rows_are_zeros() -> None:

@@ -1,10 +1,7 @@
 """The reusable attention layer. Imports torch only (no Lightning, no Hydra).
 
-Floors, each importing only those below it: kernels and plumbing (``backends``, ``masks``,
-``kv_cache``, ``checks``); the parts (``projection``, ``positional``, ``rotary``,
-``alibi``); the head designs (``designs``: interface, registry, shared steps; one file
-each: ``latent``, ``sparse``, ``mixing``); the layer (``layer``); functions over layers
-(``convert``, ``torch_swap``).
+Built in floors, each importing only those below it (``docs/reuse.md`` names the files):
+kernels and plumbing, the parts, the head designs, the layer, functions over layers.
 """
 
 from multihead.attention.alibi import ALiBi
@@ -20,7 +17,6 @@ from multihead.attention.backends import (
 )
 from multihead.attention.convert import (
     expand_latent,
-    from_torch,
     prune_heads,
     with_kv_heads,
     with_kv_latent,
@@ -34,38 +30,7 @@ from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
 from multihead.attention.torch_swap import (
     TorchAttentionAdapter,
+    from_torch,
     replace_torch_attention,
     restore_torch_attention,
 )
-
-__all__ = [
-    "BACKENDS",
-    "DESIGNS",
-    "ALiBi",
-    "AttentionMask",
-    "Backend",
-    "BackendUnavailableError",
-    "CacheLayout",
-    "HeadDesign",
-    "KVCache",
-    "MultiHeadAttention",
-    "PositionalPart",
-    "QKVProjection",
-    "Reroute",
-    "RotaryPositions",
-    "TorchAttentionAdapter",
-    "attend",
-    "available_backends",
-    "backend_rules",
-    "build_attention_mask",
-    "expand_latent",
-    "from_torch",
-    "make_mask",
-    "prune_heads",
-    "register_backend",
-    "register_design",
-    "replace_torch_attention",
-    "restore_torch_attention",
-    "with_kv_heads",
-    "with_kv_latent",
-]

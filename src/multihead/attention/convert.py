@@ -1,5 +1,4 @@
-"""Conversions of a layer's heads, functions over layers: :func:`from_torch`
-(``torch.nn.MultiheadAttention``), :func:`with_kv_heads` (fewer K/V heads),
+"""Conversions of a layer's heads, functions over layers: :func:`with_kv_heads` (fewer K/V heads),
 :func:`with_kv_latent` (a K/V latent, MLA), :func:`expand_latent` (back to the equivalent MHA
 layer) and :func:`prune_heads` (fewer query heads): each a new layer (built by
 :func:`rebuild`), its input left as it was. A head design is kept where it declares the
@@ -14,21 +13,6 @@ from torch import Tensor, nn
 from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
-
-
-def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
-    """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``: the one
-    check of ``nn.MultiheadAttention``'s options (``from_torch``, ``replace_torch_attention``)."""
-    if not module._qkv_same_embed_dim:
-        return (
-            f"kdim={module.kdim}, vdim={module.vdim} differ from embed_dim={module.embed_dim} "
-            "(MultiHeadAttention projects K and V from inputs of width embed_dim)"
-        )
-    if module.bias_k is not None:
-        return "add_bias_kv=True is not supported"
-    if module.add_zero_attn:
-        return "add_zero_attn=True is not supported"
-    return None
 
 
 def rebuild(
@@ -62,37 +46,6 @@ def rebuild(
         new.out_proj = nn.Linear(H * D, E, bias, **factory)
     new.positions = layer.positions  # the positions (no parameters) stay the layer's
     return new.train(layer.training)
-
-
-def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
-    """An equivalent layer with ``module``'s weights.
-
-    The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
-    same in both (bool True = masked out; float added), except that a 3-D
-    ``attn_mask`` here broadcasts to ``(B, H, L, S)`` instead of being ``(B*H, L, S)``.
-    """
-    if not isinstance(module, nn.MultiheadAttention):
-        raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(module).__name__}")
-    problem = unsupported_torch_options(module)
-    if problem is not None:
-        raise ValueError(f"from_torch cannot convert this module: {problem}")
-    weight = module.in_proj_weight
-    layer = MultiHeadAttention(
-        module.embed_dim,
-        module.num_heads,
-        dropout=module.dropout,
-        bias=module.in_proj_bias is not None,
-        backend=backend,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    with torch.no_grad():
-        layer.in_proj.weight.copy_(weight)
-        layer.out_proj.weight.copy_(module.out_proj.weight)
-        if module.in_proj_bias is not None:
-            layer.in_proj.bias.copy_(module.in_proj_bias)
-            layer.out_proj.bias.copy_(module.out_proj.bias)
-    return layer.train(module.training)
 
 
 def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAttention:
@@ -258,32 +211,28 @@ def prune_heads(layer: MultiHeadAttention, indices) -> MultiHeadAttention:
     if len(pruned) == H:
         raise ValueError(f"prune_heads must keep at least one of the {H} heads, got {pruned}")
     per_group = H // G
-    if G > 1 and per_group > 1:
-        partial = [g for g in range(G) if 0 < sum(i // per_group == g for i in pruned) < per_group]
-        if partial:
-            raise ValueError(
-                f"GQA prunes whole groups of {per_group} query heads (heads {per_group}g .. "
-                f"{per_group}g+{per_group - 1} with K/V head g); got heads {pruned}"
-            )
     keep = [h for h in range(H) if h not in pruned]
     keep_kv = sorted({h // per_group for h in keep})
-    H2, G2 = len(keep), len(keep_kv)
+    if G > 1 and len(keep) != len(keep_kv) * per_group:  # a K/V head kept for part of its group
+        raise ValueError(
+            f"GQA prunes whole groups of {per_group} query heads (heads {per_group}g .. "
+            f"{per_group}g+{per_group - 1} with K/V head g); got heads {pruned}"
+        )
 
-    def rows(heads: list[int], device) -> Tensor:  # the rows of heads' D-blocks
-        return torch.cat([torch.arange(h * D, (h + 1) * D, device=device) for h in heads])
-
-    new = rebuild(layer, num_heads=H2, num_kv_heads=G2)
+    new = rebuild(layer, num_heads=len(keep), num_kv_heads=len(keep_kv))
     with torch.no_grad():
         for name in ("weight", "bias"):
             if layer.in_proj.blocks(name)[0] is None:  # either layout of in_proj
                 continue
             (q, k, v), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
-            new_q.copy_(q[rows(keep, q.device)])
-            new_k.copy_(k[rows(keep_kv, q.device)]), new_v.copy_(v[rows(keep_kv, q.device)])
-        w_o = layer.out_proj.weight
-        new.out_proj.weight.copy_(w_o[:, rows(keep, w_o.device)])
+            # (H*D, ...) -> (H, D, ...): the kept heads' D-blocks -> (H'*D, ...)
+            new_q.copy_(q.unflatten(0, (H, D))[keep].flatten(0, 1))
+            new_k.copy_(k.unflatten(0, (G, D))[keep_kv].flatten(0, 1))
+            new_v.copy_(v.unflatten(0, (G, D))[keep_kv].flatten(0, 1))
+        w_o = layer.out_proj.weight  # (E, H*D) -> (E, H, D) -> (E, H'*D)
+        new.out_proj.weight.copy_(w_o.unflatten(1, (H, D))[:, keep].flatten(1, 2))
         if layer.out_proj.bias is not None:
             new.out_proj.bias.copy_(layer.out_proj.bias)
     if layer.head_mask is not None:
-        new.head_mask = layer.head_mask[torch.tensor(keep, device=layer.head_mask.device)]
+        new.head_mask = layer.head_mask[keep]
     return new

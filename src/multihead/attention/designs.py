@@ -1,25 +1,10 @@
-"""Head designs by name, like backends: what a design is, the registry, and the steps that
-every design shares.
+"""Head designs by name, like backends: the interface (:class:`HeadDesign`), the registry
+(:data:`DESIGNS`, :func:`register_design`) and the steps that every design shares.
 
-A head design is an ``nn.Module`` subclassing :class:`HeadDesign`, registered under its name
-with :func:`register_design`; ``MultiHeadAttention(E, H, design=name, **options)`` builds it
-as ``cls(embed_dim, num_heads, num_kv_heads, bias=..., device=..., dtype=..., **options)``
-and holds it under its :attr:`~HeadDesign.attribute` (the prefix of its state_dict keys).
-A design changes the plain path in one of two ways:
-
-* it replaces steps of the layer's own forward: :meth:`HeadDesign.attend` (the kernel call:
-  talking heads) and :meth:`HeadDesign.mix` (the heads ``(B, L, H, D)`` as they enter
-  ``W^O``: group MLP, head attention);
-* or it writes the whole forward, :meth:`HeadDesign.attention` (``replaces_forward =
-  True``: sparse heads, latent attention), from the layer's parts (:class:`AttentionLayer`)
-  and the shared steps here: :func:`make_mask`, :func:`~.backends.attend`,
-  :func:`kernel_of`, :func:`merge_heads`, :func:`scale_heads`, :func:`new_positions`.
-
-It declares what it works with, and the layer checks it when built: ``seams`` (the
-positional parts, :mod:`~.positional`), ``backends``, ``any_kv_heads``, ``head_mask``;
-``cache_layout`` says what the KV cache holds; ``conversions`` which functions of
-:mod:`~.convert` keep it; :meth:`HeadDesign.head_outputs` gives head analysis each head's
-output before ``W^O``.
+A design replaces steps of the layer's forward (:meth:`HeadDesign.attend`,
+:meth:`HeadDesign.mix`) or writes the whole of it (:meth:`HeadDesign.attention`) from the
+layer's parts (:class:`AttentionLayer`) and the shared steps here, and declares what it works
+with, which the layer checks when built. ``docs/reuse.md`` teaches writing one.
 """
 
 from __future__ import annotations
@@ -131,9 +116,8 @@ class HeadDesign(nn.Module):
     def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
         """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
         weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
-        A design that writes its own forward, or its own :meth:`attend` whose weights are not
-        the ones that multiply V (``weights_are_final``), gives none unless it overrides this:
-        weights times V would be silently wrong for it."""
+        Weights times V, refused where that would be wrong: a design that writes its own
+        forward or :meth:`attend` (unless ``weights_are_final``) overrides this."""
         own_attend = type(self).attend is not HeadDesign.attend and not self.weights_are_final
         if self.replaces_forward or own_attend:
             raise ValueError(
@@ -277,16 +261,6 @@ def merge_heads(heads: Tensor) -> Tensor:
     """Heads ``(B, H, L, D)`` concatenated, ``(B, L, H*D)``, as they enter ``W^O``."""
     B, H, L, D = heads.shape
     return heads.transpose(1, 2).reshape(B, L, H * D)
-
-
-def check_head_mask(head_mask: Tensor | None, num_heads: int) -> Tensor | None:
-    """``head_mask`` if it is ``None`` or a ``(H,)`` tensor, else ValueError."""
-    if head_mask is None:
-        return None
-    if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (num_heads,):
-        got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
-        raise ValueError(f"head_mask must be a tensor of shape ({num_heads},), got {got}")
-    return head_mask
 
 
 def scale_heads(heads: Tensor, head_mask: Tensor | None) -> Tensor:

@@ -12,14 +12,8 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
        | | | |              \\| |/               \\ \\/ /
     kv:1 2 3 4           kv:  1  2            kv:   1
 
-The layer composes parts that sit below it: the Q/K/V projection
-(:mod:`~multihead.attention.projection`), a positional part
-(:mod:`~multihead.attention.positional`), the KV cache, the kernel
-(:mod:`~multihead.attention.backends`) and a head design
-(:mod:`~multihead.attention.designs`). ``forward`` reads top to bottom: project, positions,
-cache, attend, merge, output; a design changes the attend or merge step, or replaces the
-forward. Conversions of a layer's heads are functions over layers,
-:mod:`~multihead.attention.convert`.
+The layer composes the parts below it (projection, positions, KV cache, kernel, head
+design); ``forward`` reads top to bottom: project, positions, cache, attend, merge, output.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
     HeadDesign,
-    check_head_mask,
     kernel_of,
     make_mask,
     new_positions,
@@ -65,23 +58,19 @@ class MultiHeadAttention(nn.Module):
         bias: add biases to the input and output projections.
         backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
             (``math``: the written-out reference); if it cannot run, it says why.
-        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS`
-            (``"moh"``, ``"talking_heads"``, ``"group_mlp"``, ``"head_attention"``,
-            ``"mla"``, ``"diff"``) or a :class:`~multihead.attention.designs.HeadDesign` instance;
-            ``None``: the textbook layer, or the design one of ``design_options`` selects.
+        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS` or a
+            :class:`~multihead.attention.designs.HeadDesign` instance; ``None``: the textbook
+            layer, or the design that one of ``design_options`` selects.
         positions: a positional part (:mod:`~multihead.attention.positional`) for
-            self-attention: rotary (Q and K turned) or a score bias; ``None``: none, or
-            rotary from ``rotary_dim``.
-        rotary_dim: rotary position embeddings (:mod:`~multihead.attention.rotary`) on Q
-            and K of self-attention, rotating the first ``rotary_dim`` features of each head
-            (``head_dim``: all of them). With a design that takes ``rotary_dim`` (MLA): the
-            width of its decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
+            self-attention; ``None``: none, or rotary from ``rotary_dim``.
+        rotary_dim: rotary embeddings (:mod:`~multihead.attention.rotary`) on the first
+            ``rotary_dim`` features of each head of Q and K; with MLA, the width of its
+            decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
         rope_theta, rope_interleaved: the rotary base and pairing, with ``rotary_dim``.
         design_options: the design's own options, as its class takes them. The older
-            keywords work as before: ``top_k_heads``, ``num_shared_heads`` (sparse heads,
-            ``"moh"``, state_dict ``head_gate``), ``head_mixing`` (a mixing's name),
-            ``mixing_groups`` (``head_mix``), ``kv_latent_dim``, ``kv_latent_norm`` (MLA,
-            ``kv_latent``). A layer has at most one head design.
+            keywords select their design: ``top_k_heads``, ``num_shared_heads`` (``"moh"``),
+            ``head_mixing`` (a mixing's name), ``mixing_groups``, ``kv_latent_dim``,
+            ``kv_latent_norm`` (``"mla"``).
         device, dtype: for the parameters.
 
     Example:
@@ -162,7 +151,14 @@ class MultiHeadAttention(nn.Module):
                 self.head_dim, rotary_dim=rotary_dim, theta=rope_theta, interleaved=rope_interleaved
             )
         self.positions = positions
-        self._reset_parameters()
+        # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
+        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases, whatever G is: a smaller
+        # GQA/MQA stack would otherwise draw larger weights (27% for MQA at 4 heads).
+        bound = (6.0 / (embed_dim + 3 * embed_dim)) ** 0.5
+        nn.init.uniform_(self.in_proj.weight, -bound, bound)
+        if bias:
+            nn.init.zeros_(self.in_proj.bias)
+            nn.init.zeros_(self.out_proj.bias)
 
         # The head design comes after the projections' init, so a layer with one draws the
         # same Q/K/V/O weights as the plain layer from the same seed.
@@ -172,26 +168,24 @@ class MultiHeadAttention(nn.Module):
         self._design_name = None if design is None else design.attribute
         if design is not None:
             self.add_module(design.attribute, design)
-        self._check_parts(self._part)
-
-    def _check_parts(self, design: HeadDesign) -> None:
+        part = self._part
         # What the design and the backend declare they work with (HeadDesign's attributes,
         # the backend's registry entry).
-        if design.backends is not None and self.backend not in design.backends:
+        if part.backends is not None and self.backend not in part.backends:
             raise ValueError(
-                f"head design {design.name!r} runs on backend {', '.join(sorted(design.backends))} "
+                f"head design {part.name!r} runs on backend {', '.join(sorted(part.backends))} "
                 f"only; got backend={self.backend!r}"
             )
-        if not design.any_kv_heads and self.num_kv_heads != self.num_heads:
+        if not part.any_kv_heads and self.num_kv_heads != self.num_heads:
             raise ValueError(
-                f"head design {design.name!r} has one K/V head per query head; got "
+                f"head design {part.name!r} has one K/V head per query head; got "
                 f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}"
             )
         seam = None if self.positions is None else self.positions.seam
-        if seam is not None and seam not in design.seams:
+        if seam is not None and seam not in part.seams:
             raise ValueError(
-                f"head design {design.name!r} takes no positional part with seam {seam!r}; "
-                f"it takes: {', '.join(sorted(design.seams)) or 'none'}"
+                f"head design {part.name!r} takes no positional part with seam {seam!r}; "
+                f"it takes: {', '.join(sorted(part.seams)) or 'none'}"
             )
         if seam == "score_bias" and not BACKENDS[self.backend].score_bias:
             takes = [n for n, b in BACKENDS.items() if b.score_bias]
@@ -199,16 +193,6 @@ class MultiHeadAttention(nn.Module):
                 f"backend {self.backend!r} takes no score bias ({type(self.positions).__name__}); "
                 f"use one of {', '.join(takes)}"
             )
-
-    def _reset_parameters(self) -> None:
-        # As torch.nn.MultiheadAttention: Xavier on the stacked projection as if it held all
-        # three E x E matrices, U(+-sqrt(6 / (E + 3E))), zero biases, whatever G is: a smaller
-        # GQA/MQA stack would otherwise draw larger weights (27% for MQA at 4 heads).
-        bound = (6.0 / (self.embed_dim + 3 * self.embed_dim)) ** 0.5
-        nn.init.uniform_(self.in_proj.weight, -bound, bound)
-        if self.in_proj.bias is not None:
-            nn.init.zeros_(self.in_proj.bias)
-            nn.init.zeros_(self.out_proj.bias)
 
     # ------------------------------------------------------------------ what was built
     @property
@@ -224,9 +208,8 @@ class MultiHeadAttention(nn.Module):
     def head_config(self) -> dict[str, str | int]:
         """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"``, ``"mqa"``, or a
         design's own, ``"mla"``), ``H``, ``G`` and the head design's constructor arguments."""
-        kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
-        kind = "mqa" if self.num_kv_heads == 1 and self.num_heads > 1 else kind
-        kind = self._part.kind or kind
+        H, G = self.num_heads, self.num_kv_heads
+        kind = self._part.kind or ("mha" if G == H else "mqa" if G == 1 else "gqa")
         rotary = {} if self.positions is None else self.positions.options
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -266,9 +249,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def head_outputs(self, weights: Tensor, source: Tensor) -> Tensor:
-        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from attention
-        ``weights`` ``(B, H, L, S)`` and the keys' ``source`` ``(B, S, E)``, by the head
-        design (:meth:`~.designs.HeadDesign.head_outputs`; one without it is refused)."""
+        """Each head's output as it enters ``W^O``: :meth:`.designs.HeadDesign.head_outputs`."""
         return self._part.head_outputs(self, weights, source)
 
     # ------------------------------------------------------------------ KV cache
@@ -333,9 +314,12 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("position_ids are for a positional part; this layer has none")
         if key_value is not None and self.has_positions:
             raise ValueError("positions are for self-attention; got a key_value (cross-attention)")
-        head_mask = check_head_mask(
-            self.head_mask if head_mask is None else head_mask, self.num_heads
-        )
+        head_mask = self.head_mask if head_mask is None else head_mask
+        if head_mask is not None and (
+            not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,)
+        ):
+            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
         part = self._part
         if head_mask is not None and not part.head_mask:
             raise ValueError(

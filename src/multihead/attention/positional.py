@@ -1,18 +1,10 @@
 """Where a position encoding enters attention: the two seams of a positional part.
 
-* ``seam = "rotate"``: :meth:`PositionalPart.rotate` turns Q ``(B, H, L, D)`` and the new K
-  ``(B, G, L, D)`` by their positions, after the projection and before K is cached (rotary
-  embeddings, :class:`~multihead.attention.rotary.RotaryPositions`);
-* ``seam = "score_bias"``: :meth:`PositionalPart.score_bias` gives an additive bias
-  ``(B or 1, H, L, S)`` on the scores from the queries' and the keys' positions (ALiBi).
-  The layer adds it to the float mask of ``math``, ``sdpa`` and ``efficient`` (``flex``
-  reads it as a ``score_mod``); a backend whose registry entry has ``score_bias=False``
-  (``flash``, ``cudnn``, ``flash_attn``) is refused by name. With a KV cache the keys'
-  positions are those the cache stored beside them (:meth:`KVCache.key_positions`).
-
-Positions are ``(L,)``, or ``(B, L)`` for a left-padded batch; a part is built with the
-layer's ``head_dim`` and ``num_heads`` and may hold no parameters (a checkpoint then holds
-nothing of it).
+``seam = "rotate"``: Q and the new K turned by their positions after the projection, before K
+is cached (:class:`~multihead.attention.rotary.RotaryPositions`). ``seam = "score_bias"``: an
+additive bias on the scores from the queries' and the keys' positions (ALiBi), which a backend
+without ``score_bias`` in its registry entry refuses by name. Positions are ``(L,)``, or
+``(B, L)`` for a left-padded batch; ``docs/reuse.md`` teaches writing a part.
 """
 
 from __future__ import annotations

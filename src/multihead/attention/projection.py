@@ -1,18 +1,10 @@
 """The Q/K/V projection: the one part that knows how the Q, K and V weights are laid out.
 
-Two layouts of the same part, :class:`QKVProjection`:
-
-* **stacked** (the default): one ``nn.Linear`` whose weight is ``[W^Q; W^K; W^V]``,
-  ``(H*D + 2*G*D, E)`` (``H*D`` alone without K/V, for MLA): self-attention does one GEMM
-  for all three; the state_dict keys are ``in_proj.weight`` and ``in_proj.bias``;
-* **separate** (:meth:`QKVProjection.from_linears`): three ``nn.Linear`` kept as they are,
-  ``q_proj``, ``k_proj``, ``v_proj`` (a Hugging Face model's own, so its parameter objects,
-  optimizer state and hooks stay); ``weight`` and ``bias`` are then ``None``.
-
-Every other file reads and writes the blocks through :meth:`QKVProjection.blocks` (views of
-the stacked weight's rows, or the three parameters): ``for ours, theirs in
-zip(proj.blocks(), (w_q, w_k, w_v)): ours.copy_(theirs)`` under ``torch.no_grad()`` writes
-either layout.
+:class:`QKVProjection` is **stacked** by default: one ``nn.Linear`` of ``[W^Q; W^K; W^V]``,
+one GEMM for self-attention, state_dict keys ``in_proj.weight`` and ``in_proj.bias``. Or it is
+**separate** (:meth:`QKVProjection.from_linears`): a Hugging Face model's own three
+``nn.Linear``, kept with their parameter objects, optimizer state and hooks. Every other file
+reads and writes the blocks through :meth:`QKVProjection.blocks`, in either layout.
 """
 
 from __future__ import annotations

@@ -1,78 +1,31 @@
 """Swap ``torch.nn.MultiheadAttention`` for :class:`MultiHeadAttention` inside any model, and back.
 
 :func:`replace_torch_attention` puts a :class:`TorchAttentionAdapter` wherever a model holds an
-``nn.MultiheadAttention``. The adapter holds a :class:`MultiHeadAttention` made of the old
-module's own parameters and takes ``nn.MultiheadAttention``'s call, so the code that calls it
-does not change. Then the layer's own features apply, GQA first:
-
-    >>> import torch
-    >>> from torch import nn
-    >>> from multihead import replace_torch_attention
-    >>> from multihead.attention import TorchAttentionAdapter, with_kv_heads
-    >>> block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dropout=0.0, batch_first=True)
-    >>> encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
-    >>> x = torch.randn(2, 5, 32)
-    >>> before = encoder(x)
-    >>> encoder = replace_torch_attention(encoder)
-    >>> torch.allclose(encoder(x), before, atol=1e-5)
-    True
-    >>> for module in encoder.modules():  # 2 K/V heads for the 4 query heads
-    ...     if isinstance(module, TorchAttentionAdapter):
-    ...         module.attn = with_kv_heads(module.attn, 2)
-    >>> encoder.layers[0].self_attn.attn.num_kv_heads
-    2
-
-:func:`restore_torch_attention` goes back to ``nn.MultiheadAttention`` modules, for a model
-whose layers still have torch's shape.
+``nn.MultiheadAttention``: a :class:`MultiHeadAttention` made of the old module's own
+parameters, behind ``nn.MultiheadAttention``'s call, so the code that calls it does not change
+and the layer's own features apply (``module.attn = with_kv_heads(module.attn, 2)``).
+:func:`restore_torch_attention` goes back, for a model whose layers still have torch's shape.
+``docs/reuse.md`` shows both on a model.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from multihead.attention.convert import from_torch, unsupported_torch_options
 from multihead.attention.layer import MultiHeadAttention
 
 
 class TorchAttentionAdapter(nn.Module):
-    """``nn.MultiheadAttention``'s call around a :class:`MultiHeadAttention`.
+    """``nn.MultiheadAttention``'s call and attributes around a :class:`MultiHeadAttention`.
 
-    ``forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-    average_attn_weights, is_causal)`` means what it means for ``nn.MultiheadAttention`` and
-    returns its ``(output, weights)`` tuple: sequence-first tensors unless ``batch_first``,
-    unbatched ``(L, E)`` inputs, ``attn_mask`` of shape ``(L, S)`` or ``(B*H, L, S)``, bool
-    (True = masked out) or float (added to the scores), masks of either kind for
-    ``key_padding_mask``, weights ``(B, L, S)`` averaged over the heads or ``(B, H, L, S)``.
-    ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: for self-attention
-    the layer then applies its own causal mask, as torch's kernel does.
-
-    A query row whose keys are all masked attends to nothing: zeros from the layer, where
-    torch gives NaN when it computes the weights (``need_weights=True``, and the fast path
-    of ``nn.TransformerEncoderLayer``).
-
-    What code written for ``nn.MultiheadAttention`` reads is here: ``embed_dim``,
-    ``num_heads``, ``head_dim``, ``dropout``, ``batch_first``, ``kdim`` and ``vdim`` (both
-    ``embed_dim``), ``bias_k`` and ``bias_v`` (``None``), ``add_zero_attn`` (False),
-    ``out_proj`` (the layer's), and ``in_proj_weight`` and ``in_proj_bias``: the layer's
-    stacked Q/K/V projection itself while it has torch's ``(3E, E)`` shape, ``None`` after
-    a change of heads. So an init written for torch's module (open_clip's
-    ``nn.init.normal_(block.attn.in_proj_weight, std=...)``) writes the layer's weights.
-    ``_qkv_same_embed_dim`` is False although ``kdim == vdim == embed_dim``: only then does
-    ``nn.TransformerEncoderLayer`` in eval mode call this adapter instead of its fused
-    kernel, which would run torch's attention on ``in_proj_weight`` in place of the layer.
-
-    K and V come from one input here: ``key`` must be ``value``, as in every
-    ``nn.Transformer*`` layer and vision transformer. A caller that passes them as two
-    tensors (DETR adds the positions to the key only) gets an error naming the module at
-    its first such call. The swap cannot refuse it earlier, because a module's calls are in
-    its caller's code. Projecting K from ``key`` and V from ``value`` would need a second
-    input path through the layer, its KV cache and every head design, for a call that no
-    ``torch.nn`` model makes.
+    ``forward`` takes ``nn.MultiheadAttention``'s arguments and returns its ``(output,
+    weights)`` tuple; ``key`` must be ``value``, and a query row whose keys are all masked
+    gets zeros where torch gives NaN. ``docs/reuse.md`` says what holds and what is refused.
 
     Args:
         attn: the layer that computes the attention. Replace it (for example by
@@ -82,6 +35,9 @@ class TorchAttentionAdapter(nn.Module):
         name: the module's path in its model, for error messages.
     """
 
+    # False although kdim == vdim == embed_dim: only then does nn.TransformerEncoderLayer in
+    # eval mode call the adapter instead of its fused kernel, which would run torch's
+    # attention on in_proj_weight in place of the layer.
     _qkv_same_embed_dim = False
     bias_k = None
     bias_v = None
@@ -93,41 +49,22 @@ class TorchAttentionAdapter(nn.Module):
         self.batch_first = batch_first
         self.name = name
 
-    @property
-    def embed_dim(self) -> int:
-        return self.attn.embed_dim
-
-    @property
-    def num_heads(self) -> int:
-        return self.attn.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.attn.head_dim
-
-    @property
-    def dropout(self) -> float:
-        return self.attn.dropout
-
-    @property
-    def kdim(self) -> int:
-        return self.attn.embed_dim
-
-    @property
-    def vdim(self) -> int:
-        return self.attn.embed_dim
-
-    @property
-    def out_proj(self) -> nn.Linear:
-        return self.attn.out_proj
-
-    @property
-    def in_proj_weight(self) -> Tensor | None:
-        return self.attn.in_proj.weight if _torch_shaped_projection(self.attn) else None
-
-    @property
-    def in_proj_bias(self) -> Tensor | None:
-        return self.attn.in_proj.bias if _torch_shaped_projection(self.attn) else None
+    def __getattr__(self, name: str) -> object:
+        # What code written for nn.MultiheadAttention reads, read from the current layer.
+        # in_proj_weight and in_proj_bias are the layer's own stacked projection while it has
+        # torch's (3E, E) shape (so open_clip's init writes the layer's weights), else None.
+        if name in ("embed_dim", "num_heads", "head_dim", "dropout", "out_proj"):
+            return getattr(self.attn, name)
+        if name in ("kdim", "vdim"):
+            return self.attn.embed_dim
+        if name in ("in_proj_weight", "in_proj_bias"):
+            in_proj = self.attn.in_proj
+            return (
+                getattr(in_proj, name[len("in_proj_") :])
+                if _torch_shaped_projection(self.attn)
+                else None
+            )
+        return super().__getattr__(name)
 
     def extra_repr(self) -> str:
         return f"batch_first={self.batch_first}"
@@ -150,6 +87,8 @@ class TorchAttentionAdapter(nn.Module):
                 "path; call replace_torch_attention on the model that holds the encoder, "
                 "which turns that path off (use_nested_tensor=False)"
             )
+        # Projecting K from key and V from value would need a second input path through the
+        # layer, its KV cache and every head design, for a call no torch.nn model makes.
         if key is not value:
             raise ValueError(
                 f"{where} was called with key and value as different tensors; "
@@ -183,9 +122,12 @@ class TorchAttentionAdapter(nn.Module):
                 )
             mask = mask.reshape(B, H, L, S)  # torch's row b*H + h is (batch b, head h)
         if key_padding_mask is not None and key_padding_mask.is_floating_point():
-            # A float padding mask is added to the scores, like a float attn_mask.
+            # A float padding mask is added to the scores, like a float attn_mask; a bool
+            # attn_mask joins it as -inf where masked out.
             padding = key_padding_mask[:, None, None, :].to(query.dtype)  # (B, 1, 1, S)
-            mask = padding if mask is None else _additive(mask, query.dtype) + padding
+            if mask is not None and mask.dtype == torch.bool:
+                mask = padding.new_zeros(mask.shape).masked_fill(mask, float("-inf"))
+            mask = padding if mask is None else mask.to(query.dtype) + padding
             key_padding_mask = None
 
         result = self.attn(
@@ -207,30 +149,11 @@ class TorchAttentionAdapter(nn.Module):
         return out, weights
 
 
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bool mask (True = masked out) as a float one: ``-inf`` where masked, else 0."""
-    if mask.dtype != torch.bool:
-        return mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-
-
 def _torch_shaped_projection(attn: MultiHeadAttention) -> bool:
     """Whether ``attn.in_proj`` stacks full Q, K and V, ``(3E, E)``, as torch's does."""
     return tuple(attn.in_proj.weight.shape) == (3 * attn.embed_dim, attn.embed_dim)
 
 
-# The hooks a module's call runs. The adapter takes nn.MultiheadAttention's call and returns
-# its tuple, so they mean the same on either.
-_CALL_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_is_full_backward_hook",
-)
 # The hooks that see parameter names, which differ between the two.
 _STATE_DICT_HOOKS = {
     "_state_dict_pre_hooks": "state_dict pre-hooks",
@@ -241,10 +164,13 @@ _STATE_DICT_HOOKS = {
 
 
 def _carry_hooks(old: nn.Module, new: nn.Module, path: str) -> None:
-    """Give ``new`` the call hooks of ``old``: the same dicts, so the handles that registered
-    them still remove them. State-dict hooks are left behind, with a warning."""
-    for name in _CALL_HOOKS:
-        setattr(new, name, getattr(old, name))
+    """Give ``new`` the forward and backward hooks of ``old`` (the adapter takes
+    ``nn.MultiheadAttention``'s call and returns its tuple, so they mean the same on either):
+    the same dicts, so the handles that registered them still remove them. State-dict hooks
+    are left behind, with a warning."""
+    for name in vars(old):
+        if name.startswith(("_forward_", "_backward_", "_is_full_backward_hook")):
+            setattr(new, name, getattr(old, name))
     left = [kind for name, kind in _STATE_DICT_HOOKS.items() if getattr(old, name)]
     if left:
         warnings.warn(
@@ -258,11 +184,49 @@ def _unsupported(module: nn.MultiheadAttention) -> str | None:
     """What ``module`` has that :class:`MultiHeadAttention` cannot do, or ``None``."""
     if type(module).forward is not nn.MultiheadAttention.forward:
         return f"{type(module).__name__} has its own forward, which the adapter would not run"
-    return unsupported_torch_options(module)
+    if not module._qkv_same_embed_dim:
+        return (
+            f"kdim={module.kdim}, vdim={module.vdim} differ from embed_dim={module.embed_dim} "
+            "(MultiHeadAttention projects K and V from inputs of width embed_dim)"
+        )
+    if module.bias_k is not None:
+        return "add_bias_kv=True is not supported"
+    if module.add_zero_attn:
+        return "add_zero_attn=True is not supported"
+    return None
 
 
-def _no_torch_equivalent(attn: MultiHeadAttention) -> str | None:
-    """Why ``attn`` has no ``nn.MultiheadAttention`` equivalent, or ``None``."""
+def _layer_made_of(module: nn.MultiheadAttention, backend: str) -> MultiHeadAttention:
+    """The :class:`MultiHeadAttention` made of ``module``'s own parameter objects."""
+    weight, bias = module.in_proj_weight, module.in_proj_bias
+    attn = MultiHeadAttention(
+        module.embed_dim, module.num_heads, dropout=module.dropout, bias=bias is not None,
+        backend=backend, device="meta", dtype=weight.dtype,
+    )  # fmt: skip
+    # The module's parameters in place of the placeholders made on "meta".
+    attn.in_proj.weight, attn.in_proj.bias = weight, bias
+    attn.out_proj = module.out_proj
+    return attn.train(module.training)
+
+
+def from_torch(module: nn.MultiheadAttention, backend: str = "sdpa") -> MultiHeadAttention:
+    """An equivalent layer with a copy of ``module``'s weights.
+
+    The new layer is batch-first whatever ``module.batch_first`` says. Masks mean the
+    same in both (bool True = masked out; float added), except that a 3-D
+    ``attn_mask`` here broadcasts to ``(B, H, L, S)`` instead of being ``(B*H, L, S)``.
+    """
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(module).__name__}")
+    problem = _unsupported(module)
+    if problem is not None:
+        raise ValueError(f"from_torch cannot convert this module: {problem}")
+    return copy.deepcopy(_layer_made_of(module, backend))
+
+
+def _no_torch_equivalent(adapter: TorchAttentionAdapter) -> str | None:
+    """Why ``adapter``'s layer has no ``nn.MultiheadAttention`` equivalent, or ``None``."""
+    attn = adapter.attn
     if attn.design is not None:
         return f"its layer has a head design ({attn.head_tag})"
     if attn.num_kv_heads != attn.num_heads:
@@ -275,17 +239,12 @@ def _no_torch_equivalent(attn: MultiHeadAttention) -> str | None:
 
 
 def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb: str) -> nn.Module:
-    """Replace each module of type ``kind`` in ``model`` by ``make(module, path)``.
-
-    ``check(module)`` says why one cannot be replaced (an error naming its path, and nothing
-    is replaced: "cannot ``verb`` ...") or ``None``. A module shared at several places gets
-    one replacement, shared the same way. Returns ``model``, or its replacement when it is
-    itself of ``kind``.
+    """Replace each module of type ``kind`` in ``model`` (once, however often it is shared)
+    by ``make(module, path)``, or none if ``check(module)`` says why one cannot be: "cannot
+    ``verb`` path: why". Returns ``model``, or its replacement when it is itself of ``kind``.
     """
-    found = {}  # id -> (path, module), the first path of each module
-    for path, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, kind):
-            found.setdefault(id(module), (path, module))
+    # id -> (path, module): named_modules gives a shared module once, at its first path.
+    found = {id(m): (path, m) for path, m in model.named_modules() if isinstance(m, kind)}
     for path, module in found.values():
         problem = check(module)
         if problem is not None:
@@ -302,22 +261,9 @@ def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb
 
 def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Module:
     """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by a
-    :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` with its weights.
-
-    The new layer is made of the old module's own parameter objects (``in_proj_weight`` and
-    ``in_proj_bias`` become ``attn.in_proj``'s, ``out_proj`` moves as it is). So the model
-    computes what it did (within float rounding), a frozen parameter stays frozen, and an
-    optimizer built before the swap goes on updating the attention. The old module's
-    forward and backward hooks move to the adapter, which takes the same call and returns
-    the same tuple; state-dict hooks do not (a warning names them). A module shared at
-    several places gets one adapter, shared the same way.
-
-    Parameter names change (``self_attn.in_proj_weight`` becomes
-    ``self_attn.attn.in_proj.weight``); :func:`restore_torch_attention` gives the old names
-    back. Every ``nn.TransformerEncoder`` that now holds an adapter has its nested-tensor
-    fast path turned off (``use_nested_tensor = False``): that path feeds padded batches to
-    the attention as nested tensors, which the layer does not take. Outputs at non-padded
-    positions are unchanged; padded positions are computed instead of set to zero.
+    :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` made of its own
+    parameter objects, which takes over its forward and backward hooks. ``docs/reuse.md``
+    says what holds and what changes.
 
     Args:
         model: changed in place.
@@ -327,41 +273,26 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
         ``model``, or the adapter when ``model`` is itself an ``nn.MultiheadAttention``.
 
     Raises:
-        ValueError: a module the layer cannot stand in for: a subclass with its own
-            ``forward``, ``kdim``/``vdim`` unequal to ``embed_dim``, ``add_bias_kv``,
-            ``add_zero_attn``. The message names the module's path; nothing is replaced.
+        ValueError: a module the layer cannot stand in for, named by its path; nothing is
+            replaced.
     """
 
     def adapter(module: nn.MultiheadAttention, path: str) -> TorchAttentionAdapter:
-        attn = from_torch(module, backend)  # checked, with copied weights
-        attn.in_proj.weight = module.in_proj_weight  # then the module's own, in their place
-        attn.in_proj.bias = module.in_proj_bias
-        attn.out_proj = module.out_proj
-        new = TorchAttentionAdapter(attn, batch_first=module.batch_first, name=path)
+        new = TorchAttentionAdapter(
+            _layer_made_of(module, backend), batch_first=module.batch_first, name=path
+        )
         _carry_hooks(module, new, path)
         return new.train(module.training)
 
     model = _swap(model, nn.MultiheadAttention, _unsupported, adapter, verb="replace")
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder) and any(
-            isinstance(m, TorchAttentionAdapter) for m in module.modules()
-        ):
-            if not hasattr(module, "_use_nested_tensor_before_swap"):
-                module._use_nested_tensor_before_swap = module.use_nested_tensor
-            module.use_nested_tensor = False
+    _set_nested_tensor(model)
     return model
 
 
 def restore_torch_attention(model: nn.Module) -> nn.Module:
     """Put an ``nn.MultiheadAttention`` back wherever ``model`` holds a
-    :class:`TorchAttentionAdapter`: :func:`replace_torch_attention` undone.
-
-    Each new module is made of its layer's own parameter objects and takes the adapter's
-    hooks, so a swap and a restore give back the model that was swapped: the same
-    parameters under the same names, the same outputs, ``nn.TransformerEncoder``'s
-    nested-tensor setting as it was. The ``state_dict`` of a swapped model under the
-    original's names, for ``load_state_dict(..., strict=True)``, is
-    ``restore_torch_attention(copy.deepcopy(model)).state_dict()``.
+    :class:`TorchAttentionAdapter`: :func:`replace_torch_attention` undone, with the same
+    parameter objects under the same names and the adapter's hooks.
 
     Args:
         model: changed in place.
@@ -370,9 +301,8 @@ def restore_torch_attention(model: nn.Module) -> nn.Module:
         ``model``, or the new module when ``model`` is itself an adapter.
 
     Raises:
-        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold: fewer K/V heads
-            than query heads, a head design, pruned heads, a head mask. The message names
-            the module's path; nothing is restored.
+        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold (GQA, a head design,
+            pruned heads, a head mask), named by its path; nothing is restored.
     """
 
     def torch_module(adapter: TorchAttentionAdapter, path: str) -> nn.MultiheadAttention:
@@ -382,24 +312,28 @@ def restore_torch_attention(model: nn.Module) -> nn.Module:
             attn.embed_dim, attn.num_heads, dropout=attn.dropout, bias=bias is not None,
             batch_first=adapter.batch_first, device="meta", dtype=weight.dtype,
         )  # fmt: skip
-        # The layer's parameter objects in place of the placeholders made on "meta".
+        # The layer's parameters and out_proj in place of the placeholders made on "meta".
         module.in_proj_weight, module.in_proj_bias = weight, bias
-        if isinstance(attn.out_proj, NonDynamicallyQuantizableLinear):
-            module.out_proj = attn.out_proj  # the one replace_torch_attention took
-        else:
-            module.out_proj.weight, module.out_proj.bias = attn.out_proj.weight, attn.out_proj.bias
+        module.out_proj = attn.out_proj
         _carry_hooks(adapter, module, path)
         return module.train(adapter.training)
 
-    model = _swap(
-        model, TorchAttentionAdapter, lambda a: _no_torch_equivalent(a.attn), torch_module,
-        verb="restore",
-    )  # fmt: skip
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder) and not any(
-            isinstance(m, TorchAttentionAdapter) for m in module.modules()
-        ):
-            if hasattr(module, "_use_nested_tensor_before_swap"):
-                module.use_nested_tensor = module._use_nested_tensor_before_swap
-                del module._use_nested_tensor_before_swap
+    model = _swap(model, TorchAttentionAdapter, _no_torch_equivalent, torch_module, verb="restore")
+    _set_nested_tensor(model)
     return model
+
+
+def _set_nested_tensor(model: nn.Module) -> None:
+    # nn.TransformerEncoder's fast path feeds padded batches to the attention as nested
+    # tensors, which the layer does not take: off while an encoder holds an adapter, then
+    # back to the encoder's own setting.
+    for module in model.modules():
+        if not isinstance(module, nn.TransformerEncoder):
+            continue
+        if any(isinstance(m, TorchAttentionAdapter) for m in module.modules()):
+            if not hasattr(module, "_use_nested_tensor_before_swap"):
+                module._use_nested_tensor_before_swap = module.use_nested_tensor
+            module.use_nested_tensor = False
+        elif hasattr(module, "_use_nested_tensor_before_swap"):
+            module.use_nested_tensor = module._use_nested_tensor_before_swap
+            del module._use_nested_tensor_before_swap
