@@ -13,8 +13,8 @@ from multihead.attention import MultiHeadAttention
 from multihead.checkpoints import load_trained_model, read_checkpoint
 from multihead.checkpoints.conversion import (
     convert_checkpoint,
+    convert_attention,
     convert_kv_heads,
-    convert_model,
     resolve_scope,
 )
 from multihead.evaluation import evaluate_checkpoint
@@ -68,7 +68,7 @@ def test_identical_heads_in_each_group_convert_exactly(scope, backend) -> None:
     src[0, 5:] = 0  # some padding
     with torch.no_grad():
         before = model(src, tgt_in)
-        convert_model(model, resolve_scope(scope), num_kv_heads=2)
+        convert_attention(model, kv_heads=2, scope=scope)
         after = model(src, tgt_in)
     torch.testing.assert_close(after, before)
     converted = {"decoder_self_attention", "cross_attention"}
@@ -83,9 +83,7 @@ def test_pooling_is_the_mean_of_each_groups_rows() -> None:
     model = tiny_model()
     old = model.decoder_layers[1].cross_attn
     w, b = old.in_proj.weight.detach().clone(), old.in_proj.bias.detach().clone()
-    convert_model(
-        model, ["cross_attention"], num_kv_heads=1
-    )  # MQA: one K/V head, the mean of all 4
+    convert_attention(model, kv_heads=1, scope=["cross_attention"])  # MQA: the mean of all 4
     new = model.decoder_layers[1].cross_attn
     E, D = 16, 4
     k_rows = [w[E + h * D : E + (h + 1) * D] for h in range(4)]

@@ -184,9 +184,7 @@ def with_kv_latent(
     rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
     if rope_dim:
         pairs = _rotary_pairs(layer, rope_dim, selection, calibration)  # (G, rope_dim/2)
-        features = _pair_features(rope, w_q.device)[pairs]  # (G, rope_dim/2, 2): a, b
-        # In the new key's pairing: (a_0, b_0, a_1, ..) interleaved, (a_0, a_1, .., b_0, ..) not
-        rope_index = (features if rope.interleaved else features.transpose(1, 2)).flatten(1)
+        rope_index = rotary_index(rope, pairs)  # (G, rope_dim): source features, new order
         freqs = rope.frequencies(w_q.device, torch.float64).expand(G, -1).gather(1, pairs)
         rotary = {"rotary_dim": rope_dim, "rope_theta": rope.theta, "rope_kv_heads": G,
                   "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
@@ -229,30 +227,30 @@ def with_kv_latent(
     return new
 
 
-def _pair_features(rope: RotaryPositions, device) -> Tensor:
-    """``(R/2, 2)``: the features ``(a, b)`` of each rotary pair (see ``rope.rotate``)."""
-    R = torch.arange(rope.rotary_dim, device=device)
-    return R.view(-1, 2) if rope.interleaved else R.view(2, -1).T
+def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:
+    """The features of the pairs ``pairs`` ``(G, n)`` of ``rope``, ``(G, 2n)``, in a key
+    of those pairs in ``rope``'s pairing: ``(a_0, b_0, a_1, ..)`` interleaved, else
+    ``(a_0, a_1, .., b_0, ..)`` (pair ``i`` is features ``2i, 2i+1``, or ``i, i + R/2``)."""
+    R = torch.arange(rope.rotary_dim, device=pairs.device)
+    features = (R.view(-1, 2) if rope.interleaved else R.view(2, -1).T)[pairs]  # (G, n, 2)
+    return (features if rope.interleaved else features.transpose(1, 2)).flatten(1)
 
 
 def _rotary_pairs(
     layer: MultiHeadAttention, rope_dim: int, selection: str, calibration: Tensor | None
 ) -> Tensor:
     """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending."""
-    H, G, n, half = (
-        layer.num_heads,
-        layer.num_kv_heads,
-        rope_dim // 2,
-        layer.positions.rotary_dim // 2,
-    )
+    H, G, n = layer.num_heads, layer.num_kv_heads, rope_dim // 2
+    half, interleaved = layer.positions.rotary_dim // 2, layer.positions.interleaved
     w = layer.in_proj.blocks()[0]
     if selection != "norm":  # "high": the first pairs, which turn fastest
         step = half // n if selection == "uniform" else 1
         return (torch.arange(n, device=w.device) * step).expand(G, n)
     with torch.no_grad():
         q, k, _ = layer.in_proj.qkv(calibration.to(w))  # (B, H or G, S, D)
-    features = _pair_features(layer.positions, w.device)  # (R/2, 2)
-    norms = [x[..., features].norm(dim=-1).mean(dim=(0, 2)) for x in (q, k)]  # (·, R/2): |pair|
+    # (B, heads, S, R) -> (B, heads, S, R/2, 2) interleaved, or (.., 2, R/2): each pair's a, b
+    split, ab = ((half, 2), -1) if interleaved else ((2, half), -2)
+    norms = [x[..., : 2 * half].unflatten(-1, split).norm(dim=ab).mean((0, 2)) for x in (q, k)]
     score = norms[0].view(G, H // G, half).sum(1) * norms[1]  # (G, R/2)
     return score.topk(n, dim=1).indices.sort(dim=1).values
 

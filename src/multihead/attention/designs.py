@@ -198,7 +198,12 @@ def resolve_design(
             does not take.
     """
     off = {(k, v) for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
-    options = {k: v for k, v in options.items() if v is not None and (k, v) not in off}
+    # (v in (0, False) first: a list, an explicit frequency table, is not hashable)
+    options = {
+        k: v
+        for k, v in options.items()
+        if v is not None and not (v in (0, False) and (k, v) in off)
+    }
     if "head_mixing" in options:  # the layer's older keyword naming a mixing
         if design is not None:
             raise ValueError(f"head_mixing={options['head_mixing']!r} and design={design!r}")
