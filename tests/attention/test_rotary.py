@@ -153,11 +153,18 @@ def test_the_rotation_makes_scores_relative():
         ({"rope_theta": 1e6}, "need rotary positions; set rotary_dim too"),
         ({"rope_interleaved": True}, "need rotary positions; set rotary_dim too"),
         ({"rotary_dim": 3, "kv_latent_dim": 8}, "rotary_dim must be an even number"),
+        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_inv_freq": [1.0]},
+         "inv_freq must be positive, (2,) or (n, 2), got [1.0]"),
+        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_kv_heads": 3},
+         "rope_kv_heads=3 must divide num_heads=4"),
+        ({"kv_latent_dim": 8, "qk_head_dim": 4},
+         "qk_head_dim + rotary_dim must be at least head_dim=8, got 4"),
     ],
-    ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd"],
-)
+    ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd",
+         "latent_freqs", "latent_rope_heads", "latent_qk_narrow"],
+)  # fmt: skip
 def test_bad_rotary_options_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         MultiHeadAttention(32, 4, **kwargs)
 
 

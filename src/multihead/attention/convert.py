@@ -146,13 +146,12 @@ def with_kv_latent(
     projection's bias (a query with no key left, zeroed by the layer, then differs).
 
     A rotary ``layer`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` rotated
-    features (whole pairs; ``None``: all ``R`` of the source's), moved with their Q rows, K
-    rows and K bias rows to the group's rotary key (``rope_kv_heads = G``, explicit
-    frequencies, the source's scale); the other ``D - rope_dim`` Q/K features and V go
-    through the SVD. Exact at full rank with ``rope_dim = R``. ``selection`` picks the pairs:
-    ``"high"`` the highest frequencies, ``"uniform"`` evenly spaced ones, ``"norm"``
-    MHA2MLA's 2-norm contribution, the sum over the group's heads of the mean ``|q_i| |k_i|``
-    of pair ``i`` on ``calibration``, the layer's inputs ``(B, S, E)``.
+    features (whole pairs; ``None``: all ``R``), their Q, K and K bias rows moved to the
+    group's rotary key (``rope_kv_heads = G``, their frequencies, the source's scale); the
+    other ``D - rope_dim`` go through the SVD. Exact at full rank with ``rope_dim = R``. The
+    pairs: ``"high"`` the fastest, ``"uniform"`` evenly spaced, ``"norm"`` MHA2MLA's: the
+    largest sum over the group's heads of the mean ``|q_i| |k_i|`` on ``calibration``,
+    the layer's inputs ``(B, S, E)``.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
@@ -232,8 +231,9 @@ def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:
     of those pairs in ``rope``'s pairing: ``(a_0, b_0, a_1, ..)`` interleaved, else
     ``(a_0, a_1, .., b_0, ..)`` (pair ``i`` is features ``2i, 2i+1``, or ``i, i + R/2``)."""
     R = torch.arange(rope.rotary_dim, device=pairs.device)
-    features = (R.view(-1, 2) if rope.interleaved else R.view(2, -1).T)[pairs]  # (G, n, 2)
-    return (features if rope.interleaved else features.transpose(1, 2)).flatten(1)
+    if rope.interleaved:
+        return R.view(-1, 2)[pairs].flatten(1)  # (G, n, 2) -> (G, 2n)
+    return R.view(2, -1)[:, pairs].transpose(0, 1).flatten(1)  # (2, G, n) -> (G, 2n)
 
 
 def _rotary_pairs(
