@@ -269,10 +269,10 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
             f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
             "computes: it has no MHA equivalent"
         )
-    if latent.rope is not None:
+    if latent.rope is not None or latent.qk_head_dim != layer.head_dim or latent.softmax_scale:
         raise ValueError(
-            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), which no MHA layer "
-            "computes (its scores are D + d_R wide): it has no MHA equivalent"
+            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), its own Q/K width or "
+            "scale, which no MHA layer computes: it has no MHA equivalent"
         )
     new = rebuild(layer)
     w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
