@@ -32,6 +32,11 @@ def test_a_rope_transformer_converts_exactly_at_full_rank_and_its_config_rebuild
     batch = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
     with torch.no_grad():
         want = model(*batch)
+    # "norm" picks each layer's own pairs, which one config per sublayer kind cannot hold:
+    # refused before any layer is replaced.
+    with pytest.raises(ValueError, match="decoder_self_attention layers would get different"):
+        convert_attention(model, kv_latent=8, rope_dim=2, selection="norm", calibration=batch)
+    assert model.head_config["decoder_self_attention"]["tag"] == "gqa4kv2-rope"
     # Both self-attentions: 2 groups of D = 8 features, all rotated (rope_dim None: all 8
     # kept), so the latent holds V alone: full rank is 2 * 8, the cache 16 + 2 * 8 = 32 floats.
     scope = ["encoder_self_attention", "decoder_self_attention"]
@@ -90,6 +95,12 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
     model = hf.replace_hf_attention(source)
     swapped = copy.deepcopy(model)  # the reference (HF's own angles are fp32: 1e-8 away)
     ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    # Partial RoPE, 2 of 4 pairs kept by "norm": the model changes (2 pairs stop turning),
+    # but at full rank (K's 2 * 4 unrotated features and V's 2 * 8) K and V before RoPE do not.
+    partial = copy.deepcopy(swapped)
+    report = convert_attention(partial, kv_latent=24, rope_dim=4, selection="norm", calibration=ids)
+    assert all(row["k_error"] < 1e-12 and row["v_error"] < 1e-12 for row in report)
+    assert [row["bytes_after"] for row in report] == [(24 + 2 * 4) * 4] * 2
     # GQA, 2 groups of D = 8 features all rotated: every one kept, the latent holds V (16).
     report = convert_attention(model, kv_latent=16, calibration=ids)
     assert len(report) == 2 and all(row["k_error"] < 1e-12 for row in report)

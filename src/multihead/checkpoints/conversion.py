@@ -98,55 +98,62 @@ def convert_attention(
     _target(kv_heads, kv_latent, ("kv_heads", "kv_latent"))
     if isinstance(model, Transformer):
         kinds = resolve_scope(scope)
-        layers = [
-            (path, attn) for kind, _, path, attn in model.attention_sublayers() if kind in kinds
-        ]
+        layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
     else:
-        layers = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-    if rope_dim is not None and all(attn.positions is None for _, attn in layers):
+        layers = [
+            (p, m, None) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)
+        ]
+    if rope_dim is not None and all(attn.positions is None for _, attn, _ in layers):
         raise ValueError(f"rope_dim={rope_dim} is for rotary layers; none in scope has positions")
     inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
-    report = []
-    for path, attn in layers:
-        x, kv_source = inputs.get(path, (None, None))
+    converted = {}  # every layer first, so that a refusal leaves the model as it was
+    for path, attn, _ in layers:
         if kv_heads is not None:
-            new = with_kv_heads(attn, kv_heads)
+            converted[path] = with_kv_heads(attn, kv_heads)
         else:
             rope = None if attn.positions is None else rope_dim  # cross-attention has none
-            new = with_kv_latent(attn, kv_latent, rope_dim=rope, selection=selection, calibration=x)
+            x = inputs.get(path, (None,))[0]
+            converted[path] = with_kv_latent(
+                attn, kv_latent, rope_dim=rope, selection=selection, calibration=x
+            )
+    if isinstance(model, Transformer):  # one set of options per sublayer kind in its config
+        options = {kind: _shared_options(kind, [converted[p] for p, _, k in layers if k == kind])
+                   for kind in kinds}  # fmt: skip
+    report = []
+    for path, attn, _ in layers:
+        new = converted[path]
         model.set_submodule(path, new)
         row = {"layer": path, "bytes_before": attn.kv_cache_bytes_per_token(),
                "bytes_after": new.kv_cache_bytes_per_token()}  # fmt: skip
-        if kv_source is not None:
-            row |= _kv_errors(attn, new, kv_source)
+        if path in inputs:
+            row |= _kv_errors(attn, new, inputs[path][1])
         report.append(row)
     if isinstance(model, Transformer):
         for kind in kinds:
-            model.attention_config[kind].update(_sublayer_options(model, kind))
+            model.attention_config[kind].update(options[kind])
     return report
 
 
-def _sublayer_options(model: Transformer, kind: str) -> dict[str, Any]:
-    """The attention options of ``kind``'s converted layers, which they must share (a
+def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, Any]:
+    """The attention options of ``kind``'s converted ``layers``, which they must share (a
     config has one set per sublayer kind)."""
     found = []
-    for sublayer, _, _, attn in model.attention_sublayers():
-        if sublayer == kind:
-            options = {k: v for k, v in attn.head_config.items() if k != "kind"}
-            if "interleaved" in options:  # the layer's name for the key's pairing
-                options["rope_interleaved"] = options.pop("interleaved")
-            found.append(options)
+    for attn in layers:
+        options = {k: v for k, v in attn.head_config.items() if k != "kind"}
+        if "interleaved" in options:  # the layer's name for the key's pairing
+            options["rope_interleaved"] = options.pop("interleaved")
+        found.append(options)
     if any(options != found[0] for options in found):
         raise ValueError(
-            f"the {kind} layers were converted to different options (selection='norm' chose "
-            "different pairs per layer), which one model config cannot hold; use "
-            "selection='high' or 'uniform'"
+            f"the {kind} layers would get different options (selection='norm' chose other "
+            "pairs in some), which one model config cannot hold; use selection='high' or "
+            "'uniform'"
         )
     return found[0]
 
 
 def _layer_inputs(
-    model: nn.Module, layers: list[tuple[str, MultiHeadAttention]], calibration: Any
+    model: nn.Module, layers: list[tuple[str, MultiHeadAttention, Any]], calibration: Any
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """``{path: (query, K/V source)}`` of each layer's first call on ``calibration``."""
     seen: dict[str, tuple[Tensor, Tensor]] = {}
@@ -159,7 +166,7 @@ def _layer_inputs(
 
         return record
 
-    handles = [a.register_forward_pre_hook(hook(p), with_kwargs=True) for p, a in layers]
+    handles = [a.register_forward_pre_hook(hook(p), with_kwargs=True) for p, a, _ in layers]
     try:
         with torch.no_grad():
             if isinstance(calibration, tuple):
