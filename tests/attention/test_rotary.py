@@ -272,10 +272,11 @@ def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim
     with torch.no_grad():
         want = source(x, is_causal=True)
         torch.testing.assert_close(mla(x, is_causal=True), want, rtol=0, atol=1e-12)
-        cache = mla.make_kv_cache(2, 7)
-        steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
-        steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
-        torch.testing.assert_close(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
+        for absorb in (True, False):  # the folded weights, or K and V re-expanded each step
+            mla.kv_latent.absorb, cache = absorb, mla.make_kv_cache(2, 7)
+            steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
+            steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+            torch.testing.assert_close(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
     # Its head_config builds the same architecture: the state_dict loads and computes the same.
     config = {k: v for k, v in mla.head_config.items() if k not in ("kind", "interleaved")}
     rebuilt = MultiHeadAttention(32, **config, rope_interleaved=interleaved, dtype=torch.float64)
