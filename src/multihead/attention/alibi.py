@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from multihead.attention.checks import check_positive_int
 from multihead.attention.positional import PositionalPart
 
 
@@ -21,8 +22,7 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Te
     """The ``(H,)`` slopes ``m_h``, in fp32: ``2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a
     power of two; else those of the largest power of two ``p < n``, then every other slope
     of ``2p`` (odd ``h``), as the paper's code and BLOOM define them."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"ALiBi needs a positive int number of heads, got {num_heads!r}")
+    check_positive_int("num_heads", num_heads)
     p = 2 ** math.floor(math.log2(num_heads))  # the largest power of two <= H
     exponents = torch.cat(
         (
