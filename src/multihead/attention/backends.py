@@ -6,9 +6,7 @@ Every backend is a :class:`Backend` in :data:`BACKENDS`: a kernel
 :class:`~multihead.attention.masks.AttentionMask`; ``out`` ``(B, H, L, D)``) and, beside
 it, every rule about it. Every list of backends (``available_backends``, the configs' and
 the Transformer's checks) is read from :data:`BACKENDS`: adding one is one
-:func:`register_backend` call. A backend that cannot run its inputs raises
-:class:`BackendUnavailableError`, naming the backends that can; the only inputs handed to
-another backend are those of a :class:`Reroute` in the registry (:func:`backend_rules`).
+:func:`register_backend` call (``docs/reuse.md``, "Adding a backend").
 
 Under ``torch.compile(fullgraph=True)`` on the CPU the layer with ``math``, ``sdpa`` or
 ``flash`` compiles to one graph, and with ``math`` or ``sdpa`` it exports
@@ -264,8 +262,7 @@ class Reroute:
 
 @dataclass(frozen=True)
 class Backend:
-    """One attention backend: its kernel and every rule about it, in one place; called as
-    its kernel, with its reroute applied.
+    """One attention backend, called as its kernel with its reroute applied.
 
     Attributes:
         name, kernel: the name layers and configs use; the kernel (module docstring).
@@ -299,8 +296,7 @@ BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> Backend:
-    """Add ``backend`` to :data:`BACKENDS` (replacing one of its name): from then on layers,
-    configs and :func:`available_backends` know it."""
+    """Add ``backend`` to :data:`BACKENDS`, replacing one of its name."""
     BACKENDS[backend.name] = backend
     return backend
 
@@ -383,7 +379,6 @@ for _backend in (
         _flex_rule,
         lambda p: f"backend 'flex' takes no attention dropout (got dropout={p})" if p else None,
     ),
-    # The flash-attn package; padded keys go through its varlen kernel.
     Backend(
         "flash_attn",
         flash_attn_attention,
