@@ -50,11 +50,8 @@ class AttentionMask:
     has_attn_mask: bool = False
 
     def kernel_causal(self, q_len: int, kv_len: int) -> bool:
-        """Whether the kernel must apply its own causal mask (top-left aligned, ``L == S``).
-
-        True when causal attention was asked for and ``tensor`` does not hold it; a single
-        newest query (``L = 1 < S``) sees every key, so it needs no mask at all.
-        """
+        """Whether the kernel must apply its own causal mask (top-left aligned, ``L == S``):
+        asked for, and not in ``tensor``. A single newest query (``L = 1 < S``) needs none."""
         return self.is_causal and self.tensor is None and q_len == kv_len
 
 

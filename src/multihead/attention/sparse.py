@@ -1,11 +1,10 @@
 """Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
 
-Each token's router ``G(x)`` (a linear ``E -> R`` without bias over the ``R = H - Hs``
-routed heads) picks its ``k`` best; only those are computed (query projection, scores and
-values, slice of ``W^O``), summed with weights ``softmax(G(x))`` over the selected heads.
-Heads ``0 .. Hs - 1`` are shared: always on, weight 1. K/V are projected for all ``G`` heads.
-:class:`SparseHeads` is the router (``layer.head_gate(x)``: the routing logits; MoH's name
-``head_gate`` is its state_dict key) plus the routed computation.
+Each token's router ``G(x)`` (``layer.head_gate``, a linear ``E -> R`` without bias over
+the ``R = H - Hs`` routed heads; MoH's name is its state_dict key) picks its ``k`` best; only
+those are computed (query projection, scores and values, slice of ``W^O``), summed with
+weights ``softmax(G(x))`` over the selected heads. Heads ``0 .. Hs - 1`` are shared: always
+on, weight 1. K/V are projected for all ``G`` heads.
 
 Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active:
 
