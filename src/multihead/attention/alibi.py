@@ -1,21 +1,9 @@
 """Attention with linear biases (ALiBi; Press et al., "Train Short, Test Long", ICLR 2022).
 
-ALiBi adds no positions to the tokens: head ``h`` adds ``-m_h`` times the distance between
-query ``i`` and key ``j`` to their score, so far keys weigh less, at a slope of its own::
-
-    score_h(i, j) = q_i . k_j / sqrt(D) - m_h |i - j|
-
-The slopes are ``m_h = 2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a power of two; else the
-``p`` slopes of the largest power of two ``p < n``, then every other slope of ``2p`` (odd
-``h``), as the paper's code and BLOOM define them. BLOOM adds ``m_h j`` instead: on every key
-a causal query sees, that is ``-m_h (i - j)`` plus ``m_h i``, a constant per row that softmax
-cancels. The distance kept here gives near keys small biases, which fp16 and bf16 hold
-exactly. Only differences of positions enter, so a left-padded row needs no ``position_ids``.
-
-The encoder: the paper defines ALiBi for causal language models. Here bidirectional
-attention gets ``-m_h |i - j|``, symmetric, as MosaicBERT and x-transformers extend it: one
-formula, which under a causal mask (``j <= i``) is the paper's to the letter. Refusing the
-encoder instead would leave a translation model's encoder without positions.
+No positions are added to the tokens: head ``h`` adds ``-m_h |i - j|`` to the score of query
+``i`` and key ``j``, so far keys weigh less, at a slope of its own. Only differences of
+positions enter, so a left-padded row needs no ``position_ids``. Why the distance and not
+BLOOM's ``m_h j``, and the encoder's symmetric bias: ``docs/reuse.md``, "ALiBi".
 Cross-attention gets no bias: its queries and keys are positions of two different sentences.
 """
 
@@ -26,13 +14,15 @@ import math
 import torch
 from torch import Tensor
 
+from multihead.attention.checks import check_positive_int
 from multihead.attention.positional import PositionalPart
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
-    """The ``(H,)`` slopes ``m_h`` of the module docstring, in fp32."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"ALiBi needs a positive int number of heads, got {num_heads!r}")
+    """The ``(H,)`` slopes ``m_h``, in fp32: ``2^(-8h/n)``, ``h = 1 .. n``, for ``n`` heads a
+    power of two; else those of the largest power of two ``p < n``, then every other slope
+    of ``2p`` (odd ``h``), as the paper's code and BLOOM define them."""
+    check_positive_int("num_heads", num_heads)
     p = 2 ** math.floor(math.log2(num_heads))  # the largest power of two <= H
     exponents = torch.cat(
         (

@@ -6,9 +6,7 @@ Every backend is a :class:`Backend` in :data:`BACKENDS`: a kernel
 :class:`~multihead.attention.masks.AttentionMask`; ``out`` ``(B, H, L, D)``) and, beside
 it, every rule about it. Every list of backends (``available_backends``, the configs' and
 the Transformer's checks) is read from :data:`BACKENDS`: adding one is one
-:func:`register_backend` call. A backend that cannot run its inputs raises
-:class:`BackendUnavailableError`, naming the backends that can; the only inputs handed to
-another backend are those of a :class:`Reroute` in the registry (:func:`backend_rules`).
+:func:`register_backend` call (``docs/reuse.md``, "Adding a backend").
 
 Under ``torch.compile(fullgraph=True)`` on the CPU the layer with ``math``, ``sdpa`` or
 ``flash`` compiles to one graph, and with ``math`` or ``sdpa`` it exports
@@ -41,19 +39,12 @@ class BackendUnavailableError(RuntimeError):
 
 # --------------------------------------------------------------------------- math
 def math_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
-) -> Tensor:
-    """The textbook formula, softmax(Q K^T * scale + mask) V, written out."""
-    out, _ = math_attention_with_weights(q, k, v, mask, dropout_p, scale)
-    return out
-
-
-def math_attention_with_weights(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float, *,
     on_logits: Callable[[Tensor], Tensor] | None = None,
     on_weights: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The math path, also returning the attention weights ``(B, H, L, S)``.
+    """The textbook formula, softmax(Q K^T * scale + mask) V, written out, and its weights
+    ``(B, H, L, S)`` (the ``math`` backend keeps the first).
 
     Two hooks let a design change the formula without copying it (talking heads):
     ``on_logits(scores)`` on the unmasked scores ``(B, H, L, S)``, and
@@ -110,22 +101,6 @@ def expand_kv(t: Tensor, num_heads: int) -> Tensor:
     return t.repeat_interleave(num_heads // G, dim=1)
 
 
-def _pinned_sdpa(name: str, kernel: SDPBackend, *, grouped: bool = True) -> Kernel:
-    def attention(
-        q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float
-    ) -> Tensor:
-        if not grouped:  # a kernel that does not take grouped K/V heads (enable_gqa) itself
-            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        try:
-            with sdpa_kernel([kernel]):
-                return sdpa_attention(q, k, v, mask, dropout_p, scale)
-        except RuntimeError as err:
-            raise _refused(name, f"SDPA pinned to {kernel.name}", q, mask, dropout_p, err) from err
-
-    attention.__doc__ = f"SDPA pinned to the {kernel.name} kernel with ``sdpa_kernel``."
-    return attention
-
-
 def _refused(
     name: str, kernel: str, q: Tensor, mask: AttentionMask, dropout_p: float, err: Exception
 ) -> BackendUnavailableError:
@@ -156,11 +131,6 @@ def flex_attention(
     from torch.nn.attention import flex_attention as flex
 
     global _compiled_flex
-    reason = BACKENDS["flex"].dropout_rule(dropout_p)
-    if reason is not None:
-        raise BackendUnavailableError(
-            f"{reason}; use dropout=0.0 or one of {', '.join(_others('flex', q.device, q.dtype))}"
-        )
     if (
         q.device.type != "cuda"
         and torch.is_grad_enabled()
@@ -292,8 +262,7 @@ class Reroute:
 
 @dataclass(frozen=True)
 class Backend:
-    """One attention backend: its kernel and every rule about it, in one place; called as
-    its kernel, with its reroute applied.
+    """One attention backend, called as its kernel with its reroute applied.
 
     Attributes:
         name, kernel: the name layers and configs use; the kernel (module docstring).
@@ -327,8 +296,7 @@ BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> Backend:
-    """Add ``backend`` to :data:`BACKENDS` (replacing one of its name): from then on layers,
-    configs and :func:`available_backends` know it."""
+    """Add ``backend`` to :data:`BACKENDS`, replacing one of its name."""
     BACKENDS[backend.name] = backend
     return backend
 
@@ -356,12 +324,23 @@ def _flex_rule(device: torch.device, dtype: torch.dtype, head_dim: int | None) -
 
 
 def _pinned(name: str, kernel: SDPBackend, available: Rule, **rules) -> Backend:
+    """SDPA pinned to one kernel with ``sdpa_kernel``, as backend ``name``."""
     grouped = kernel != SDPBackend.EFFICIENT_ATTENTION  # takes grouped K/V heads (enable_gqa)
-    return Backend(name, _pinned_sdpa(name, kernel, grouped=grouped), available, **rules)
+
+    def attention(q, k, v, mask: AttentionMask, dropout_p: float, scale: float) -> Tensor:
+        if not grouped:
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        try:
+            with sdpa_kernel([kernel]):
+                return sdpa_attention(q, k, v, mask, dropout_p, scale)
+        except RuntimeError as err:
+            raise _refused(name, f"SDPA pinned to {kernel.name}", q, mask, dropout_p, err) from err
+
+    return Backend(name, attention, available, **rules)
 
 
 for _backend in (
-    Backend("math", math_attention),
+    Backend("math", lambda *inputs: math_attention(*inputs)[0]),
     Backend("sdpa", sdpa_attention),
     # SDPA's flash kernel takes no mask on CUDA.
     _pinned(
@@ -400,7 +379,6 @@ for _backend in (
         _flex_rule,
         lambda p: f"backend 'flex' takes no attention dropout (got dropout={p})" if p else None,
     ),
-    # The flash-attn package; padded keys go through its varlen kernel.
     Backend(
         "flash_attn",
         flash_attn_attention,
@@ -436,11 +414,13 @@ def unavailable_reason(
     return None if device is None else backend.available(device, dtype, head_dim)
 
 
-def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """The registered backends that can run on ``device`` with ``dtype`` (some reroute
-    some inputs: :func:`backend_rules`)."""
+def available_backends(
+    device: torch.device | str, dtype: torch.dtype, *, dropout: float = 0.0
+) -> list[str]:
+    """The registered backends that can run on ``device`` with ``dtype`` and ``dropout``
+    (some reroute some inputs: :func:`backend_rules`)."""
     device = torch.device(device)
-    return [n for n in BACKENDS if unavailable_reason(n, device, dtype) is None]
+    return [n for n in BACKENDS if unavailable_reason(n, device, dtype, dropout=dropout) is None]
 
 
 def backend_rules() -> dict[str, str]:
@@ -464,9 +444,7 @@ def check_backend(
     reason = unavailable_reason(name, device, dtype, dropout=dropout, head_dim=head_dim)
     if reason is None:
         return
-    runnable = [
-        n for n in available_backends(here, dtype) if BACKENDS[n].dropout_rule(dropout) is None
-    ]
+    runnable = available_backends(here, dtype, dropout=dropout)
     setting = name not in BACKENDS or BACKENDS[name].dropout_rule(dropout) is not None
     raise (ValueError if setting else BackendUnavailableError)(
         f"attention backend {name!r} cannot run on {here.type}/{dtype}: {reason}. Registered: "
@@ -479,8 +457,9 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-# Where each backend was checked, (name, device, dtype, head_dim): once per kind of input.
-_checked: set[tuple[str, torch.device, torch.dtype, int]] = set()
+# Where each backend was checked, (name, device, dtype, dropout, head_dim): once per kind of
+# input (check_backend lists the backends that can run, for its message: 0.2 ms).
+_checked: set[tuple[str, torch.device, torch.dtype, float, int]] = set()
 
 
 def attend(
@@ -489,21 +468,21 @@ def attend(
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """softmax(Q K^T * scale + mask) V ``(B, H, L, D)`` by ``backend``, or by the math path
     with the weights ``(B, H, L, S)`` when they are asked for or ``hooks`` (``on_logits``,
-    ``on_weights`` of :func:`math_attention_with_weights`) are given: the one call every
+    ``on_weights`` of :func:`math_attention`) are given: the one call every
     head design makes (HF's attention-function arguments: q, k, v, mask, scale, dropout).
     Query rows with no key to attend to come out as zeros."""
     weights = None
     if need_weights or hooks:
-        out, weights = math_attention_with_weights(q, k, v, mask, dropout_p, scale, **hooks)
+        out, weights = math_attention(q, k, v, mask, dropout_p, scale, **hooks)
     else:
-        key = (backend, q.device, q.dtype, q.shape[-1])
-        if torch.compiler.is_compiling():
-            # Checked while tracing (Python only); adding to the checked set would fail the
-            # compiled code's guard on it and recompile the next call.
-            check_backend(backend, q.device, q.dtype, head_dim=q.shape[-1])
-        elif key not in _checked:
-            check_backend(backend, q.device, q.dtype, head_dim=q.shape[-1])
-            _checked.add(key)
+        key = (backend, q.device, q.dtype, dropout_p, q.shape[-1])
+        # While tracing it is checked each time (Python only), the set left unread: adding to
+        # it would fail the compiled code's guard on it and recompile the next call.
+        compiling = torch.compiler.is_compiling()
+        if compiling or key not in _checked:
+            check_backend(backend, q.device, q.dtype, dropout=dropout_p, head_dim=q.shape[-1])
+            if not compiling:
+                _checked.add(key)
         out = BACKENDS[backend](q, k, v, mask, dropout_p, scale)
     if mask.empty_rows is not None:
         # Rows with no key to attend to: zeros, not the mean of unmasked values.

@@ -34,15 +34,9 @@ def lambda_init_at(depth: int) -> float:
 
 
 class DifferentialHeads(HeadDesign):
-    """The four ``lambda`` vectors of a layer, and its differential attention.
-
-    Args:
-        embed_dim, num_heads: ``E``, ``H``; the ``lambda`` vectors are ``D = E / H`` wide.
-        num_kv_heads: ``G``, even: V of head ``g`` is joined with that of ``g + G/2``.
-        bias: unused (the design has no projection of its own).
-        lambda_init: the constant in ``lambda`` and the output scale ``1 - lambda_init``.
-        norm_eps: the epsilon of the per-head RMSNorm (HF's ``rms_norm_eps``).
-        device, dtype: for the ``lambda`` vectors, drawn from ``N(0, 0.1)`` as the paper.
+    """The four ``lambda`` vectors of a layer (``D`` wide, drawn from ``N(0, 0.1)`` as the
+    paper), and its differential attention (the module's formula; ``bias`` is unused: the
+    design has no projection of its own). ``norm_eps`` is HF's ``rms_norm_eps``.
 
     Attention dropout, which the paper does not define here (HF's DiffLlama refuses it), is
     drawn by each of the two kernel calls: the two halves of V see different masks.

@@ -109,46 +109,32 @@ class KVCache:
         """Append ``(B, G, L, D)`` keys/values (``v`` is ``None`` when shared), and their
         ``positions`` ``(L,)`` or ``(B, L)`` if given (:meth:`key_positions`); return all
         filled ``(B, G, size, D)`` (static: the ``(B, G, max_len, D)`` buffers)."""
-        if self.static:
-            return self._update_static(k, v, positions)
         L = k.shape[2]
-        if self.size + L > self.max_len:
+        if not self.static and self.size + L > self.max_len:
             raise ValueError(
                 f"KVCache overflow: holds {self.size} of {self.max_len} positions, "
                 f"cannot add {L} more"
             )
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
-        self._store_positions(positions, self.size, L)
-        self.k[:, :, self.size : self.size + L] = k
-        if not self.share_kv:
-            self.v[:, :, self.size : self.size + L] = v
-        self.size += L
-        return self.get()
-
-    def _store_positions(self, positions: Tensor | None, start: int | Tensor, L: int) -> None:
-        if positions is None:
-            return
-        if self.positions is None:
-            self.positions = torch.zeros(
-                self.batch_size, self.max_len, dtype=torch.long, device=self.k.device
-            )
+        start = self.position if self.static else self.size
         index = start + torch.arange(L, device=self.k.device)  # (L,)
-        self.positions.index_copy_(1, index, positions.expand(self.batch_size, L).to(torch.long))
-
-    def _update_static(
-        self, k: Tensor, v: Tensor | None, positions: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        if k.shape[0] != self.batch_size:
-            raise ValueError(f"KVCache has batch size {self.batch_size}, got {k.shape[0]}")
-        self._store_positions(positions, self.position, k.shape[2])
-        index = self.position + torch.arange(k.shape[2], device=self.position.device)  # (L,)
-        self.k.index_copy_(2, index, k)
+        if positions is not None:
+            if self.positions is None:
+                self.positions = torch.zeros(
+                    self.batch_size, self.max_len, dtype=torch.long, device=self.k.device
+                )
+            self.positions.index_copy_(1, index, positions.expand(self.batch_size, L).long())
+        # Written by index (gpt-fast's way): a static cache's position is a tensor, so the
+        # compiled step does not change with it. Cast as a slice assignment would.
+        self.k.index_copy_(2, index, k.to(self.k.dtype))
         if not self.share_kv:
-            self.v.index_copy_(2, index, v)
-        self.position += k.shape[2]
-        self.size = self.max_len  # a constant: reading a count here would recompile the step
-        return self.k, self.v
+            self.v.index_copy_(2, index, v.to(self.v.dtype))
+        if self.static:
+            self.position += L
+        # Static: a constant, as reading a count here would recompile the step.
+        self.size = self.max_len if self.static else self.size + L
+        return self.get()
 
     def hide_unwritten(
         self, attn_mask: Tensor | None, q_len: int, is_causal: bool

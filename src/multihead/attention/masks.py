@@ -50,36 +50,9 @@ class AttentionMask:
     has_attn_mask: bool = False
 
     def kernel_causal(self, q_len: int, kv_len: int) -> bool:
-        """Whether the kernel must apply its own causal mask (top-left aligned, ``L == S``).
-
-        True when causal attention was asked for and ``tensor`` does not hold it; a single
-        newest query (``L = 1 < S``) sees every key, so it needs no mask at all.
-        """
+        """Whether the kernel must apply its own causal mask (top-left aligned, ``L == S``):
+        asked for, and not in ``tensor``. A single newest query (``L = 1 < S``) needs none."""
         return self.is_causal and self.tensor is None and q_len == kv_len
-
-    def for_heads(
-        self, first: int, count: int, slots: Tensor | None, q_len: int, kv_len: int
-    ) -> AttentionMask:
-        """The mask of query heads ``first .. first + count - 1`` and query rows ``slots``.
-
-        ``slots`` ``(B, count, C)`` holds the query position of each row when a head's
-        rows are packed (sparse heads compute only the positions they selected); ``None``
-        keeps all ``L`` rows in position order. Packed rows are no longer positions
-        ``0 .. L - 1``, so a kernel's own causal mask would be wrong for them: it is written
-        out, and from then on only the tensor says who sees what.
-        """
-        tensor = self.tensor
-        if slots is not None and self.kernel_causal(q_len, kv_len):
-            tensor = causal_keep(q_len, kv_len, slots.device)
-        tensor = _rows(tensor, first, count, slots)
-        packed = slots is not None and tensor is not None and tensor.shape[2] > 1
-        return AttentionMask(
-            tensor=tensor,
-            is_causal=self.is_causal and not packed,
-            empty_rows=_rows(self.empty_rows, first, count, slots),
-            key_padding_mask=self.key_padding_mask,
-            has_attn_mask=self.has_attn_mask or packed,
-        )
 
 
 def causal_keep(q_len: int, kv_len: int, device: torch.device, first: int | Tensor | None = None):
@@ -90,24 +63,6 @@ def causal_keep(q_len: int, kv_len: int, device: torch.device, first: int | Tens
     first = kv_len - q_len if first is None else first
     rows = torch.arange(q_len, device=device)[:, None] + first  # (L, 1)
     return torch.arange(kv_len, device=device)[None, :] <= rows  # (L, S)
-
-
-def _rows(t: Tensor | None, first: int, count: int, slots: Tensor | None) -> Tensor | None:
-    """Rows of a mask broadcastable to ``(B, H, L, X)`` for some heads and query slots.
-
-    Keeps heads ``first .. first + count - 1``; with ``slots`` ``(B, count, C)`` (query
-    positions), gathers those rows, giving a tensor broadcastable to ``(B, count, C, X)``.
-    """
-    if t is None:
-        return None
-    t = t[(None,) * (4 - t.dim())]  # (b, h, l, X) with b, h, l either full or 1
-    if t.shape[1] > 1:
-        t = t[:, first : first + count]
-    if slots is None or t.shape[2] == 1:
-        return t
-    B, _, C = slots.shape
-    t = t.expand(B, count, t.shape[2], t.shape[3])  # (B, count, L, X), a view
-    return t.gather(2, slots.unsqueeze(-1).expand(B, count, C, t.shape[3]))  # (B, count, C, X)
 
 
 def apply_mask(scores: Tensor, mask: AttentionMask) -> Tensor:

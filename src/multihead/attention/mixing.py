@@ -1,15 +1,8 @@
-"""Head mixings: parts of the layer that let its heads interact (a registry by name).
+"""Head mixings: parts of the layer that let its heads interact (``head_mixing=`` by name).
 
-Plain multi-head attention keeps the ``H`` heads apart until ``W^O`` sums them. A mixing
-adds one interaction, and each starts as the identity, so a layer with one starts as plain
-multi-head attention:
-
-* ``talking_heads`` (Shazeer et al., 2020): learned ``(H, H)`` mixes of the heads' logits
-  and weights: the math formula with two hooks, so ``backend="math"`` only.
-* ``group_mlp``: an MLP over each group's concatenated head outputs, before ``W^O``.
-* ``head_attention``: attention among the ``H`` head outputs at each position, before ``W^O``.
-
-Each replaces one step, :meth:`HeadMixing.attend` or :meth:`HeadMixing.mix`.
+Plain multi-head attention keeps the ``H`` heads apart until ``W^O`` sums them. A mixing adds
+one interaction by replacing :meth:`~HeadDesign.attend` or :meth:`~HeadDesign.mix`, and each
+starts as the identity, so a layer with one starts as plain multi-head attention.
 """
 
 from __future__ import annotations
@@ -27,9 +20,8 @@ from multihead.attention.masks import AttentionMask
 
 
 class HeadMixing(HeadDesign):
-    """A mixing: it replaces :meth:`~HeadDesign.attend` or :meth:`~HeadDesign.mix` (or both)
-    of the layer's own forward. A mixing that replaces ``mix`` refuses a ``head_mask``: its
-    heads have no output of their own after the mix."""
+    """A mixing; one that replaces ``mix`` refuses a ``head_mask`` (``head_mask = False``):
+    its heads have no output of their own after the mix."""
 
     attribute = "head_mix"
     conversions = frozenset({"with_kv_heads"})

@@ -1,11 +1,10 @@
 """Sparse heads: Mixture-of-Head attention (MoH; Jin et al., 2024), a part of the layer.
 
-Each token's router ``G(x)`` (a linear ``E -> R`` without bias over the ``R = H - Hs``
-routed heads) picks its ``k`` best; only those are computed (query projection, scores and
-values, slice of ``W^O``), summed with weights ``softmax(G(x))`` over the selected heads.
-Heads ``0 .. Hs - 1`` are shared: always on, weight 1. K/V are projected for all ``G`` heads.
-:class:`SparseHeads` is the router (``layer.head_gate(x)``: the routing logits; MoH's name
-``head_gate`` is its state_dict key) plus the routed computation.
+Each token's router ``G(x)`` (``layer.head_gate``, a linear ``E -> R`` without bias over
+the ``R = H - Hs`` routed heads; MoH's name is its state_dict key) picks its ``k`` best; only
+those are computed (query projection, scores and values, slice of ``W^O``), summed with
+weights ``softmax(G(x))`` over the selected heads. Heads ``0 .. Hs - 1`` are shared: always
+on, weight 1. K/V are projected for all ``G`` heads.
 
 Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active:
 
@@ -39,6 +38,7 @@ from multihead.attention.designs import (
     weights_times_values,
 )
 from multihead.attention.kv_cache import KVCache
+from multihead.attention.masks import AttentionMask, causal_keep
 
 
 def _kv_for_heads(t: Tensor, first: int, count: int, num_heads: int) -> Tensor:
@@ -55,6 +55,42 @@ def _kv_for_heads(t: Tensor, first: int, count: int, num_heads: int) -> Tensor:
         return t[:, first // per_group : (first + count) // per_group]  # (B, count/r, S, D)
     index = torch.arange(first, first + count, device=t.device) // per_group
     return t.index_select(1, index)  # (B, count, S, D)
+
+
+def _mask_for_heads(
+    mask: AttentionMask, first: int, count: int, slots: Tensor | None, L: int, S: int
+) -> AttentionMask:
+    """``mask`` for query heads ``first .. first + count - 1`` and, with ``slots``
+    ``(B, count, C)``, the query position of each packed row (the positions a head selected).
+
+    Packed rows are no longer positions ``0 .. L - 1``, so a kernel's own causal mask would be
+    wrong for them: it is written out, and from then on only the tensor says who sees what.
+    """
+
+    def rows(t: Tensor | None) -> Tensor | None:  # broadcastable to (B, count, C or L, X)
+        if t is None:
+            return None
+        t = t[(None,) * (4 - t.dim())]  # (b, h, l, X) with b, h, l either full or 1
+        if t.shape[1] > 1:
+            t = t[:, first : first + count]
+        if slots is None or t.shape[2] == 1:
+            return t
+        B, _, C = slots.shape
+        t = t.expand(B, count, t.shape[2], t.shape[3])  # (B, count, L, X), a view
+        return t.gather(2, slots.unsqueeze(-1).expand(B, count, C, t.shape[3]))  # (B, count, C, X)
+
+    tensor = mask.tensor
+    if slots is not None and mask.kernel_causal(L, S):
+        tensor = causal_keep(L, S, slots.device)
+    tensor = rows(tensor)
+    packed = slots is not None and tensor is not None and tensor.shape[2] > 1
+    return AttentionMask(
+        tensor=tensor,
+        is_causal=mask.is_causal and not packed,
+        empty_rows=rows(mask.empty_rows),
+        key_padding_mask=mask.key_padding_mask,
+        has_attn_mask=mask.has_attn_mask or packed,
+    )
 
 
 def _pack_front(flags: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,7 +214,7 @@ class SparseHeads(HeadDesign, nn.Linear):
         mask = make_mask(q_shared, k, kv_cache, num_heads=H, **masks)
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
-            heads_mask = mask.for_heads(first, count, slots, L, S)
+            heads_mask = _mask_for_heads(mask, first, count, slots, L, S)
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
             return kernel(q, k_h, v_h, heads_mask)
 

@@ -58,7 +58,7 @@ from multihead.attention import (
     build_attention_mask,
 )
 from multihead.attention.alibi import ALiBi
-from multihead.attention.backends import check_backend, math_attention_with_weights
+from multihead.attention.backends import attend
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
 
@@ -122,23 +122,6 @@ def _layer_mask(attention_mask: Tensor | None) -> Tensor | None:
     return ~attention_mask
 
 
-_checked: set[tuple[str, torch.device, torch.dtype, float, int]] = set()
-
-
-def _check_once(backend: str, query: Tensor, dropout: float) -> None:
-    """``check_backend`` on the first call with each backend, device, dtype, dropout and
-    head size: it costs 0.2 ms (it lists the backends that can run, for its message)."""
-    head_dim = query.shape[-1]
-    key = (backend, query.device, query.dtype, dropout, head_dim)
-    if torch.compiler.is_compiling():
-        # Checked while tracing (Python only); adding to _checked would fail the compiled
-        # code's guard on the set and recompile the next call.
-        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=head_dim)
-    elif key not in _checked:
-        check_backend(backend, query.device, query.dtype, dropout=dropout, head_dim=head_dim)
-        _checked.add(key)
-
-
 def attention_function(backend: str):
     """HF's attention-function signature around ``backend``'s kernel.
 
@@ -175,7 +158,6 @@ def attention_function(backend: str):
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         B, H, L, D = query.shape
-        _check_once(backend, query, dropout)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         mask = build_attention_mask(
             key_padding_mask=None,
@@ -190,14 +172,10 @@ def attention_function(backend: str):
             device=query.device,
         )
         scale = D**-0.5 if scaling is None else scaling
-        weights = None
-        if kwargs.get("output_attentions"):
-            out, weights = math_attention_with_weights(query, key, value, mask, dropout, scale)
-        else:
-            out = BACKENDS[backend](query, key, value, mask, dropout, scale)  # (B, H, L, D)
-        if mask.empty_rows is not None:
-            # Query rows with no key to attend to (left padding): zeros, as in the layer.
-            out = out.masked_fill(mask.empty_rows, 0.0)
+        out, weights = attend(
+            query, key, value, mask, backend=backend, dropout_p=dropout, scale=scale,
+            need_weights=bool(kwargs.get("output_attentions")),
+        )  # fmt: skip
         return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
 
     attention.__name__ = attention.__qualname__ = f"multihead_{backend}_attention"
