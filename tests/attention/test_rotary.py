@@ -282,7 +282,7 @@ def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim
     rebuilt = MultiHeadAttention(32, **config, rope_interleaved=interleaved, dtype=torch.float64)
     rebuilt.load_state_dict(mla.state_dict())
     torch.testing.assert_close(rebuilt.eval()(x, is_causal=True), want, rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="decoupled rotary key.*no MHA equivalent"):
+    with pytest.raises(ValueError, match="has rotary_dim, .*no MHA equivalent"):
         expand_latent(mla)
 
 

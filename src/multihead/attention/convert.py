@@ -211,21 +211,18 @@ def _rotary_pairs(
 def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
     """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``.
 
-    For engines without latent attention (CTranslate2). A latent norm is not linear, so a
-    layer with one has no such equivalent and is refused.
+    For engines without latent attention (CTranslate2). A layer with a latent norm (not
+    linear), a decoupled rotary key, its own Q/K width or scale has none and is refused.
     """
     latent = layer.design
     if latent is None or "expand_latent" not in latent.conversions:
         raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
-    if latent.norm is not None:
+    own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "softmax_scale")
+    own = [name for name in own if name in latent.options]  # each set only when it is not MHA's
+    if own:
         raise ValueError(
-            f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
-            "computes: it has no MHA equivalent"
-        )
-    if latent.rope is not None or latent.qk_head_dim != layer.head_dim or latent.softmax_scale:
-        raise ValueError(
-            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), its own Q/K width or "
-            "scale, which no MHA layer computes: it has no MHA equivalent"
+            f"{layer.head_tag!r} has {', '.join(own)}, which no MHA layer computes: it has no "
+            "MHA equivalent"
         )
     new = rebuild(layer)
     w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
