@@ -54,8 +54,7 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
 
     This is the checkpoint conversion of the GQA paper (Ainslie et al., 2023): the ``G``
     current K (and V) projection heads are split into ``num_kv_heads`` consecutive groups
-    and each group is mean-pooled into one head. A head design that declares the conversion
-    (sparse heads, mixings) is kept with its parameters.
+    and each group is mean-pooled into one head.
     """
     G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
@@ -98,13 +97,11 @@ def with_kv_latent(
     bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
     projection's bias (a query with no key left, zeroed by the layer, then differs).
 
-    A rotary ``layer`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` rotated
-    features (whole pairs; ``None``: all ``R``), their Q, K and K bias rows moved to the
-    group's rotary key (``rope_kv_heads = G``, their frequencies, the source's scale); the
-    other ``D - rope_dim`` go through the SVD. Exact at full rank with ``rope_dim = R``. The
-    pairs: ``"high"`` the fastest, ``"uniform"`` evenly spaced, ``"norm"`` MHA2MLA's: the
-    largest sum over the group's heads of the mean ``|q_i| |k_i|`` on ``calibration``,
-    the layer's inputs ``(B, S, E)``.
+    A rotary ``layer`` (MHA2MLA's partial RoPE, ``docs/reuse.md``): each K/V group keeps
+    ``rope_dim`` rotated features (whole pairs; ``None``: all ``R``; chosen by ``selection``,
+    ``"norm"`` on ``calibration``, the layer's inputs ``(B, S, E)``) as its rotary key
+    (``rope_kv_heads = G``, their frequencies, the source's scale); the other ``D - rope_dim``
+    go through the SVD. Exact at full rank with ``rope_dim = R``.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
@@ -192,7 +189,8 @@ def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:
 def _rotary_pairs(
     layer: MultiHeadAttention, rope_dim: int, selection: str, calibration: Tensor | None
 ) -> Tensor:
-    """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending."""
+    """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending
+    (``"norm"``: the largest sum over the group's heads of the mean ``|q_i| |k_i|``)."""
     H, G, n = layer.num_heads, layer.num_kv_heads, rope_dim // 2
     half, interleaved = layer.positions.rotary_dim // 2, layer.positions.interleaved
     w = layer.in_proj.blocks()[0]
@@ -237,7 +235,6 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
 
 
 def _check_design(layer: MultiHeadAttention, what: str) -> None:
-    # A design is kept only by the conversions it declares (HeadDesign.conversions).
     if layer.design is not None and what not in layer.design.conversions:
         raise ValueError(
             f"{what} converts a plain MHA/GQA/MQA layer or a design that declares it; got "
