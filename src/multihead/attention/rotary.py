@@ -73,11 +73,9 @@ class RotaryPositions(PositionalPart):
 
     @property
     def options(self) -> dict[str, int | float | bool]:
-        """The constructor arguments, as the layer's ``head_config`` reports them."""
         freqs = {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq}
-        return dict(
-            rotary_dim=self.rotary_dim, rope_theta=self.theta, interleaved=self.interleaved, **freqs
-        )  # fmt: skip
+        rope = dict(rotary_dim=self.rotary_dim, rope_theta=self.theta)
+        return rope | dict(rope_interleaved=self.interleaved, **freqs)
 
     def frequencies(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The inverse frequencies of the ``R/2`` pairs, ``(R/2,)``, or ``(n, R/2)`` explicit."""
