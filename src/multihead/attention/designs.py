@@ -62,6 +62,7 @@ class HeadDesign(nn.Module):
     # each head's output from them (talking heads).
     weights_are_final: ClassVar[bool] = False
     aux_loss: Tensor | None = None  # an auxiliary loss of the last training-mode call
+    has_positions: bool = False  # it places Q and K itself (MLA's decoupled rotary key)
 
     @property
     def options(self) -> dict[str, object]:
@@ -77,11 +78,6 @@ class HeadDesign(nn.Module):
     def active_head_fraction(self) -> float:
         """The fraction of the ``H`` heads computed for each token."""
         return 1.0
-
-    @property
-    def has_positions(self) -> bool:
-        """Whether the design places Q and K itself (MLA's decoupled rotary key)."""
-        return False
 
     def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """What the layer's KV cache holds per position."""
