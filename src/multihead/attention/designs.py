@@ -63,6 +63,7 @@ class HeadDesign(nn.Module):
     weights_are_final: ClassVar[bool] = False
     aux_loss: Tensor | None = None  # an auxiliary loss of the last training-mode call
     has_positions: bool = False  # it places Q and K itself (MLA's decoupled rotary key)
+    active_head_fraction: float = 1.0  # of the H heads, those computed for each token
 
     @property
     def options(self) -> dict[str, object]:
@@ -73,11 +74,6 @@ class HeadDesign(nn.Module):
     def tag(self) -> str:
         """The part of the layer's ``head_tag`` it adds."""
         return f"-{self.name}" if self.name else ""
-
-    @property
-    def active_head_fraction(self) -> float:
-        """The fraction of the ``H`` heads computed for each token."""
-        return 1.0
 
     def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """What the layer's KV cache holds per position."""
