@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
@@ -118,16 +117,6 @@ def with_kv_latent(
         raise ValueError(f"selection must be 'high', 'uniform' or 'norm', got {selection!r}")
     if selection == "norm" and calibration is None and rope_dim:
         raise ValueError("selection='norm' needs calibration, the layer's inputs (B, S, E)")
-    bytes_now = layer.kv_cache_bytes_per_token()
-    width = kv_latent_dim + G * rope_dim
-    bytes_latent = CacheLayout(1, width, shared_kv=True).bytes_per_token(torch.float32)
-    if bytes_latent > bytes_now:
-        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
-        raise ValueError(
-            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
-            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
-            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
-        )
     (w_q, w_k, w_v), (b_q, b_k, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
     rotary, heads = {}, torch.arange(H, device=w_q.device)[:, None]
     rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
@@ -141,6 +130,14 @@ def with_kv_latent(
                   "softmax_scale": layer.scale}  # fmt: skip
     new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim, **rotary)
     new.positions = None  # a rotary key is the latent part's own
+    bytes_now, bytes_latent = layer.kv_cache_bytes_per_token(), new.kv_cache_bytes_per_token()
+    if bytes_latent > bytes_now:
+        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
+        raise ValueError(
+            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
+            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
+            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
+        )
     kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
     kept[heads[:G], rope_index] = False
     kept_q = kept.repeat_interleave(H // G, dim=0).flatten()  # (H*D,)
