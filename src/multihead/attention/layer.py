@@ -202,7 +202,7 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def _part(self) -> HeadDesign:  # the design, or the interface's defaults
-        return self.design or _NO_DESIGN
+        return _NO_DESIGN if self._design_name is None else self.design
 
     @property
     def head_config(self) -> dict[str, str | int]:
