@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
@@ -54,8 +53,7 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
 
     This is the checkpoint conversion of the GQA paper (Ainslie et al., 2023): the ``G``
     current K (and V) projection heads are split into ``num_kv_heads`` consecutive groups
-    and each group is mean-pooled into one head. A head design that declares the conversion
-    (sparse heads, mixings) is kept with its parameters.
+    and each group is mean-pooled into one head.
     """
     G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
@@ -98,13 +96,11 @@ def with_kv_latent(
     bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
     projection's bias (a query with no key left, zeroed by the layer, then differs).
 
-    A rotary ``layer`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` rotated
-    features (whole pairs; ``None``: all ``R``), their Q, K and K bias rows moved to the
-    group's rotary key (``rope_kv_heads = G``, their frequencies, the source's scale); the
-    other ``D - rope_dim`` go through the SVD. Exact at full rank with ``rope_dim = R``. The
-    pairs: ``"high"`` the fastest, ``"uniform"`` evenly spaced, ``"norm"`` MHA2MLA's: the
-    largest sum over the group's heads of the mean ``|q_i| |k_i|`` on ``calibration``,
-    the layer's inputs ``(B, S, E)``.
+    A rotary ``layer`` (MHA2MLA's partial RoPE, ``docs/reuse.md``): each K/V group keeps
+    ``rope_dim`` rotated features (whole pairs; ``None``: all ``R``; chosen by ``selection``,
+    ``"norm"`` on ``calibration``, the layer's inputs ``(B, S, E)``) as its rotary key
+    (``rope_kv_heads = G``, their frequencies, the source's scale); the other ``D - rope_dim``
+    go through the SVD. Exact at full rank with ``rope_dim = R``.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
@@ -121,16 +117,6 @@ def with_kv_latent(
         raise ValueError(f"selection must be 'high', 'uniform' or 'norm', got {selection!r}")
     if selection == "norm" and calibration is None and rope_dim:
         raise ValueError("selection='norm' needs calibration, the layer's inputs (B, S, E)")
-    bytes_now = layer.kv_cache_bytes_per_token()
-    width = kv_latent_dim + G * rope_dim
-    bytes_latent = CacheLayout(1, width, shared_kv=True).bytes_per_token(torch.float32)
-    if bytes_latent > bytes_now:
-        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
-        raise ValueError(
-            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
-            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
-            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
-        )
     (w_q, w_k, w_v), (b_q, b_k, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
     rotary, heads = {}, torch.arange(H, device=w_q.device)[:, None]
     rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
@@ -144,6 +130,14 @@ def with_kv_latent(
                   "softmax_scale": layer.scale}  # fmt: skip
     new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim, **rotary)
     new.positions = None  # a rotary key is the latent part's own
+    bytes_now, bytes_latent = layer.kv_cache_bytes_per_token(), new.kv_cache_bytes_per_token()
+    if bytes_latent > bytes_now:
+        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
+        raise ValueError(
+            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
+            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
+            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
+        )
     kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
     kept[heads[:G], rope_index] = False
     kept_q = kept.repeat_interleave(H // G, dim=0).flatten()  # (H*D,)
@@ -192,7 +186,8 @@ def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:
 def _rotary_pairs(
     layer: MultiHeadAttention, rope_dim: int, selection: str, calibration: Tensor | None
 ) -> Tensor:
-    """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending."""
+    """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending
+    (``"norm"``: the largest sum over the group's heads of the mean ``|q_i| |k_i|``)."""
     H, G, n = layer.num_heads, layer.num_kv_heads, rope_dim // 2
     half, interleaved = layer.positions.rotary_dim // 2, layer.positions.interleaved
     w = layer.in_proj.blocks()[0]
@@ -211,21 +206,18 @@ def _rotary_pairs(
 def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
     """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``.
 
-    For engines without latent attention (CTranslate2). A latent norm is not linear, so a
-    layer with one has no such equivalent and is refused.
+    For engines without latent attention (CTranslate2). A layer with a latent norm (not
+    linear), a decoupled rotary key, its own Q/K width or scale has none and is refused.
     """
     latent = layer.design
     if latent is None or "expand_latent" not in latent.conversions:
         raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
-    if latent.norm is not None:
+    own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "softmax_scale")
+    own = [name for name in own if name in latent.options]  # each set only when it is not MHA's
+    if own:
         raise ValueError(
-            f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
-            "computes: it has no MHA equivalent"
-        )
-    if latent.rope is not None or latent.qk_head_dim != layer.head_dim or latent.softmax_scale:
-        raise ValueError(
-            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), its own Q/K width or "
-            "scale, which no MHA layer computes: it has no MHA equivalent"
+            f"{layer.head_tag!r} has {', '.join(own)}, which no MHA layer computes: it has no "
+            "MHA equivalent"
         )
     new = rebuild(layer)
     w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
@@ -240,7 +232,6 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
 
 
 def _check_design(layer: MultiHeadAttention, what: str) -> None:
-    # A design is kept only by the conversions it declares (HeadDesign.conversions).
     if layer.design is not None and what not in layer.design.conversions:
         raise ValueError(
             f"{what} converts a plain MHA/GQA/MQA layer or a design that declares it; got "

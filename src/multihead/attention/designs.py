@@ -44,39 +44,26 @@ Kernel = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 class HeadDesign(nn.Module):
-    """The interface of a head design; the defaults are the plain layer's.
+    """The interface of a head design; the defaults are the plain layer's."""
 
-    Attributes:
-        name: its registry name (``"moh"``, ``"talking_heads"``, ``"mla"``, ...).
-        attribute: where the layer holds it: the prefix of its state_dict keys.
-        kind: ``head_config["kind"]`` if not the layer's (mha, gqa, mqa): MLA's ``"mla"``.
-        selected_by: an option that selects this design without ``design=`` (the layer's
-            older keywords: ``top_k_heads`` for ``moh``, ``kv_latent_dim`` for ``mla``).
-        replaces_forward: :meth:`attention` is the layer's forward with this design.
-        seams: the positional seams it works with (``"rotate"``, ``"score_bias"``).
-        backends: the backends it runs on; ``None``: every one.
-        any_kv_heads: it works with ``num_kv_heads < num_heads`` (GQA, MQA).
-        projects_kv: the layer's ``in_proj`` projects K and V (MLA's come from its latent).
-        head_mask: it takes a ``head_mask`` (each head has an output of its own to scale).
-        conversions: the functions of :mod:`~.convert` that keep it (``"with_kv_heads"``).
-        weights_are_final: its own :meth:`attend` returns the weights that multiply V, so
-            head analysis may rebuild each head's output from them (talking heads).
-        aux_loss: an auxiliary loss of the last training-mode call, or ``None``.
-    """
-
-    name: ClassVar[str] = ""
-    attribute: ClassVar[str] = ""
-    kind: ClassVar[str | None] = None
+    name: ClassVar[str] = ""  # its registry name: "moh", "talking_heads", "mla", ...
+    attribute: ClassVar[str] = ""  # where the layer holds it: its state_dict keys' prefix
+    kind: ClassVar[str | None] = None  # head_config["kind"] if not mha/gqa/mqa: MLA's "mla"
+    # An option that selects it without design= (the layer's older keywords: top_k_heads).
     selected_by: ClassVar[str | None] = None
-    replaces_forward: ClassVar[bool] = False
-    seams: ClassVar[frozenset[str]] = frozenset({"rotate", "score_bias"})
-    backends: ClassVar[frozenset[str] | None] = None
-    any_kv_heads: ClassVar[bool] = True
-    projects_kv: ClassVar[bool] = True
-    head_mask: ClassVar[bool] = True
-    conversions: ClassVar[frozenset[str]] = frozenset()
+    replaces_forward: ClassVar[bool] = False  # attention() is the layer's forward with it
+    seams: ClassVar[frozenset[str]] = frozenset({"rotate", "score_bias"})  # positional seams
+    backends: ClassVar[frozenset[str] | None] = None  # those it runs on; None: every one
+    any_kv_heads: ClassVar[bool] = True  # it works with num_kv_heads < num_heads (GQA, MQA)
+    projects_kv: ClassVar[bool] = True  # in_proj projects K, V (MLA's come from its latent)
+    head_mask: ClassVar[bool] = True  # it takes a head_mask: each head has its own output
+    conversions: ClassVar[frozenset[str]] = frozenset()  # those of convert that keep it
+    # Its own attend() returns the weights that multiply V, so head analysis may rebuild
+    # each head's output from them (talking heads).
     weights_are_final: ClassVar[bool] = False
-    aux_loss: Tensor | None = None
+    aux_loss: Tensor | None = None  # an auxiliary loss of the last training-mode call
+    has_positions: bool = False  # it places Q and K itself (MLA's decoupled rotary key)
+    active_head_fraction: float = 1.0  # of the H heads, those computed for each token
 
     @property
     def options(self) -> dict[str, object]:
@@ -87,16 +74,6 @@ class HeadDesign(nn.Module):
     def tag(self) -> str:
         """The part of the layer's ``head_tag`` it adds."""
         return f"-{self.name}" if self.name else ""
-
-    @property
-    def active_head_fraction(self) -> float:
-        """The fraction of the ``H`` heads computed for each token."""
-        return 1.0
-
-    @property
-    def has_positions(self) -> bool:
-        """Whether the design places Q and K itself (MLA's decoupled rotary key)."""
-        return False
 
     def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """What the layer's KV cache holds per position."""

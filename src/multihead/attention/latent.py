@@ -114,6 +114,7 @@ class LatentKV(HeadDesign):
         self.absorb = True
         self.rope_dim = 0
         self.rope = None
+        self.has_positions = rotary_dim is not None
         if rotary_dim is not None:
             # RotaryPositions checks rotary_dim (even, >= 2).
             self.rope = RotaryPositions(
@@ -123,11 +124,6 @@ class LatentKV(HeadDesign):
             self.q_rope = nn.Linear(embed_dim, num_heads * rotary_dim, bias, **factory)  # W_QR
             # W_KR: (G_R * d_R, E), one key per group of H / G_R heads
             self.k_rope = nn.Linear(embed_dim, rope_kv_heads * rotary_dim, bias, **factory)
-
-    @property
-    def has_positions(self) -> bool:
-        """Whether it has the decoupled rotary key."""
-        return self.rope is not None
 
     @property
     def options(self) -> dict[str, int | bool]:

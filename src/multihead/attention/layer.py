@@ -141,8 +141,7 @@ class MultiHeadAttention(nn.Module):
             device=device, dtype=dtype,
         )  # fmt: skip
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
-        # Michel et al.'s per-head scale, (H,): None, or a tensor scaling each query head's
-        # output before W^O (a plain attribute, not in the state_dict); see forward.
+        # forward's default head_mask, (H,) or None: a plain attribute, not in the state_dict.
         self.head_mask: Tensor | None = None
         # A position encoding for self-attention (torchtune's pos_embeddings): none by default.
         if positions is not None and rotary_dim is not None:
@@ -309,12 +308,24 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(B, L, E)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        self._check_inputs(query, key_value, is_causal)
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}")
+        B, L, E = query.shape
         key_value = None if key_value is query else key_value
+        if key_value is not None:
+            if key_value.dim() != 3 or key_value.shape[0] != B or key_value.shape[-1] != E:
+                raise ValueError(
+                    f"key_value must be (B={B}, S, E={E}) to match the query, "
+                    f"got {tuple(key_value.shape)}"
+                )
+            if is_causal:
+                raise ValueError("is_causal is for self-attention; got a key_value as well")
+            if self.has_positions:
+                raise ValueError(
+                    "positions are for self-attention; got a key_value (cross-attention)"
+                )
         if position_ids is not None and not self.has_positions:
             raise ValueError("position_ids are for a positional part; this layer has none")
-        if key_value is not None and self.has_positions:
-            raise ValueError("positions are for self-attention; got a key_value (cross-attention)")
         head_mask = self.head_mask if head_mask is None else head_mask
         if head_mask is not None and (
             not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,)
@@ -334,7 +345,6 @@ class MultiHeadAttention(nn.Module):
                 self, query, key_value, kv_cache=kv_cache, need_weights=need_weights,
                 head_mask=head_mask, position_ids=position_ids, **masks,
             )  # fmt: skip
-        B, L, _ = query.shape
 
         # 1. Project: Q (B, H, L, D); K, V (B, G, S, D) of key_value, or of query (self).
         memory_cached = key_value is not None and kv_cache is not None and kv_cache.size > 0
@@ -372,16 +382,3 @@ class MultiHeadAttention(nn.Module):
         # 6. Output.
         out = self.out_proj(heads.reshape(B, L, -1))  # (B, L, E)
         return (out, weights) if need_weights else out
-
-    def _check_inputs(self, query: Tensor, key_value: Tensor | None, is_causal: bool) -> None:
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}")
-        B, L, E = query.shape
-        if key_value is not None and key_value is not query:
-            if key_value.dim() != 3 or key_value.shape[0] != B or key_value.shape[-1] != E:
-                raise ValueError(
-                    f"key_value must be (B={B}, S, E={E}) to match the query, "
-                    f"got {tuple(key_value.shape)}"
-                )
-            if is_causal:
-                raise ValueError("is_causal is for self-attention; got a key_value as well")

@@ -15,13 +15,9 @@ from torch import Tensor, nn
 
 
 class PositionalPart(nn.Module):
-    """A position encoding; a subclass sets :attr:`seam` and overrides that seam's method.
+    """A position encoding; a subclass sets :attr:`seam` and overrides that seam's method."""
 
-    Attributes:
-        seam: ``"rotate"`` or ``"score_bias"``.
-    """
-
-    seam: ClassVar[str]
+    seam: ClassVar[str]  # "rotate" or "score_bias" (the module's two)
     tag: ClassVar[str] = ""  # what it adds to the layer's head_tag: "-rope", "-alibi"
 
     @property

@@ -7,18 +7,10 @@ only, so attention scores become relative without any table added to the embeddi
 
     <rot(q, m), rot(k, n)> = <rot(q, m - n), k>
 
-Two ways of pairing the features are in use, and checkpoints differ by which one:
-
-* ``interleaved=False``, "rotate half" (GPT-NeoX, HF Llama, Qwen2, Mistral): feature ``j``
-  pairs with ``j + R/2``;
-* ``interleaved=True``, neighbouring pairs ``(2i, 2i + 1)`` (the RoFormer paper, Meta's
-  original Llama, HF Cohere).
-
-``rotary_dim < head_dim`` rotates the first ``R`` features of each head and leaves the rest
-as they are ("partial rotary", GPT-NeoX, Phi). The layer builds one part, applies it to Q
-and K right after the projection (before K is cached, so each key is rotated once) and
-takes the positions from the KV cache's length unless the caller gives ``position_ids``
-(left-padded batches).
+Two pairings are in use, and checkpoints differ by which one: "rotate half" (feature ``j``
+with ``j + R/2``; HF Llama, the default) or ``interleaved`` neighbours ``(2i, 2i + 1)``
+(RoFormer, HF Cohere). ``rotary_dim < head_dim`` rotates the first ``R`` features of each
+head only (GPT-NeoX). Where the layer applies it: ``docs/reuse.md``.
 """
 
 from __future__ import annotations
@@ -42,8 +34,8 @@ class RotaryPositions(PositionalPart):
         inv_freq: explicit inverse frequencies instead of ``theta``'s: ``R/2``, or ``n`` rows
             of them, row ``i`` for heads ``i*heads/n ..`` (a conversion's, per K/V group).
 
-    The part has no parameters and no buffers: the angles are computed in the inputs'
-    precision, fp32 at least, at every call, so a checkpoint holds nothing of it.
+    The part has no parameters and no buffers (the angles are computed at every call), so
+    a checkpoint holds nothing of it.
     """
 
     seam = "rotate"
@@ -81,11 +73,9 @@ class RotaryPositions(PositionalPart):
 
     @property
     def options(self) -> dict[str, int | float | bool]:
-        """The constructor arguments, as the layer's ``head_config`` reports them."""
         freqs = {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq}
-        return dict(
-            rotary_dim=self.rotary_dim, rope_theta=self.theta, interleaved=self.interleaved, **freqs
-        )  # fmt: skip
+        rope = dict(rotary_dim=self.rotary_dim, rope_theta=self.theta)
+        return rope | dict(rope_interleaved=self.interleaved, **freqs)
 
     def frequencies(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The inverse frequencies of the ``R/2`` pairs, ``(R/2,)``, or ``(n, R/2)`` explicit."""

@@ -58,12 +58,8 @@ class TorchAttentionAdapter(nn.Module):
         if name in ("kdim", "vdim"):
             return self.attn.embed_dim
         if name in ("in_proj_weight", "in_proj_bias"):
-            in_proj = self.attn.in_proj
-            return (
-                getattr(in_proj, name[len("in_proj_") :])
-                if _torch_shaped_projection(self.attn)
-                else None
-            )
+            shaped = _torch_shaped_projection(self.attn)
+            return getattr(self.attn.in_proj, name.removeprefix("in_proj_")) if shaped else None
         return super().__getattr__(name)
 
     def extra_repr(self) -> str:
@@ -260,14 +256,10 @@ def _swap(model: nn.Module, kind: type, check: Callable, make: Callable, *, verb
 
 
 def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Module:
-    """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by a
-    :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` made of its own
-    parameter objects, which takes over its forward and backward hooks. ``docs/reuse.md``
-    says what holds and what changes.
-
-    Args:
-        model: changed in place.
-        backend: the kernel of the new layers (see :class:`MultiHeadAttention`).
+    """Replace, in place, every ``torch.nn.MultiheadAttention`` inside ``model`` by a
+    :class:`TorchAttentionAdapter` around a :class:`MultiHeadAttention` of ``backend`` made of
+    its own parameter objects, which takes over its forward and backward hooks.
+    ``docs/reuse.md`` says what holds and what changes.
 
     Returns:
         ``model``, or the adapter when ``model`` is itself an ``nn.MultiheadAttention``.
@@ -290,19 +282,16 @@ def replace_torch_attention(model: nn.Module, *, backend: str = "sdpa") -> nn.Mo
 
 
 def restore_torch_attention(model: nn.Module) -> nn.Module:
-    """Put an ``nn.MultiheadAttention`` back wherever ``model`` holds a
+    """Put an ``nn.MultiheadAttention`` back, in place, wherever ``model`` holds a
     :class:`TorchAttentionAdapter`: :func:`replace_torch_attention` undone, with the same
     parameter objects under the same names and the adapter's hooks.
-
-    Args:
-        model: changed in place.
 
     Returns:
         ``model``, or the new module when ``model`` is itself an adapter.
 
     Raises:
-        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold (GQA, a head design,
-            pruned heads, a head mask), named by its path; nothing is restored.
+        ValueError: a layer that ``nn.MultiheadAttention`` cannot hold, named by its path
+            and why (:func:`_no_torch_equivalent`); nothing is restored.
     """
 
     def torch_module(adapter: TorchAttentionAdapter, path: str) -> nn.MultiheadAttention:

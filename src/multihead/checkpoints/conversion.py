@@ -137,12 +137,7 @@ def convert_attention(
 def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, Any]:
     """The attention options of ``kind``'s converted ``layers``, which they must share (a
     config has one set per sublayer kind)."""
-    found = []
-    for attn in layers:
-        options = {k: v for k, v in attn.head_config.items() if k != "kind"}
-        if "interleaved" in options:  # the layer's name for the key's pairing
-            options["rope_interleaved"] = options.pop("interleaved")
-        found.append(options)
+    found = [{k: v for k, v in attn.head_config.items() if k != "kind"} for attn in layers]
     if any(options != found[0] for options in found):
         raise ValueError(
             f"the {kind} layers would get different options (selection='norm' chose other "
