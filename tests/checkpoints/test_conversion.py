@@ -180,6 +180,7 @@ def test_converted_checkpoint_round_trips(trained, tmp_path, scope) -> None:
         "num_kv_heads": 2,
         "scope": list(resolve_scope(scope)),
         "previous_num_kv_heads": {kind: 4 for kind in resolve_scope(scope)},
+        "layer_options": {kind: {"num_kv_heads": 2} for kind in resolve_scope(scope)},
     }
     assert not {"optimizer_states", "lr_schedulers", "loops", "callbacks"} & set(ckpt)
     assert ckpt["global_step"] == read_checkpoint(trained)["global_step"]
@@ -225,8 +226,8 @@ def test_latent_conversion_is_exact_at_full_rank_and_uptrains(trained, tmp_path)
     tgt = torch.randint(4, 100, (3, 6))
     with torch.no_grad():
         torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
-    assert "attention.decoder_self_attention.kv_latent_dim=32" in overrides
-    assert "attention.cross_attention.num_kv_heads=4" in overrides
+    assert "++attention.decoder_self_attention.kv_latent_dim=32" in overrides
+    assert "++attention.cross_attention.num_kv_heads=4" in overrides
     with pytest.raises(ValueError, match="set exactly one of num_kv_heads and kv_latent_dim"):
         convert_checkpoint(trained, 2, kv_latent_dim=8)
 

@@ -11,7 +11,8 @@ The converted checkpoint is then uptrained for a small fraction of the original 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,35 +66,58 @@ def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, in
     return asked
 
 
+def layer_options(attn) -> dict[str, Any]:
+    """The K/V and rotary options that rebuild a converted layer, as constructor keywords
+    (read from what was built, its ``head_config``)."""
+    options = {k: v for k, v in attn.head_config.items() if k not in ("kind", "num_heads")}
+    if "interleaved" in options:  # the rotary part's name for rope_interleaved
+        options["rope_interleaved"] = options.pop("interleaved")
+    return options
+
+
 def convert_model(
     model: Transformer,
     kinds: Sequence[str],
     *,
     num_kv_heads: int | None = None,
-    kv_latent_dim: int | None = None,
+    kv_latent_dim: int | Mapping[str, int] | None = None,
+    rope_dim: int | None = None,
+    selection: str = "high",
 ) -> Transformer:
     """Replace the attention sublayers of ``kinds`` by their converted copies.
 
     Changes ``model`` in place and returns it.
 
+    Args:
+        kv_latent_dim: ``r`` for every kind, or ``{kind: r}``.
+        rope_dim: with ``kv_latent_dim``, the rotated features each K/V group of a rotary
+            sublayer keeps (partial RoPE, see
+            :func:`~multihead.attention.convert.with_kv_latent`); ``None``: all of them.
+        selection: which rotary pairs ``rope_dim`` keeps: ``"high"`` or ``"uniform"``.
+
     Raises:
-        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads, or a
-            sublayer to give a latent has a head design.
+        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads, a
+            sublayer to give a latent has a head design, or ``kv_latent_dim`` misses a kind.
     """
-    target = _target(num_kv_heads, kv_latent_dim)
+    per_kind = kv_latent_dim if isinstance(kv_latent_dim, Mapping) else None
+    if per_kind is not None and set(per_kind) != set(kinds):
+        raise ValueError(
+            f"kv_latent_dim names {sorted(per_kind)}; expected the kinds {list(kinds)}"
+        )
+    for kind in kinds:
+        _target(num_kv_heads, kv_latent_dim if per_kind is None else per_kind[kind])
+    if rope_dim is not None and kv_latent_dim is None:
+        raise ValueError(f"rope_dim={rope_dim} is for kv_latent_dim (MLA), not num_kv_heads")
     for kind, _, path, attn in list(model.attention_sublayers()):
         if kind in kinds:
-            new = (
-                with_kv_heads(attn, num_kv_heads)
-                if num_kv_heads
-                else with_kv_latent(attn, kv_latent_dim)
-            )
+            if num_kv_heads:
+                new = with_kv_heads(attn, num_kv_heads)
+            else:
+                r = kv_latent_dim if per_kind is None else per_kind[kind]
+                rope = {} if attn.positions is None else {"rope_dim": rope_dim}
+                new = with_kv_latent(attn, r, **rope, selection=selection)
             model.set_submodule(path, new)
-    for kind in kinds:
-        config = model.attention_config[kind]
-        config.update(target)
-        if kv_latent_dim is not None:  # a latent builds all H K/V heads
-            config["num_kv_heads"] = config["num_heads"]
+            model.attention_config[kind].update(layer_options(new))
     return model
 
 
@@ -102,7 +126,9 @@ def convert_checkpoint(
     num_kv_heads: int | None = None,
     scope: str | Sequence[str] = "decoder",
     *,
-    kv_latent_dim: int | None = None,
+    kv_latent_dim: int | Mapping[str, int] | None = None,
+    rope_dim: int | None = None,
+    selection: str = "high",
 ) -> dict[str, Any]:
     """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
     or a ``kv_latent_dim`` K/V latent.
@@ -115,14 +141,23 @@ def convert_checkpoint(
         path: a ``.ckpt`` written by ``scripts/train.py``.
         num_kv_heads: ``G``; must divide the current K/V heads of every converted sublayer.
         scope: see :func:`resolve_scope`.
-        kv_latent_dim: ``r``, instead of ``num_kv_heads``.
+        kv_latent_dim, rope_dim, selection: instead of ``num_kv_heads``, see
+            :func:`convert_model`.
     """
-    target = _target(num_kv_heads, kv_latent_dim)
     kinds = resolve_scope(scope)
     ckpt = read_checkpoint(path)
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
-    convert_model(model, kinds, **target)
+    convert_model(
+        model, kinds, num_kv_heads=num_kv_heads, kv_latent_dim=kv_latent_dim,
+        rope_dim=rope_dim, selection=selection,
+    )  # fmt: skip
+    target = (
+        {"num_kv_heads": num_kv_heads}
+        if kv_latent_dim is None
+        else {"kv_latent_dim": dict(kv_latent_dim) if isinstance(kv_latent_dim, Mapping)
+              else kv_latent_dim, "rope_dim": rope_dim, "selection": selection}
+    )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
@@ -137,9 +172,9 @@ def convert_checkpoint(
     # The run config with the K/V settings of kinds, so that it rebuilds the result.
     extra["config"] = config = copy.deepcopy(extra["config"])
     attention = config["attention"]  # the one place heads are set
+    built = {kind: layer_options(attn) for kind, _, _, attn in model.attention_sublayers()}
     for kind in kinds:
-        kv = {k: model.attention_config[kind][k] for k in ("num_kv_heads", *target)}
-        attention[kind] = {**(attention.get(kind) or {}), **kv}
+        attention[kind] = {**(attention.get(kind) or {}), **built[kind]}
     if set(kinds) == set(ATTENTION_SUBLAYERS) and num_kv_heads is not None:
         attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
@@ -147,6 +182,7 @@ def convert_checkpoint(
         **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
+        "layer_options": {kind: built[kind] for kind in kinds},
     }
     converted["multihead"] = extra
     return converted
@@ -155,33 +191,42 @@ def convert_checkpoint(
 def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -> list[str]:
     """The ``scripts/train.py`` overrides that rebuild ``converted`` and start from ``out``.
 
-    The original run's own overrides are taken from ``<run dir>/.hydra/overrides.yaml``
-    (the checkpoint sits in ``<run dir>/checkpoints/``) when that file exists, less
-    ``ckpt_path``, ``paths.output_dir``, ``hydra.*`` and the head counts set here.
+    The original run's own overrides (:func:`recorded_overrides`), less the head options
+    set here (each converted sublayer's :func:`layer_options`).
     """
     info = converted["multihead"]["converted_from"]
-    kinds, attention = info["scope"], converted["multihead"]["config"]["attention"]
+    kinds = info["scope"]
     heads: list[str] = []
     if set(kinds) == set(ATTENTION_SUBLAYERS) and "num_kv_heads" in info:
         heads.append(f"attention.num_kv_heads={info['num_kv_heads']}")
-    for kind in kinds:
+    for kind in kinds:  # "++": the rotary keys are not in the attention configs
         heads += [
-            f"attention.{kind}.{key}={attention[kind][key]}"
-            for key in ("num_kv_heads", "kv_latent_dim")
-            if attention[kind].get(key) is not None
+            f"++attention.{kind}.{key}={json.dumps(value, separators=(',', ':'))}"
+            for key, value in info["layer_options"][kind].items()
         ]
     # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
-    ours |= {"ckpt_path", "init_from", "paths.output_dir"}
+    return [*recorded_overrides(ckpt_path, ours), f"init_from={out}", *heads]
 
-    previous: list[str] = []
-    recorded = Path(ckpt_path).resolve().parent.parent / ".hydra" / "overrides.yaml"
-    if recorded.is_file():
-        for override in OmegaConf.load(recorded):
-            key = str(override).lstrip("+~").split("=", 1)[0]
-            if key not in ours and not key.startswith("hydra."):
-                previous.append(str(override))
-    return [*previous, f"init_from={out}", *heads]
+
+def recorded_overrides(ckpt_path: str | Path, drop: set[str] = frozenset()) -> list[str]:
+    """The overrides of the run that wrote ``ckpt_path``, from ``<run dir>/.hydra/
+    overrides.yaml`` (the checkpoint in ``<run dir>/checkpoints/`` or, averaged, in
+    ``<run dir>/``; none when neither has the file), less ``hydra.*``, ``ckpt_path``,
+    ``init_from``, ``paths.output_dir`` and the keys in ``drop``."""
+    drop = {*drop, "ckpt_path", "init_from", "paths.output_dir"}
+    here = Path(ckpt_path).resolve().parent
+    for run_dir in (here.parent, here):
+        recorded = run_dir / ".hydra" / "overrides.yaml"
+        if recorded.is_file():
+            overrides = [str(o) for o in OmegaConf.load(recorded)]
+            return [
+                o
+                for o in overrides
+                if o.lstrip("+~").split("=", 1)[0] not in drop
+                and not o.lstrip("+~").startswith("hydra.")
+            ]
+    return []
 
 
 def convert_kv_heads(
@@ -190,7 +235,9 @@ def convert_kv_heads(
     out: str | Path,
     scope: str | Sequence[str] = "decoder",
     *,
-    kv_latent_dim: int | None = None,
+    kv_latent_dim: int | Mapping[str, int] | None = None,
+    rope_dim: int | None = None,
+    selection: str = "high",
 ) -> tuple[Path, list[str]]:
     """Convert ``ckpt`` and save it to ``out`` (never overwritten).
 
@@ -203,6 +250,9 @@ def convert_kv_heads(
     """
     if Path(out).exists():  # before the work; save_new checks again when writing
         raise FileExistsError(f"{out} already exists; choose a new out= path")
-    converted = convert_checkpoint(ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim)
+    converted = convert_checkpoint(
+        ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim, rope_dim=rope_dim,
+        selection=selection,
+    )  # fmt: skip
     written = save_new(converted, out)
     return written, uptrain_overrides(ckpt, written, converted)
