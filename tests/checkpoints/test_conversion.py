@@ -101,6 +101,18 @@ def test_pooling_is_the_mean_of_each_groups_rows() -> None:
     assert model.decoder_layers[0].self_attn.num_kv_heads == 4  # not in scope
 
 
+def test_latent_options_are_refused_in_one_line() -> None:
+    model = tiny_model()
+    kinds = ("decoder_self_attention", "cross_attention")
+    with pytest.raises(ValueError, match=r"rope_dim=2 is for kv_latent_dim \(MLA\), not num_kv"):
+        convert_model(model, kinds, num_kv_heads=2, rope_dim=2)
+    with pytest.raises(ValueError, match=r"kv_latent_dim names \['cross_attention'\]; expected"):
+        convert_model(model, kinds, kv_latent_dim={"cross_attention": 8})
+    with pytest.raises(ValueError, match=r"rope_dim=2 needs rotary positions; none of \["):
+        convert_model(model, kinds, kv_latent_dim=8, rope_dim=2)  # sinusoidal positions
+    assert model.head_config["cross_attention"]["kind"] == "mha"  # refused before converting
+
+
 def test_scope_names() -> None:
     assert resolve_scope("decoder") == ("decoder_self_attention", "cross_attention")
     assert len(resolve_scope("all")) == 3

@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from multihead.attention import MultiHeadAttention
 from multihead.attention.convert import with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer
@@ -66,7 +67,7 @@ def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, in
     return asked
 
 
-def layer_options(attn) -> dict[str, Any]:
+def layer_options(attn: MultiHeadAttention) -> dict[str, Any]:
     """The K/V and rotary options that rebuild a converted layer, as constructor keywords
     (read from what was built, its ``head_config``)."""
     options = {k: v for k, v in attn.head_config.items() if k not in ("kind", "num_heads")}
@@ -108,7 +109,10 @@ def convert_model(
         _target(num_kv_heads, kv_latent_dim if per_kind is None else per_kind[kind])
     if rope_dim is not None and kv_latent_dim is None:
         raise ValueError(f"rope_dim={rope_dim} is for kv_latent_dim (MLA), not num_kv_heads")
-    for kind, _, path, attn in list(model.attention_sublayers()):
+    layers = [(kind, path, attn) for kind, _, path, attn in model.attention_sublayers()]
+    if rope_dim is not None and all(a.positions is None for k, _, a in layers if k in kinds):
+        raise ValueError(f"rope_dim={rope_dim} needs rotary positions; none of {list(kinds)} has")
+    for kind, path, attn in layers:
         if kind in kinds:
             if num_kv_heads:
                 new = with_kv_heads(attn, num_kv_heads)
