@@ -66,6 +66,12 @@ def test_rotary_mla_checkpoint_is_exact_at_full_rank_and_rebuilds(rope_run, tmp_
         torch.testing.assert_close(rebuilt(src, tgt), converted.model(src, tgt))
 
 
+def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"kv_latent_dim=\{'cross_attention': 8\} must give one r"):
+        convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim={"cross_attention": 8})
+    assert not (tmp_path / "x.ckpt").exists()
+
+
 def test_uptrain_steps_are_multiples_of_the_smallest_fractions() -> None:
     # 1% of 2238 = 22.38 -> 22; 2% and 5%: 2 and 5 times that.
     assert uptrain_steps(2238, [0.05, 0.01, 0.02]) == {0.01: 22, 0.02: 44, 0.05: 110}
