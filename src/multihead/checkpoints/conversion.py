@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +216,7 @@ def convert_checkpoint(
     num_kv_heads: int | None = None,
     scope: str | Sequence[str] = "decoder",
     *,
-    kv_latent_dim: int | None = None,
+    kv_latent_dim: int | Mapping[str, int] | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
 ) -> dict[str, Any]:
@@ -231,19 +231,39 @@ def convert_checkpoint(
         path: a ``.ckpt`` written by ``scripts/train.py``.
         num_kv_heads: ``G``; must divide the current K/V heads of every converted sublayer.
         scope: see :func:`resolve_scope`.
-        kv_latent_dim: ``r``, instead of ``num_kv_heads``.
-        rope_dim, selection: for a rotary model, see :func:`convert_attention`.
+        kv_latent_dim: ``r``, instead of ``num_kv_heads``, or ``{kind: r}`` for every kind
+            in ``scope`` (e.g. a rotary self-attention's latent beside its rotary keys, and
+            a wider one in cross-attention, for the same cache).
+        rope_dim, selection: for a rotary model, see :func:`convert_attention`; with
+            ``{kind: r}``, for the kinds with rotary layers only.
     """
-    target = _target(num_kv_heads, kv_latent_dim)
     kinds = resolve_scope(scope)
+    per_kind = dict(kv_latent_dim) if isinstance(kv_latent_dim, Mapping) else None
+    if per_kind is None:
+        target = _target(num_kv_heads, kv_latent_dim)
+    elif num_kv_heads is not None or set(per_kind) != set(kinds):
+        raise ValueError(
+            f"kv_latent_dim={per_kind} must give one r for each of {list(kinds)}, without "
+            f"num_kv_heads (got {num_kv_heads})"
+        )
+    else:
+        target = {"kv_latent_dim": per_kind}
     ckpt = read_checkpoint(path)
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
     options = copy.deepcopy(model.attention_config)
-    convert_attention(
-        model, kv_heads=num_kv_heads, kv_latent=kv_latent_dim, rope_dim=rope_dim,
-        selection=selection, scope=kinds,
-    )  # fmt: skip
+    if per_kind is None:
+        convert_attention(
+            model, kv_heads=num_kv_heads, kv_latent=kv_latent_dim, rope_dim=rope_dim,
+            selection=selection, scope=kinds,
+        )  # fmt: skip
+    else:  # one call per kind: its own r, and rope_dim only where it has rotary layers
+        rotary = {kind for kind, _, _, a in model.attention_sublayers() if a.positions is not None}
+        for kind, r in per_kind.items():
+            convert_attention(
+                model, kv_latent=r, rope_dim=rope_dim if kind in rotary else None,
+                selection=selection, scope=[kind],
+            )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
@@ -283,9 +303,8 @@ def convert_checkpoint(
 def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -> list[str]:
     """The ``scripts/train.py`` overrides that rebuild ``converted`` and start from ``out``.
 
-    The original run's own overrides are taken from ``<run dir>/.hydra/overrides.yaml``
-    (the checkpoint sits in ``<run dir>/checkpoints/``) when that file exists, less
-    ``ckpt_path``, ``paths.output_dir``, ``hydra.*`` and the head counts set here.
+    The original run's own overrides (:func:`recorded_overrides`), less the head options
+    set here.
     """
     info = converted["multihead"]["converted_from"]
     kinds, attention = info["scope"], converted["multihead"]["config"]["attention"]
@@ -304,18 +323,26 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
             for key, value in attention[kind].items()
             if key in info.get("changed_keys", {}).get(kind, ())
         ]
-    # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
-    ours |= {"ckpt_path", "init_from", "paths.output_dir"}
+    return [*recorded_overrides(ckpt_path, ours), f"init_from={out}", *heads]
 
-    previous: list[str] = []
-    recorded = Path(ckpt_path).resolve().parent.parent / ".hydra" / "overrides.yaml"
-    if recorded.is_file():
-        for override in OmegaConf.load(recorded):
-            key = str(override).lstrip("+~").split("=", 1)[0]
-            if key not in ours and not key.startswith("hydra."):
-                previous.append(str(override))
-    return [*previous, f"init_from={out}", *heads]
+
+def recorded_overrides(ckpt_path: str | Path, drop: Collection[str] = ()) -> list[str]:
+    """The overrides of the run that wrote ``ckpt_path``, from ``<run dir>/.hydra/
+    overrides.yaml`` (the checkpoint in ``<run dir>/checkpoints/`` or, averaged, in
+    ``<run dir>/``; none when neither has the file), less ``hydra.*``, resuming
+    (``ckpt_path``), ``init_from``, the old run directory (``paths.output_dir``) and the
+    keys in ``drop``."""
+    drop = {*drop, "ckpt_path", "init_from", "paths.output_dir"}
+    here = Path(ckpt_path).resolve().parent
+    for run_dir in (here.parent, here):
+        recorded = run_dir / ".hydra" / "overrides.yaml"
+        if recorded.is_file():
+            overrides = [str(o) for o in OmegaConf.load(recorded)]
+            keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+            return [o for o, k in zip(overrides, keys, strict=True)
+                    if k not in drop and not k.startswith("hydra.")]  # fmt: skip
+    return []
 
 
 def convert_kv_heads(
@@ -324,7 +351,7 @@ def convert_kv_heads(
     out: str | Path,
     scope: str | Sequence[str] = "decoder",
     *,
-    kv_latent_dim: int | None = None,
+    kv_latent_dim: int | Mapping[str, int] | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
 ) -> tuple[Path, list[str]]:

@@ -1,0 +1,236 @@
+"""Converting a trained MHA checkpoint to GQA and MLA at set cache ratios, then uptraining
+(issue 56; scripts/conversion_study.py).
+
+For each method and ratio ``k`` (the converted sublayers cache ``1/k`` of the bytes per
+token they cached before): convert the decoder self- and cross-attention
+(:func:`~multihead.checkpoints.conversion.convert_kv_heads`), score, uptrain with
+``scripts/train.py init_from=...`` for the largest fraction of the original steps, and
+score the step checkpoints at each fraction. MHA itself is the control: uptrained the same
+steps with the same recipe. A ratio a method cannot reach is a row marked ``n/a``.
+
+GQA at ratio ``k`` mean-pools ``G/k`` K/V heads. MLA at ratio ``k`` caches ``2 G D / k``
+numbers per token in each sublayer: in a rotary one, ``G * rope_dim`` of them are the
+per-group rotary keys (partial RoPE) and the rest the latent; in cross-attention, all
+latent. The uptraining schedule does not depend on its length (no cooldown), so the
+checkpoint at step ``n`` of the longest run is what an ``n``-step run would give: one run
+per row serves every fraction.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from multihead.checkpoints.conversion import (
+    SCOPES,
+    convert_kv_heads,
+    recorded_overrides,
+)
+from multihead.checkpoints.io import load_trained_model, read_checkpoint
+from multihead.evaluation import evaluate_checkpoint
+
+METHODS = ("gqa", "mla")
+FIELDS = (
+    "method", "ratio", "target", "kv_bytes_per_token", "cross_kv_bytes_per_source_token",
+    "uptrain_fraction", "uptrain_steps", "bleu_lc_tok", "bleu", "checkpoint",
+)  # fmt: skip
+
+
+def check_study(methods: Sequence[str], ratios: Sequence[int], fractions: Sequence[float]) -> None:
+    """Refuse bad study settings in one line each, before any work."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"methods={list(methods)}; expected a list of {', '.join(METHODS)}")
+    for k in ratios:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise ValueError(f"ratios: {k!r} is not an integer >= 2 (cache 1/k of MHA's)")
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        raise ValueError(f"fractions={list(fractions)}; expected numbers in (0, 1]")
+
+
+def uptrain_steps(original_steps: int, fractions: Sequence[float]) -> dict[float, int]:
+    """Steps per fraction: multiples of the smallest fraction's rounded steps, so that one
+    checkpoint interval (that step count) lands on every fraction."""
+    unit = max(1, round(min(fractions) * original_steps))
+    return {f: unit * max(1, round(f / min(fractions))) for f in sorted(fractions)}
+
+
+def cache_bytes(ckpt: str | Path) -> tuple[int, int]:
+    """Bytes per token the decoder self-attention caches (all layers) and per source token
+    the cross-attention caches, counted by the layers' own ``kv_cache_bytes_per_token``."""
+    model = load_trained_model(str(ckpt)).model
+    total = dict.fromkeys(SCOPES["decoder"], 0)
+    for kind, _, _, attn in model.attention_sublayers():
+        if kind in total:
+            total[kind] += attn.kv_cache_bytes_per_token()
+    return total["decoder_self_attention"], total["cross_attention"]
+
+
+def conversion_target(ckpt: str | Path, method: str, ratio: int, rope_dim: int) -> dict | None:
+    """The :func:`convert_kv_heads` keywords that cut each decoder sublayer's cache to
+    ``1/ratio``, or ``None`` when ``method`` cannot reach it."""
+    model = load_trained_model(str(ckpt)).model
+    layers = {kind: attn for kind, _, _, attn in model.attention_sublayers()}
+    if method == "gqa":
+        G = {layers[kind].num_kv_heads for kind in SCOPES["decoder"]}
+        if len(G) != 1 or next(iter(G)) % ratio:
+            return None
+        return {"num_kv_heads": next(iter(G)) // ratio}
+    latent = {}
+    for kind in SCOPES["decoder"]:
+        attn = layers[kind]
+        width = 2 * attn.num_kv_heads * attn.head_dim // ratio  # numbers cached per token
+        rope = attn.num_kv_heads * rope_dim if attn.positions is not None else 0
+        if width - rope < 1 or width * ratio != 2 * attn.num_kv_heads * attn.head_dim:
+            return None
+        latent[kind] = width - rope
+    return {"kv_latent_dim": latent, "rope_dim": rope_dim}
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _train(overrides: list[str], recipe: Sequence[str], run_dir: Path, log: Path) -> None:
+    """``scripts/train.py`` with ``overrides``, the recipe's keys replacing theirs."""
+    ours = {_override_key(o) for o in recipe}
+    args = [o for o in overrides if _override_key(o) not in ours] + list(recipe)
+    script = Path(__file__).resolve().parents[3] / "scripts" / "train.py"
+    command = [sys.executable, str(script), *args, f"hydra.run.dir={run_dir}"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    (log.parent / "uptrain_command.json").write_text(json.dumps(command, indent=1))
+    with log.open("w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"uptraining failed (exit {done.returncode}); see {log}")
+
+
+def run_study(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    methods: Sequence[str] = METHODS,
+    ratios: Sequence[int] = (2, 4, 8),
+    rope_dim: int = 4,
+    selection: str = "high",
+    fractions: Sequence[float] = (0.01, 0.02, 0.05),
+    recipe: Sequence[str] = (),
+    beam_size: int = 5,
+    local_dir: str | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run the study into ``out`` (a new directory) and return its rows.
+
+    Writes ``rows.jsonl`` (one record per row, as it is measured), ``rows.csv`` and
+    ``bleu_vs_uptraining.png`` at the end, and each row's checkpoints, scores and
+    uptraining log under ``out/<method><ratio>/``.
+
+    Args:
+        ckpt: the trained MHA checkpoint; ``ckpt["global_step"]`` is the original steps.
+        recipe: ``scripts/train.py`` overrides of the uptraining, applied to every row
+            over the original run's own (e.g. the learning rate and schedule).
+        local_dir, limit: the data directory and the number of test sentences to score.
+    """
+    check_study(methods, ratios, fractions)
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new out= directory")
+    original_steps = int(read_checkpoint(ckpt)["global_step"])
+    steps = uptrain_steps(original_steps, fractions)
+    unit, longest = min(steps.values()), max(steps.values())
+    schedule = [
+        f"trainer.max_steps={longest}", "trainer.max_time=null",
+        f"callbacks.checkpoint_recent.every_n_train_steps={unit}",
+        "callbacks.checkpoint_recent.save_top_k=-1", "test=false",
+    ]  # fmt: skip
+    out.mkdir(parents=True)
+    plan = [("mha", 1, {})]
+    for ratio in sorted(ratios, reverse=True):  # the smallest cache first
+        for method in methods:
+            plan.append((method, ratio, conversion_target(ckpt, method, ratio, rope_dim)))
+    rows: list[dict[str, Any]] = []
+
+    def record(**row: Any) -> None:
+        rows.append({field: row.get(field) for field in FIELDS})
+        with (out / "rows.jsonl").open("a") as f:
+            f.write(json.dumps(rows[-1]) + "\n")
+
+    def score(path: Path, where: Path) -> dict[str, Any]:
+        return evaluate_checkpoint(
+            str(path), where, beam_size=beam_size, local_dir=local_dir, limit=limit
+        )
+
+    for method, ratio, target in plan:
+        row_dir = out / f"{method}{ratio}"
+        if target is None:
+            record(method=method, ratio=ratio, target="n/a")
+            continue
+        if method == "mha":
+            start, overrides = Path(ckpt), [*recorded_overrides(ckpt), f"init_from={ckpt}"]
+        else:
+            written, overrides = convert_kv_heads(
+                ckpt, target.get("num_kv_heads"), row_dir / "converted.ckpt",
+                kv_latent_dim=target.get("kv_latent_dim"), rope_dim=target.get("rope_dim"),
+                selection=selection,
+            )  # fmt: skip
+            start = written
+        self_bytes, cross_bytes = cache_bytes(start)
+        common = dict(
+            method=method, ratio=ratio, target=json.dumps(target or "mha"),
+            kv_bytes_per_token=self_bytes, cross_kv_bytes_per_source_token=cross_bytes,
+        )  # fmt: skip
+        run_dir = row_dir / "uptrain"
+        points = [(0.0, 0, Path(start))] + [
+            (fraction, n, run_dir / "checkpoints" / f"step{n}.ckpt")
+            for fraction, n in steps.items()
+        ]
+        for fraction, n, path in points:
+            if n and not run_dir.exists():  # the first uptrained point: train them all
+                _train(overrides, [*recipe, *schedule], run_dir, row_dir / "uptrain.log")
+            scores = score(path, row_dir / f"score_step{n}")
+            record(
+                **common, uptrain_fraction=fraction, uptrain_steps=n, checkpoint=str(path),
+                bleu_lc_tok=scores["bleu_lc_tok"], bleu=scores["bleu"],
+            )  # fmt: skip
+    write_table(rows, out / "rows.csv")
+    plot_study(rows, out / "bleu_vs_uptraining.png")
+    return rows
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_study(rows: list[dict[str, Any]], path: Path) -> None:
+    """lc-tok BLEU against the uptraining fraction, one line per method and cache ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    lines: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for row in rows:
+        if row["bleu_lc_tok"] is not None:
+            lines.setdefault((row["method"], row["ratio"]), []).append(
+                (100 * row["uptrain_fraction"], row["bleu_lc_tok"])
+            )
+    for (method, ratio), points in lines.items():
+        label = "MHA (control)" if method == "mha" else f"{method.upper()} 1/{ratio} cache"
+        style = "-" if method == "mla" else "--" if method == "gqa" else ":"
+        ax.plot(*zip(*sorted(points), strict=True), style, marker="o", label=label)
+    ax.set_xlabel("uptraining steps, % of the original training's")
+    ax.set_ylabel("test2016 BLEU (lc-tok)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

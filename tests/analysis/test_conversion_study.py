@@ -1,0 +1,134 @@
+"""Issue 56's conversion study: a rotary checkpoint to MLA with partial RoPE through the
+checkpoint path, and the study end to end on a tiny rotary run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from multihead.analysis.conversion_study import check_study, run_study, uptrain_steps
+from multihead.checkpoints import load_trained_model
+from multihead.checkpoints.conversion import convert_kv_heads
+from multihead.model import build_model
+
+from helpers.scripts import fails_in_one_line, script_main
+from helpers.training import compose_config, smoke_overrides
+
+
+@pytest.fixture(scope="module")
+def rope_run(tmp_path_factory, multi30k_dir, cache_dir) -> Path:
+    """The smoke experiment with rotary positions, 4 steps, with Hydra's overrides record."""
+    from multihead.training.run import train
+
+    out = tmp_path_factory.mktemp("rope_run")
+    overrides = [*smoke_overrides(out, multi30k_dir, cache_dir), "model.positional=rope"]
+    run = [*overrides, "trainer.max_steps=4", "test=false", "summary.decode_speed=false"]
+    train(compose_config("train", run))
+    (out / ".hydra").mkdir()
+    (out / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
+    return out / "checkpoints" / "last.ckpt"
+
+
+def test_rotary_mla_checkpoint_is_exact_at_full_rank_and_rebuilds(rope_run, tmp_path) -> None:
+    """d_model 32, 4 heads of 8 all rotated: every rotary feature kept (rope_dim=None) and a
+    latent of the K/V rank (32) give the original model; the printed overrides rebuild it."""
+    out = tmp_path / "mla.ckpt"
+    full = {"decoder_self_attention": 32, "cross_attention": 32}
+    written, overrides = convert_kv_heads(rope_run, None, out, kv_latent_dim=full)
+    old, new = load_trained_model(rope_run).model, load_trained_model(written).model
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope8x4"
+    src, tgt = torch.randint(4, 100, (3, 9)), torch.randint(4, 100, (3, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
+
+    partial = {"decoder_self_attention": 8, "cross_attention": 16}
+    written, overrides = convert_kv_heads(
+        rope_run, None, tmp_path / "partial.ckpt", kv_latent_dim=partial, rope_dim=2
+    )
+    converted = load_trained_model(written)
+    # 2 decoder layers, fp32: (r + G * rope_dim) numbers per token = 8 + 4 * 2
+    assert converted.model.kv_cache_bytes_per_token() == 2 * (8 + 4 * 2) * 4
+    composed = compose_config(
+        "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
+    )
+    tok = converted.tokenizer
+    rebuilt = build_model(
+        OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
+    ).eval()
+    assert rebuilt.head_config == converted.model.head_config
+    rebuilt.load_state_dict(converted.model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(src, tgt), converted.model(src, tgt))
+
+
+def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"kv_latent_dim=\{'cross_attention': 8\} must give one r"):
+        convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim={"cross_attention": 8})
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_uptrain_steps_are_multiples_of_the_smallest_fractions() -> None:
+    # 1% of 2238 = 22.38 -> 22; 2% and 5%: 2 and 5 times that.
+    assert uptrain_steps(2238, [0.05, 0.01, 0.02]) == {0.01: 22, 0.02: 44, 0.05: 110}
+
+
+def test_study_writes_every_row_and_marks_unreachable_ratios(
+    rope_run, tmp_path, multi30k_dir
+) -> None:
+    out = tmp_path / "study"
+    rows = run_study(
+        rope_run, out, methods=["mla"], ratios=[4, 8], rope_dim=2, fractions=[0.25, 0.5],
+        beam_size=1, local_dir=str(multi30k_dir), limit=4,
+    )  # fmt: skip
+    # MHA: 2 * 4 heads * 8 * 4 bytes * 2 layers. MLA 1/8: 8 numbers, all taken by 4 x 2 rotary.
+    assert [(r["method"], r["ratio"], r["uptrain_steps"]) for r in rows] == [
+        ("mha", 1, 0), ("mha", 1, 1), ("mha", 1, 2),
+        ("mla", 8, None),
+        ("mla", 4, 0), ("mla", 4, 1), ("mla", 4, 2),
+    ]  # fmt: skip
+    assert rows[3]["target"] == "n/a" and rows[3]["bleu_lc_tok"] is None
+    assert {r["kv_bytes_per_token"] for r in rows[:3]} == {512}
+    assert {r["kv_bytes_per_token"] for r in rows[4:]} == {128}
+    assert {r["cross_kv_bytes_per_source_token"] for r in rows[4:]} == {128}
+    for row in rows[1:3] + rows[5:]:
+        assert Path(row["checkpoint"]).is_file()
+        assert row["checkpoint"].endswith(f"uptrain/checkpoints/step{row['uptrain_steps']}.ckpt")
+    uptrained = load_trained_model(rows[6]["checkpoint"]).model
+    assert uptrained.head_config["decoder_self_attention"]["tag"] == "mla4r8rope2x4"
+    for row in rows:
+        if row["bleu_lc_tok"] is not None:
+            where = out / f"{row['method']}{row['ratio']}" / f"score_step{row['uptrain_steps']}"
+            assert json.loads((where / "scores.json").read_text())["sentences"] == 4
+    assert [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()] == rows
+    with open(out / "rows.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (out / "bleu_vs_uptraining.png").stat().st_size > 0
+    with pytest.raises(FileExistsError, match="already exists"):
+        run_study(rope_run, out)
+
+
+@pytest.mark.parametrize(
+    ("methods", "ratios", "fractions", "message"),
+    [
+        (["mqa"], [2], [0.01], r"methods=\['mqa'\]; expected a list of gqa, mla"),
+        (["gqa"], [1], [0.01], "ratios: 1 is not an integer >= 2"),
+        (["gqa"], [2], [0.0], r"fractions=\[0.0\]; expected numbers in \(0, 1\]"),
+    ],
+)
+def test_bad_settings_are_refused(methods, ratios, fractions, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_study(methods, ratios, fractions)
+
+
+def test_script_refuses_bad_ratio_in_one_line(tmp_path, capsys) -> None:
+    line = fails_in_one_line(
+        script_main, capsys, "conversion_study.py", "conversion_study",
+        f"ckpt={tmp_path / 'a.ckpt'}", f"out={tmp_path / 'study'}", "ratios=[3,1]",
+    )  # fmt: skip
+    assert line == "error: ratios: 1 is not an integer >= 2 (cache 1/k of MHA's)"
+    assert not (tmp_path / "study").exists()
