@@ -2,12 +2,13 @@
 the layer's cached decoding and left padding, and its refusals."""
 
 import cmath
+import re
 
 import pytest
 import torch
 
 from multihead import MultiHeadAttention
-from multihead.attention import with_kv_latent
+from multihead.attention import expand_latent, with_kv_latent
 from multihead.attention.rotary import RotaryPositions
 
 
@@ -168,8 +169,6 @@ def test_position_ids_need_rotary_and_rotary_needs_self_attention():
                   kv_latent_dim=8, rotary_dim=4)):  # fmt: skip
         with pytest.raises(ValueError, match="positions are for self-attention"):
             layer(x, torch.randn(1, 4, 32))
-    with pytest.raises(ValueError, match="with_kv_latent converts a layer without rotary"):
-        with_kv_latent(MultiHeadAttention(32, 4, rotary_dim=8), 8)
 
 
 # --------------------------------------------------------------------------- MLA + RoPE
@@ -239,3 +238,93 @@ def test_mla_caches_its_latent_and_rotary_key_beside_mha_gqa_and_mqa():
         "kv_latent.k_rope.weight", "kv_latent.k_rope.bias",
     }  # fmt: skip
     assert layer.head_tag == "mla8r128rope32"
+
+
+# ------------------------------------------------------- rotary MHA/GQA/MQA -> MLA (issue 56)
+def rotary_source(num_kv_heads, rotary_dim, interleaved):
+    """A rotary layer (E = 32, H = 4, D = 8) in fp64 with every bias drawn."""
+    torch.manual_seed(num_kv_heads + rotary_dim + interleaved)
+    layer = MultiHeadAttention(32, 4, num_kv_heads, rotary_dim=rotary_dim,
+                               rope_interleaved=interleaved, dtype=torch.float64)  # fmt: skip
+    with torch.no_grad():
+        layer.in_proj.bias.normal_(), layer.out_proj.bias.normal_()
+    return layer.eval()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [8, 4], ids=["full_rotary", "partial_rotary"])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim, interleaved):
+    # The reference is the source layer's own forward (RoPE on Q and K, then attention);
+    # the copy scores through the latent plus one rotary key per K/V group.
+    source, G = rotary_source(num_kv_heads, rotary_dim, interleaved), num_kv_heads
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    rank = G * 8 + G * (8 - rotary_dim)  # V and the K features left unrotated, per group
+    mla = with_kv_latent(source, rank, selection="norm", calibration=x)
+    assert mla.kv_cache_bytes_per_token() == (rank + G * rotary_dim) * 4
+    with torch.no_grad():
+        want = source(x, is_causal=True)
+        torch.testing.assert_close(mla(x, is_causal=True), want, rtol=0, atol=1e-12)
+        cache = mla.make_kv_cache(2, 7)
+        steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
+        steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+        torch.testing.assert_close(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
+    # Its head_config builds the same architecture: the state_dict loads and computes the same.
+    config = {k: v for k, v in mla.head_config.items() if k not in ("kind", "interleaved")}
+    rebuilt = MultiHeadAttention(32, **config, rope_interleaved=interleaved, dtype=torch.float64)
+    rebuilt.load_state_dict(mla.state_dict())
+    torch.testing.assert_close(rebuilt.eval()(x, is_causal=True), want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="decoupled rotary key.*no MHA equivalent"):
+        expand_latent(mla)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_partial_rope_keeps_the_selected_pairs_of_each_group(interleaved):
+    source = rotary_source(2, 8, interleaved)  # pairs 0..3, angles 10000^(-i/4)
+    freqs = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    # Pair 2 of group 0 and pair 1 of group 1 get large K weights: the largest |q_i| |k_i|.
+    a, b = (
+        (2 * torch.arange(4), 2 * torch.arange(4) + 1)
+        if interleaved
+        else (torch.arange(4), torch.arange(4) + 4)
+    )
+    with torch.no_grad():
+        k = source.in_proj.blocks()[1]  # (G*D, E)
+        for g, pair in [(0, 2), (1, 1)]:
+            k[torch.stack((a[pair], b[pair])) + g * 8] *= 100
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    kept = {
+        s: with_kv_latent(source, 8, rope_dim=2, selection=s, calibration=x).kv_latent.rope.inv_freq
+        for s in ("high", "uniform", "norm")
+    }
+    assert kept["high"] == ((freqs[0].item(),), (freqs[0].item(),))
+    assert (
+        with_kv_latent(source, 8, rope_dim=4, selection="uniform").kv_latent.rope.inv_freq
+        == ((freqs[0].item(), freqs[2].item()),) * 2
+    )
+    assert kept["norm"] == ((freqs[2].item(),), (freqs[1].item(),))
+    # The kept pair's weights: group 0's rotary key is source K rows a[2], b[2].
+    mla = with_kv_latent(source, 8, rope_dim=2, selection="norm", calibration=x)
+    k = source.in_proj.blocks()[1].detach()
+    torch.testing.assert_close(
+        mla.kv_latent.k_rope.weight[:2], k[torch.stack((a[2], b[2]))], rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("rotary_dim", "kwargs", "message"),
+    [
+        (8, {"rope_dim": 3}, "rope_dim of 'gqa4kv2-rope' must be an even number in [2, 8], "),
+        (4, {"rope_dim": 6}, "must be an even number in [2, 4], whole pairs, got 6"),
+        (None, {"rope_dim": 2}, "rope_dim of 'mha4' must be None: it has no rotary, got 2"),
+        (8, {"selection": "low"}, "selection must be 'high', 'uniform' or 'norm', got 'low'"),
+        (8, {"selection": "norm"}, "selection='norm' needs calibration, the layer's inputs"),
+        (8, {"kv_latent_dim": 17}, "with_kv_latent(17, rope_dim=8) would cache 132 bytes per "
+         "token (fp32), more than the 128"),  # the rotary keys counted: 17 + 2 groups * 8
+    ],
+    ids=["odd", "wider", "no_rotary", "selection", "no_calibration", "cache"],
+)  # fmt: skip
+def test_bad_rotary_conversions_are_named(rotary_dim, kwargs, message):
+    layer = MultiHeadAttention(32, 4) if rotary_dim is None else rotary_source(2, rotary_dim, False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        with_kv_latent(layer, **({"kv_latent_dim": 8} | kwargs))

@@ -354,8 +354,7 @@ def test_a_swap_that_copies_weights_says_an_earlier_optimizer_no_longer_trains_t
 )
 def test_the_conversions_of_the_swaps_separate_projections_equal_the_stacked_ones(convert):
     # The swap holds Llama's q/k/v_proj as they are (QKVProjection.from_linears); the
-    # conversions must read them as they read a stacked in_proj (the reference). with_kv_latent
-    # refuses a rotary layer, as for a stacked one.
+    # conversions must read them as they read a stacked in_proj (the reference).
     separate = through(eager_model("llama").eval(), "swap").model.layers[0].self_attn.attn
     stacked = MultiHeadAttention(32, 4, 2, bias=False, rotary_dim=8).eval()
     with torch.no_grad():

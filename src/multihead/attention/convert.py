@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
+from multihead.attention.rotary import RotaryPositions
 
 
 def unsupported_torch_options(module: nn.MultiheadAttention) -> str | None:
@@ -130,7 +131,10 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     return new
 
 
-def with_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAttention:
+def with_kv_latent(
+    layer: MultiHeadAttention, kv_latent_dim: int, *, rope_dim: int | None = None,
+    selection: str = "high", calibration: Tensor | None = None,
+) -> MultiHeadAttention:  # fmt: skip
     """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
 
     The joint truncated SVD of the stacked K and V weights (TransMLA, MHA2MLA; 2025):
@@ -140,49 +144,117 @@ def with_kv_latent(layer: MultiHeadAttention, kv_latent_dim: int) -> MultiHeadAt
     ``q . b_K`` to every score of a query, which softmax ignores, so it is dropped; the V
     bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
     projection's bias (a query with no key left, zeroed by the layer, then differs).
+
+    A rotary ``layer`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` rotated
+    features (whole pairs; ``None``: all ``R`` of the source's), moved with their Q rows, K
+    rows and K bias rows to the group's rotary key (``rope_kv_heads = G``, explicit
+    frequencies, the source's scale); the other ``D - rope_dim`` Q/K features and V go
+    through the SVD. Exact at full rank with ``rope_dim = R``. ``selection`` picks the pairs:
+    ``"high"`` the highest frequencies, ``"uniform"`` evenly spaced ones, ``"norm"``
+    MHA2MLA's 2-norm contribution, the sum over the group's heads of the mean ``|q_i| |k_i|``
+    of pair ``i`` on ``calibration``, the layer's inputs ``(B, S, E)``.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
-    if layer.positions is not None:
-        raise ValueError(
-            "with_kv_latent converts a layer without rotary positions: its rotated keys are "
-            "not a linear map of a latent (build MLA with rotary_dim for a decoupled rotary key)"
-        )
     E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    rope = layer.positions
+    if rope is not None and not isinstance(rope, RotaryPositions):
+        raise ValueError(f"with_kv_latent keeps rotary positions only, got {type(rope).__name__}")
+    R = 0 if rope is None else rope.rotary_dim
+    rope_dim = R if rope_dim is None else rope_dim
+    if rope_dim != R and not (type(rope_dim) is int and 0 < rope_dim <= R and rope_dim % 2 == 0):
+        where = f"an even number in [2, {R}], whole pairs" if R else "None: it has no rotary"
+        raise ValueError(f"rope_dim of {layer.head_tag!r} must be {where}, got {rope_dim!r}")
+    if selection not in ("high", "uniform", "norm"):
+        raise ValueError(f"selection must be 'high', 'uniform' or 'norm', got {selection!r}")
+    if selection == "norm" and calibration is None and rope_dim:
+        raise ValueError("selection='norm' needs calibration, the layer's inputs (B, S, E)")
     bytes_now = layer.kv_cache_bytes_per_token()
-    bytes_latent = CacheLayout(1, kv_latent_dim, shared_kv=True).bytes_per_token(torch.float32)
+    width = kv_latent_dim + G * rope_dim
+    bytes_latent = CacheLayout(1, width, shared_kv=True).bytes_per_token(torch.float32)
     if bytes_latent > bytes_now:
+        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
         raise ValueError(
-            f"with_kv_latent({kv_latent_dim}) would cache {bytes_latent} bytes per token (fp32), "
-            f"more than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
-            f"kv_latent_dim <= {2 * G * D}"
+            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
+            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
+            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
         )
-    new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim)
-    (w_q, w_k, w_v), (b_q, _, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+    (w_q, w_k, w_v), (b_q, b_k, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+    rotary, heads = {}, torch.arange(H, device=w_q.device)[:, None]
+    rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
+    if rope_dim:
+        pairs = _rotary_pairs(layer, rope_dim, selection, calibration)  # (G, rope_dim/2)
+        features = _pair_features(rope, w_q.device)[pairs]  # (G, rope_dim/2, 2): a, b
+        # In the new key's pairing: (a_0, b_0, a_1, ..) interleaved, (a_0, a_1, .., b_0, ..) not
+        rope_index = (features if rope.interleaved else features.transpose(1, 2)).flatten(1)
+        freqs = rope.frequencies(w_q.device, torch.float64).expand(G, -1).gather(1, pairs)
+        rotary = {"rotary_dim": rope_dim, "rope_theta": rope.theta, "rope_kv_heads": G,
+                  "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
+                  "rope_inv_freq": tuple(map(tuple, freqs.tolist())),  # hashable, for configs
+                  "softmax_scale": layer.scale}  # fmt: skip
+    new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim, **rotary)
+    new.positions = None  # a rotary key is the latent part's own
+    kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
+    kept[heads[:G], rope_index] = False
+    kept_q = kept.repeat_interleave(H // G, dim=0).flatten()  # (H*D,)
+    rows_k = (rope_index + D * heads[:G]).flatten()  # (G*rope_dim,): each group's rotary K
+    rows_q = (rope_index.repeat_interleave(H // G, 0) + D * heads).flatten()  # its heads' Q
 
     def per_query_head(t: Tensor) -> Tensor:  # (G*D, ...) -> (H*D, ...): repeated per group
         return t.view(G, D, -1).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
 
-    w_k, w_v = per_query_head(w_k), per_query_head(w_v)
-    b_v = None if b_v is None else per_query_head(b_v)
     with torch.no_grad():
-        stacked = torch.cat([w_k, w_v]).double()  # (2*H*D, E)
-        U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)
+        stacked = torch.cat([per_query_head(w_k)[kept_q], per_query_head(w_v)]).double()
+        U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)  # stacked: (H(2D - d_R), E)
         r = min(kv_latent_dim, S.numel())
-        up = torch.zeros(2 * E, kv_latent_dim, dtype=torch.float64, device=U.device)
+        up = torch.zeros(stacked.shape[0], kv_latent_dim, dtype=torch.float64, device=U.device)
         down = torch.zeros(kv_latent_dim, E, dtype=torch.float64, device=U.device)
         up[:, :r], down[:r] = U[:, :r] * S[:r], Vh[:r]  # a latent wider than E: zero columns
         latent = new.design
         latent.up.weight.copy_(up)
         latent.down.weight.copy_(down)
-        new.in_proj.weight.copy_(w_q)
+        for name, q, k in (("weight", w_q, w_k), ("bias", b_q, b_k)):
+            if q is not None:
+                getattr(new.in_proj, name).copy_(q[kept_q])
+                if rope_dim:
+                    getattr(latent.q_rope, name).copy_(q[rows_q])
+                    getattr(latent.k_rope, name).copy_(k[rows_k])
         new.out_proj.weight.copy_(layer.out_proj.weight)
         if b_v is not None:
             latent.down.bias.zero_()
-            new.in_proj.bias.copy_(b_q)
-            new.out_proj.bias.copy_(layer.out_proj.bias + layer.out_proj.weight @ b_v)
+            new.out_proj.bias.copy_(
+                layer.out_proj.bias + layer.out_proj.weight @ per_query_head(b_v)
+            )
     new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
+
+
+def _pair_features(rope: RotaryPositions, device) -> Tensor:
+    """``(R/2, 2)``: the features ``(a, b)`` of each rotary pair (see ``rope.rotate``)."""
+    R = torch.arange(rope.rotary_dim, device=device)
+    return R.view(-1, 2) if rope.interleaved else R.view(2, -1).T
+
+
+def _rotary_pairs(
+    layer: MultiHeadAttention, rope_dim: int, selection: str, calibration: Tensor | None
+) -> Tensor:
+    """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending."""
+    H, G, n, half = (
+        layer.num_heads,
+        layer.num_kv_heads,
+        rope_dim // 2,
+        layer.positions.rotary_dim // 2,
+    )
+    w = layer.in_proj.blocks()[0]
+    if selection != "norm":  # "high": the first pairs, which turn fastest
+        step = half // n if selection == "uniform" else 1
+        return (torch.arange(n, device=w.device) * step).expand(G, n)
+    with torch.no_grad():
+        q, k, _ = layer.in_proj.qkv(calibration.to(w))  # (B, H or G, S, D)
+    features = _pair_features(layer.positions, w.device)  # (R/2, 2)
+    norms = [x[..., features].norm(dim=-1).mean(dim=(0, 2)) for x in (q, k)]  # (·, R/2): |pair|
+    score = norms[0].view(G, H // G, half).sum(1) * norms[1]  # (G, R/2)
+    return score.topk(n, dim=1).indices.sort(dim=1).values
 
 
 def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:

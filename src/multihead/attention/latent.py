@@ -61,8 +61,14 @@ class LatentKV(HeadDesign):
         kv_latent_dim: ``r``, the latent's width, at least 1.
         kv_latent_norm: RMSNorm on the latent, as DeepSeek-V2 (no MHA equivalent then).
         rotary_dim: ``d_R``, the width of the decoupled rotary key and of each head's rotary
-            query features; ``None``: no positions. ``rope_theta``, ``rope_interleaved``: as
-            :class:`~multihead.attention.rotary.RotaryPositions`.
+            query features; ``None``: no positions. ``rope_theta``, ``rope_interleaved``,
+            ``rope_inv_freq``: as :class:`~multihead.attention.rotary.RotaryPositions`.
+        rope_kv_heads: ``G_R``, rotary keys (head ``h`` reads key ``h G_R / H``; the cache
+            holds ``r + G_R d_R``); a converted GQA layer keeps one per K/V group.
+        qk_head_dim: the width of each head's Q and K from the latent (DeepSeek's
+            ``qk_nope_head_dim``); ``None``: ``D``, the width of V.
+        softmax_scale: the scores' scale; ``None``: ``(qk_head_dim + d_R)^-1/2`` with the
+            rotary key, else the layer's ``1/sqrt(D)``.
         device, dtype: for the parameters.
 
     Attributes:
@@ -83,25 +89,40 @@ class LatentKV(HeadDesign):
         self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = True,
         device=None, dtype=None, kv_latent_dim: int, kv_latent_norm: bool = False,
         rotary_dim: int | None = None, rope_theta: float = 10000.0,
-        rope_interleaved: bool = False,
+        rope_interleaved: bool = False, rope_inv_freq=None, rope_kv_heads: int = 1,
+        qk_head_dim: int | None = None, softmax_scale: float | None = None,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
+        check_positive_int("rope_kv_heads", rope_kv_heads)
+        if num_heads % rope_kv_heads != 0:
+            raise ValueError(f"rope_kv_heads={rope_kv_heads} must divide num_heads={num_heads}")
+        D = embed_dim // num_heads
+        qk = D if qk_head_dim is None else qk_head_dim
+        check_positive_int("qk_head_dim", qk, minimum=0 if rotary_dim else 1)  # 0: all rotary
+        if qk + (rotary_dim or 0) < D:  # V is padded to the Q/K width for the kernels
+            raise ValueError(f"qk_head_dim + rotary_dim must be at least head_dim={D}, got {qk}")
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
         self.latent_dim = kv_latent_dim
+        self.head_dim, self.qk_head_dim, self.rope_kv_heads = D, qk, rope_kv_heads
+        self.softmax_scale = softmax_scale
         self.down = nn.Linear(embed_dim, kv_latent_dim, bias, **factory)  # W_DKV
         self.norm = nn.RMSNorm(kv_latent_dim, **factory) if kv_latent_norm else None
-        self.up = nn.Linear(kv_latent_dim, 2 * embed_dim, bias=False, **factory)  # [W_UK; W_UV]
+        # [W_UK; W_UV]: (H * qk_head_dim + E, r)
+        self.up = nn.Linear(kv_latent_dim, num_heads * qk + embed_dim, bias=False, **factory)
         self.absorb = True
         self.rope_dim = 0
         self.rope = None
         if rotary_dim is not None:
             # RotaryPositions checks rotary_dim (even, >= 2).
-            self.rope = RotaryPositions(rotary_dim, theta=rope_theta, interleaved=rope_interleaved)
+            self.rope = RotaryPositions(
+                rotary_dim, theta=rope_theta, interleaved=rope_interleaved, inv_freq=rope_inv_freq
+            )
             self.rope_dim = rotary_dim
             self.q_rope = nn.Linear(embed_dim, num_heads * rotary_dim, bias, **factory)  # W_QR
-            self.k_rope = nn.Linear(embed_dim, rotary_dim, bias, **factory)  # W_KR, shared
+            # W_KR: (G_R * d_R, E), one key per group of H / G_R heads
+            self.k_rope = nn.Linear(embed_dim, rope_kv_heads * rotary_dim, bias, **factory)
 
     @property
     def has_positions(self) -> bool:
@@ -111,19 +132,22 @@ class LatentKV(HeadDesign):
     @property
     def options(self) -> dict[str, int | bool]:
         norm = {"kv_latent_norm": True} if self.norm is not None else {}
-        rope = {} if self.rope is None else {"rotary_dim": self.rope_dim}
-        rope |= {} if self.rope is None else self.rope.options
+        rope = {} if self.rope is None else self.rope.options
+        rope |= {} if self.rope_kv_heads == 1 else {"rope_kv_heads": self.rope_kv_heads}
+        rope |= {} if self.qk_head_dim == self.head_dim else {"qk_head_dim": self.qk_head_dim}
+        rope |= {} if self.softmax_scale is None else {"softmax_scale": self.softmax_scale}
         return {"kv_latent_dim": self.latent_dim, **norm, **rope}
 
     @property
     def tag(self) -> str:
         rope = f"rope{self.rope_dim}" if self.rope_dim else ""
+        rope += f"x{self.rope_kv_heads}" if self.rope_kv_heads > 1 else ""
         return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + rope
 
     def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """One latent of width ``r`` (and the rotary key, ``r + d_R``), stored once for K
         and V."""
-        return CacheLayout(1, self.latent_dim + self.rope_dim, shared_kv=True)
+        return CacheLayout(1, self.latent_dim + self.rope_kv_heads * self.rope_dim, shared_kv=True)
 
     def latent(self, source: Tensor) -> Tensor:
         """``c`` ``(B, S, r)`` of ``source`` ``(B, S, E)``."""
@@ -131,10 +155,11 @@ class LatentKV(HeadDesign):
         return c if self.norm is None else self.norm(c)
 
     def expand(self, c: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V ``(B, H, S, D)`` from the latent ``c`` ``(B, S, r)``."""
-        B, S, _ = c.shape
-        k, v = self.up(c).chunk(2, dim=-1)  # (B, S, E) each
-        k = k.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
+        """K ``(B, H, S, qk_head_dim)`` and V ``(B, H, S, D)`` from the latent ``c``
+        ``(B, S, r)``."""
+        (B, S, _), E = c.shape, self.num_heads * self.head_dim
+        k, v = self.up(c).split([self.num_heads * self.qk_head_dim, E], dim=-1)  # (B, S, H*·)
+        k = k.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, qk_head_dim)
         v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
         return k, v
 
@@ -153,13 +178,14 @@ class LatentKV(HeadDesign):
         bumping their version); with it, folded at every call, so gradients flow through."""
         if "mla_folded" in kv_cache.derived:
             return kv_cache.derived["mla_folded"]
-        E, H, r = layer.embed_dim, self.num_heads, self.latent_dim
+        E, H, r, Dq = layer.embed_dim, self.num_heads, self.latent_dim, self.qk_head_dim
         D = E // H
-        w_uk, w_uv = self.up.weight.view(2, H, D, r).unbind(0)  # (H, D, r) each
+        w_uk, w_uv = self.up.weight.split([H * Dq, E])  # (H*Dq, r), (E, r)
+        w_uk, w_uv = w_uk.view(H, Dq, r), w_uv.view(H, D, r)
         (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, D, E)).reshape(H * r, E)
+        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, Dq, E)).reshape(H * r, E)
         if b_q is not None:
-            b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, D)).reshape(H * r)
+            b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, Dq)).reshape(H * r)
         w_o = layer.out_proj.weight.view(E, H, D)
         w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
         if not torch.is_grad_enabled():
@@ -178,42 +204,51 @@ class LatentKV(HeadDesign):
         ``head_mask`` ``(H,)`` scales each head's output; on the absorbed path it scales
         the latent heads, the same by linearity (``W_UV`` is folded into ``W^O``)."""
         B, L, E = query.shape
-        H, r, d_R = self.num_heads, self.latent_dim, self.rope_dim
+        H, r, d_R, G_R = self.num_heads, self.latent_dim, self.rope_dim, self.rope_kv_heads
         cross = key_value is not None
-        q_rope, scale = None, None
+        q_rope, scale = None, self.softmax_scale
         if cross and kv_cache is not None and kv_cache.size > 0:
             c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
         else:
             c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
             if self.rope is not None:  # self-attention only (the layer checks)
                 positions = new_positions(kv_cache, L, query.device, position_ids)
-                k_rope = self.rope.rotate(self.k_rope(query).unsqueeze(1), positions)  # (B,1,L,d_R)
-                c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + d_R)
+                k_rope = self.k_rope(query).view(B, L, G_R, d_R).transpose(1, 2)  # (B,G_R,L,d_R)
+                k_rope = self.rope.rotate(k_rope, positions).transpose(1, 2).reshape(B, 1, L, -1)
+                c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + G_R d_R)
                 q_rope = self.q_rope(query).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
                 q_rope = self.rope.rotate(q_rope, positions)
-                scale = (E // H + d_R) ** -0.5  # the scores are D + d_R wide
+                if scale is None:
+                    scale = (self.qk_head_dim + d_R) ** -0.5  # the scores' width
             if kv_cache is not None:
                 c, _ = kv_cache.update(c, None)  # (B, 1, S, r [+ d_R]), new positions appended
 
         if self.absorb and kv_cache is not None and not self.training:
             w_q, b_q, w_o = self.folded(layer, kv_cache)
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
+            if q_rope is not None and G_R > 1:  # head h scores its own group's key only
+                group = torch.eye(G_R, dtype=q.dtype, device=q.device).repeat_interleave(
+                    H // G_R, 0
+                )
+                q_rope = (q_rope[..., None, :] * group[:, None, :, None]).flatten(-2)  # G_R d_R
             if q_rope is not None:
-                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + d_R)
+                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + G_R d_R)
             mask = make_mask(q, c, kv_cache, num_heads=H, **masks)
             heads, weights = kernel_of(layer, need_weights, scale)(q, c, c, mask)
             heads = heads[..., :r]  # (B, H, L, r): the rotary key is scored, not a value
             # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
             out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
-            q = layer.in_proj.q(query)  # (B, H, L, D)
-            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, D) each
+            q = layer.in_proj.q(query)  # (B, H, L, Dq)
+            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, D)
             if q_rope is not None:
-                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, D + d_R)
-                k_rope = c[..., r:].expand(B, H, -1, d_R)  # (B, H, S, d_R): one for all heads
-                k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, D + d_R)
-                # Kernels take one head width for K and V: V padded, the padding dropped.
-                v = F.pad(v, (0, d_R))  # (B, H, S, D + d_R)
+                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, Dq + d_R)
+                k_rope = c[:, 0, :, r:].unflatten(-1, (G_R, d_R)).transpose(1, 2)  # (B,G_R,S,d_R)
+                k_rope = k_rope.repeat_interleave(H // G_R, dim=1)  # (B, H, S, d_R)
+                k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, Dq + d_R)
+            # Kernels take one head width for K and V: V padded, the padding dropped.
+            if q.shape[-1] != v.shape[-1]:
+                v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))  # (B, H, S, Dq + d_R)
             mask = make_mask(q, k, kv_cache, num_heads=H, **masks)
             heads, weights = kernel_of(layer, need_weights, scale)(q, k, v, mask)
             heads = heads[..., : E // H]  # (B, H, L, D)

@@ -146,8 +146,9 @@ class MultiHeadAttention(nn.Module):
         # Q, K and V stacked in one (E + 2*G*D, E) matrix (the projection part owns that
         # layout); a design whose K and V come from elsewhere (MLA's latent) projects Q alone.
         projects_kv = design is None or design.projects_kv
+        qk_dim = design_options.get("qk_head_dim", self.head_dim)  # MLA's Q/K may be narrower
         self.in_proj = QKVProjection(
-            embed_dim, num_heads, num_kv_heads, self.head_dim, bias=bias, kv=projects_kv,
+            embed_dim, num_heads, num_kv_heads, qk_dim, bias=bias, kv=projects_kv,
             device=device, dtype=dtype,
         )  # fmt: skip
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)

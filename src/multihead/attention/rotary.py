@@ -39,6 +39,9 @@ class RotaryPositions(PositionalPart):
         theta: the base of the angles' geometric progression (10,000 in RoFormer and
             Llama 2; 500,000 in Llama 3; 1,000,000 in Qwen2).
         interleaved: pair neighbouring features instead of the two halves (see the module).
+        inv_freq: explicit inverse frequencies instead of ``theta``'s, ``R/2`` numbers, or
+            ``n`` rows of them (row ``i`` for heads ``i*heads/n ..``: the pairs a conversion
+            kept of each K/V group); the pairing stays ``interleaved``'s.
 
     The part has no parameters and no buffers: the angles are computed in the inputs'
     precision, fp32 at least, at every call, so a checkpoint holds nothing of it.
@@ -54,6 +57,7 @@ class RotaryPositions(PositionalPart):
         rotary_dim: int | None = None,
         theta: float = 10000.0,
         interleaved: bool = False,
+        inv_freq=None,
     ) -> None:
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -65,6 +69,15 @@ class RotaryPositions(PositionalPart):
             )
         if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
+        if inv_freq is not None:
+            freqs = torch.as_tensor(inv_freq, dtype=torch.float64)
+            if freqs.dim() not in (1, 2) or freqs.shape[-1] != rotary_dim // 2 or freqs.min() <= 0:
+                raise ValueError(
+                    f"inv_freq must be positive, (rotary_dim/2={rotary_dim // 2},) or "
+                    f"(n, {rotary_dim // 2}), got {tuple(freqs.shape)}"
+                )
+            inv_freq = tuple(map(tuple, freqs.view(-1, rotary_dim // 2).tolist()))  # (n, R/2)
+        self.inv_freq = inv_freq
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.theta = float(theta)
@@ -73,24 +86,37 @@ class RotaryPositions(PositionalPart):
     @property
     def options(self) -> dict[str, int | float | bool]:
         """The constructor arguments, as the layer's ``head_config`` reports them."""
-        return dict(rotary_dim=self.rotary_dim, rope_theta=self.theta, interleaved=self.interleaved)
+        freqs = {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq}
+        return dict(
+            rotary_dim=self.rotary_dim, rope_theta=self.theta, interleaved=self.interleaved, **freqs
+        )  # fmt: skip
+
+    def frequencies(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The inverse frequencies of the ``R/2`` pairs, ``(R/2,)``, or ``(n, R/2)`` explicit."""
+        if self.inv_freq is not None:
+            return torch.tensor(self.inv_freq, device=device, dtype=dtype)
+        R = self.rotary_dim
+        # The same operations as HF's default rope init: 1 / theta^(2i / R), i < R/2.
+        exponents = torch.arange(0, R, 2, device=device, dtype=dtype) / R  # (R/2,)
+        return 1.0 / (self.theta**exponents)  # (R/2,)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options.items())
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos`` and ``sin`` of every rotated feature's angle, ``(..., L, R)`` in ``dtype``.
+        """``cos`` and ``sin`` of every rotated feature's angle, ``(..., L, R)`` in ``dtype``
+        (``(..., n, L, R)`` with ``n`` rows of explicit frequencies).
 
         ``positions`` is ``(L,)`` or ``(B, L)``. The angles are computed in fp32, or in
         ``dtype`` when it is wider (fp64 stays fp64; bf16 is not precise enough for angles
         of hundreds of radians), then cast, as HF Llama does.
         """
         work = torch.promote_types(dtype, torch.float32)
-        R = self.rotary_dim
-        # The same operations as HF's default rope init: 1 / theta^(2i / R), i < R/2.
-        exponents = torch.arange(0, R, 2, device=positions.device, dtype=work) / R  # (R/2,)
-        inv_freq = 1.0 / (self.theta**exponents)  # (R/2,)
-        angles = positions.to(work)[..., None] * inv_freq  # (..., L, R/2)
+        inv_freq = self.frequencies(positions.device, work)  # (R/2,) or (n, R/2)
+        positions = positions.to(work)[..., None]  # (..., L, 1)
+        if inv_freq.dim() == 2:
+            positions, inv_freq = positions.unsqueeze(-3), inv_freq[:, None]  # (..., 1, L, 1)
+        angles = positions * inv_freq  # (..., L, R/2) or (..., n, L, R/2)
         if self.interleaved:
             angles = angles.repeat_interleave(2, dim=-1)  # (..., L, R): pair i at 2i, 2i+1
         else:
@@ -100,7 +126,10 @@ class RotaryPositions(PositionalPart):
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """``x`` ``(B, heads, L, D)`` rotated by ``positions``, ``(L,)`` or ``(B, L)``."""
         cos, sin = self.cos_sin(positions, x.dtype)  # (L, R) or (B, L, R)
-        if cos.dim() == 3:
+        if self.inv_freq is not None:  # (n, L, R) or (B, n, L, R): row i for heads i*heads/n..
+            n = len(self.inv_freq)
+            cos, sin = (t.repeat_interleave(x.shape[1] // n, dim=-3) for t in (cos, sin))
+        elif cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, L, R): one angle for all heads
         R = self.rotary_dim
         rot, rest = x[..., :R], x[..., R:]  # (B, heads, L, R), (B, heads, L, D - R)
