@@ -8,10 +8,10 @@ Example:
     python scripts/train_lm.py data.local_dir=../shared/data/multi30k hydra.run.dir=RUN
 """
 
-from multihead.cli import exit_on_user_error, register_resolvers
-
 import json
 from pathlib import Path
+
+from multihead.cli import exit_on_user_error, register_resolvers
 
 import hydra
 import lightning.pytorch as pl
@@ -31,13 +31,19 @@ def main(cfg: DictConfig) -> None:
     model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
     module = instantiate(cfg.module, model=model)
     trainer = instantiate(
-        cfg.trainer, callbacks=[instantiate(cfg.checkpoint)], logger=list(instantiate(cfg.logger).values())
+        cfg.trainer,
+        callbacks=[instantiate(cfg.checkpoint)],
+        logger=list(instantiate(cfg.logger).values()),
     )
     trainer.fit(module, datamodule=datamodule)
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     model.save_pretrained(run_dir / "hf")
     datamodule.tokenizer.save(run_dir / "tokenizer.json")
-    summary = {"steps": trainer.global_step, "val/ppl": final["val/ppl"], "val/loss": final["val/loss"]}
+    summary = {
+        "steps": trainer.global_step,
+        "val/ppl": final["val/ppl"],
+        "val/loss": final["val/loss"],
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

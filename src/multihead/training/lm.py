@@ -1,8 +1,9 @@
 """The LightningModule of a causal language model: next-token loss, validation perplexity.
 
-The network is passed in and called the Hugging Face way, ``model(input_ids=x, labels=x)``
-returning an object with ``.loss`` (the mean next-token cross-entropy; the model shifts the
-labels itself), so that any ``*ForCausalLM`` trains here without this module importing
+The network is passed in and called the Hugging Face way,
+``model(input_ids=x, labels=x, use_cache=False)`` returning an object with ``.loss`` (the mean
+next-token cross-entropy; the model shifts the labels itself; a full pass needs no KV cache),
+so that any ``*ForCausalLM`` trains here without this module importing
 ``transformers``.
 """
 
@@ -20,7 +21,7 @@ class LanguageModelModule(pl.LightningModule):
     """Trains a causal LM on ``(B, T)`` token blocks and logs ``val/loss`` and ``val/ppl``.
 
     Args:
-        model: a causal LM called as ``model(input_ids=x, labels=x).loss``.
+        model: a causal LM called as ``model(input_ids=x, labels=x, use_cache=False).loss``.
         optimizer: a partial optimiser, called with the parameters.
         scheduler: a partial :class:`~multihead.training.InverseSqrtWarmup`, called with the
             optimiser; stepped every update. ``None``: a constant learning rate.
@@ -42,12 +43,12 @@ class LanguageModelModule(pl.LightningModule):
         self._val_losses: list[Tensor] = []
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
+        loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        loss = self.model(input_ids=batch, labels=batch).loss
+        loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         self._val_losses.append(loss.detach() * len(batch))
 
     def on_validation_epoch_end(self) -> None:
@@ -62,4 +63,7 @@ class LanguageModelModule(pl.LightningModule):
         if self.scheduler is None:
             return optimizer
         scheduler = self.scheduler(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
