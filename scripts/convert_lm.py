@@ -44,7 +44,7 @@ from multihead.training.lm import LanguageModelModule
 
 register_resolvers()
 
-RATIOS = (2, 4, 8)  # MHA's cache over the converted one's
+RATIOS = (8, 4, 2)  # MHA's cache over the converted one's; the hardest first
 ROPE_DIMS = (2, 4, 8)
 SELECTIONS = ("high", "uniform", "norm")
 UPTRAIN_LR = 3e-4
@@ -212,15 +212,15 @@ def main() -> None:
     steps = [round(f * summary["steps"]) for f in args.fractions]
     every = math.gcd(*steps)
 
-    plan = [("MHA", "mha", None, {})]
+    kv_heads = adapters(model)[0].attn.num_kv_heads
+    plan, grid = [("MHA", "mha", None, {})], []
     for ratio in RATIOS:
-        plan.append((f"GQA 1/{ratio}", "gqa", 8 // ratio, {}))
-    grid = []
-    for ratio in RATIOS:
+        if kv_heads % ratio == 0:  # else GQA cannot reach the ratio: n/a in the table
+            plan.append((f"GQA 1/{ratio}", "gqa", kv_heads // ratio, {}))
         budget = mha_bytes // ratio // 4 // len(adapters(model))  # floats per token and layer
         tried = []
         for rope_dim in ROPE_DIMS:
-            r = budget - 8 * rope_dim
+            r = budget - kv_heads * rope_dim
             if r < 1:  # the rotary keys alone fill the budget
                 continue
             for selection in SELECTIONS:
