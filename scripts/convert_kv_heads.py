@@ -23,8 +23,9 @@ from multihead.checkpoints.conversion import convert_kv_heads
 def main(cfg: DictConfig) -> None:
     scope = OmegaConf.to_object(cfg.scope) if OmegaConf.is_list(cfg.scope) else cfg.scope
     out, overrides = convert_kv_heads(
-        cfg.ckpt, cfg.num_kv_heads, cfg.out, scope, kv_latent_dim=cfg.kv_latent_dim
-    )
+        cfg.ckpt, cfg.num_kv_heads, cfg.out, scope, kv_latent_dim=cfg.kv_latent_dim,
+        rope_dim=cfg.rope_dim, selection=cfg.selection,
+    )  # fmt: skip
     target = (
         f"{cfg.num_kv_heads} K/V heads"
         if cfg.kv_latent_dim is None

@@ -188,9 +188,13 @@ def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
     assert with_kv_latent(layer, 32).kv_cache_bytes_per_token() == 128  # as much: allowed
 
 
-def test_expand_latent_refuses_a_decoupled_rotary_key():
+@pytest.mark.parametrize(
+    "options", [{"rotary_dim": 4}, {"qk_head_dim": 8}, {"softmax_scale": 0.5}],
+    ids=["rotary_key", "qk_width", "scale"],
+)  # fmt: skip
+def test_expand_latent_refuses_what_no_mha_layer_computes(options):
     """25fe9c2 returned a plain MHA layer: the rotary key gone, the scale wrong (0.036 off)."""
-    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=4)
+    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, **options)
     with pytest.raises(ValueError, match="decoupled rotary key.*no MHA equivalent"):
         expand_latent(layer)
 

@@ -153,11 +153,18 @@ def test_the_rotation_makes_scores_relative():
         ({"rope_theta": 1e6}, "need rotary positions; set rotary_dim too"),
         ({"rope_interleaved": True}, "need rotary positions; set rotary_dim too"),
         ({"rotary_dim": 3, "kv_latent_dim": 8}, "rotary_dim must be an even number"),
+        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_inv_freq": [1.0]},
+         "inv_freq must be positive, (2,) or (n, 2), got [1.0]"),
+        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_kv_heads": 3},
+         "rope_kv_heads=3 must divide num_heads=4"),
+        ({"kv_latent_dim": 8, "qk_head_dim": 4},
+         "qk_head_dim + rotary_dim must be at least head_dim=8, got 4"),
     ],
-    ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd"],
-)
+    ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd",
+         "latent_freqs", "latent_rope_heads", "latent_qk_narrow"],
+)  # fmt: skip
 def test_bad_rotary_options_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         MultiHeadAttention(32, 4, **kwargs)
 
 
@@ -265,10 +272,11 @@ def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim
     with torch.no_grad():
         want = source(x, is_causal=True)
         torch.testing.assert_close(mla(x, is_causal=True), want, rtol=0, atol=1e-12)
-        cache = mla.make_kv_cache(2, 7)
-        steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
-        steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
-        torch.testing.assert_close(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
+        for absorb in (True, False):  # the folded weights, or K and V re-expanded each step
+            mla.kv_latent.absorb, cache = absorb, mla.make_kv_cache(2, 7)
+            steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
+            steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+            torch.testing.assert_close(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
     # Its head_config builds the same architecture: the state_dict loads and computes the same.
     config = {k: v for k, v in mla.head_config.items() if k not in ("kind", "interleaved")}
     rebuilt = MultiHeadAttention(32, **config, rope_interleaved=interleaved, dtype=torch.float64)

@@ -12,11 +12,12 @@ from omegaconf import OmegaConf
 from multihead.attention import MultiHeadAttention
 from multihead.checkpoints import load_trained_model, read_checkpoint
 from multihead.checkpoints.conversion import (
+    convert_attention,
     convert_checkpoint,
     convert_kv_heads,
-    convert_model,
     resolve_scope,
 )
+from multihead.checkpoints.io import save_new
 from multihead.evaluation import evaluate_checkpoint
 from multihead.model import Transformer, build_model
 
@@ -68,7 +69,7 @@ def test_identical_heads_in_each_group_convert_exactly(scope, backend) -> None:
     src[0, 5:] = 0  # some padding
     with torch.no_grad():
         before = model(src, tgt_in)
-        convert_model(model, resolve_scope(scope), num_kv_heads=2)
+        convert_attention(model, kv_heads=2, scope=scope)
         after = model(src, tgt_in)
     torch.testing.assert_close(after, before)
     converted = {"decoder_self_attention", "cross_attention"}
@@ -83,9 +84,7 @@ def test_pooling_is_the_mean_of_each_groups_rows() -> None:
     model = tiny_model()
     old = model.decoder_layers[1].cross_attn
     w, b = old.in_proj.weight.detach().clone(), old.in_proj.bias.detach().clone()
-    convert_model(
-        model, ["cross_attention"], num_kv_heads=1
-    )  # MQA: one K/V head, the mean of all 4
+    convert_attention(model, kv_heads=1, scope=["cross_attention"])  # MQA: the mean of all 4
     new = model.decoder_layers[1].cross_attn
     E, D = 16, 4
     k_rows = [w[E + h * D : E + (h + 1) * D] for h in range(4)]
@@ -263,3 +262,42 @@ def test_script_prints_uptrain_command_and_fails_in_one_line(trained, tmp_path, 
     again = run_script("convert_kv_heads.py", f"ckpt={trained}", "num_kv_heads=2", f"out={out}")
     assert again.returncode == 2
     assert again.stderr.strip() == f"error: {out} already exists; choose a new out= path"
+
+
+def test_a_rotary_checkpoint_converts_to_mla_loads_and_its_uptrain_command_rebuilds_it(
+    trained, tmp_path
+) -> None:
+    # The smoke run as a positional=rope model: RoPE has no parameters, so the state_dict fits.
+    ckpt = read_checkpoint(trained)
+    ckpt["multihead"]["config"]["model"]["positional"] = "rope"
+    rope_run = tmp_path / "rope" / "checkpoints" / "last.ckpt"
+    rope_run.parent.mkdir(parents=True)
+    save_new(ckpt, rope_run)
+    (tmp_path / "rope" / ".hydra").mkdir()
+    recorded = trained.parent.parent / ".hydra" / "overrides.yaml"
+    (tmp_path / "rope" / ".hydra" / "overrides.yaml").write_text(
+        recorded.read_text() + "- model.positional=rope\n"
+    )
+    # Decoder self-attention: MHA, 4 heads of D = 8, rope_dim 4 of the 8 rotated features
+    # kept: the latent holds 4 * 4 K and 4 * 8 V features (full rank 48), cache 48 + 4 * 4.
+    out = tmp_path / "mla.ckpt"
+    written, overrides = convert_kv_heads(
+        rope_run, None, out, ["decoder_self_attention"], kv_latent_dim=48, rope_dim=4
+    )
+    new = load_trained_model(written).model
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r48rope4x4"
+    assert new.decoder_layers[0].self_attn.kv_cache_bytes_per_token() == (48 + 16) * 4
+    # rope_dim < 8: the 2 pairs kept are the fastest ("high"); the model differs (uptraining
+    # recovers it), but every pair kept rotates at its frequency in the source's pairing.
+    assert new.decoder_layers[0].self_attn.kv_latent.rope.inv_freq == ((1.0, 0.1),) * 4
+    assert any(o.startswith("++attention.decoder_self_attention.rope_inv_freq=") for o in overrides)
+    composed = compose_config(
+        "train",
+        [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
+    )
+    tok = load_trained_model(written).tokenizer
+    rebuilt = build_model(
+        OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
+    )
+    assert rebuilt.head_config == new.head_config
+    rebuilt.load_state_dict(new.state_dict())

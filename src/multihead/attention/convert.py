@@ -146,13 +146,12 @@ def with_kv_latent(
     projection's bias (a query with no key left, zeroed by the layer, then differs).
 
     A rotary ``layer`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` rotated
-    features (whole pairs; ``None``: all ``R`` of the source's), moved with their Q rows, K
-    rows and K bias rows to the group's rotary key (``rope_kv_heads = G``, explicit
-    frequencies, the source's scale); the other ``D - rope_dim`` Q/K features and V go
-    through the SVD. Exact at full rank with ``rope_dim = R``. ``selection`` picks the pairs:
-    ``"high"`` the highest frequencies, ``"uniform"`` evenly spaced ones, ``"norm"``
-    MHA2MLA's 2-norm contribution, the sum over the group's heads of the mean ``|q_i| |k_i|``
-    of pair ``i`` on ``calibration``, the layer's inputs ``(B, S, E)``.
+    features (whole pairs; ``None``: all ``R``), their Q, K and K bias rows moved to the
+    group's rotary key (``rope_kv_heads = G``, their frequencies, the source's scale); the
+    other ``D - rope_dim`` go through the SVD. Exact at full rank with ``rope_dim = R``. The
+    pairs: ``"high"`` the fastest, ``"uniform"`` evenly spaced, ``"norm"`` MHA2MLA's: the
+    largest sum over the group's heads of the mean ``|q_i| |k_i|`` on ``calibration``,
+    the layer's inputs ``(B, S, E)``.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
@@ -184,9 +183,7 @@ def with_kv_latent(
     rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
     if rope_dim:
         pairs = _rotary_pairs(layer, rope_dim, selection, calibration)  # (G, rope_dim/2)
-        features = _pair_features(rope, w_q.device)[pairs]  # (G, rope_dim/2, 2): a, b
-        # In the new key's pairing: (a_0, b_0, a_1, ..) interleaved, (a_0, a_1, .., b_0, ..) not
-        rope_index = (features if rope.interleaved else features.transpose(1, 2)).flatten(1)
+        rope_index = rotary_index(rope, pairs)  # (G, rope_dim): source features, new order
         freqs = rope.frequencies(w_q.device, torch.float64).expand(G, -1).gather(1, pairs)
         rotary = {"rotary_dim": rope_dim, "rope_theta": rope.theta, "rope_kv_heads": G,
                   "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
@@ -229,30 +226,31 @@ def with_kv_latent(
     return new
 
 
-def _pair_features(rope: RotaryPositions, device) -> Tensor:
-    """``(R/2, 2)``: the features ``(a, b)`` of each rotary pair (see ``rope.rotate``)."""
-    R = torch.arange(rope.rotary_dim, device=device)
-    return R.view(-1, 2) if rope.interleaved else R.view(2, -1).T
+def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:
+    """The features of the pairs ``pairs`` ``(G, n)`` of ``rope``, ``(G, 2n)``, in a key
+    of those pairs in ``rope``'s pairing: ``(a_0, b_0, a_1, ..)`` interleaved, else
+    ``(a_0, a_1, .., b_0, ..)`` (pair ``i`` is features ``2i, 2i+1``, or ``i, i + R/2``)."""
+    R = torch.arange(rope.rotary_dim, device=pairs.device)
+    if rope.interleaved:
+        return R.view(-1, 2)[pairs].flatten(1)  # (G, n, 2) -> (G, 2n)
+    return R.view(2, -1)[:, pairs].transpose(0, 1).flatten(1)  # (2, G, n) -> (G, 2n)
 
 
 def _rotary_pairs(
     layer: MultiHeadAttention, rope_dim: int, selection: str, calibration: Tensor | None
 ) -> Tensor:
     """The rotary pairs each K/V group of ``layer`` keeps, ``(G, rope_dim/2)`` ascending."""
-    H, G, n, half = (
-        layer.num_heads,
-        layer.num_kv_heads,
-        rope_dim // 2,
-        layer.positions.rotary_dim // 2,
-    )
+    H, G, n = layer.num_heads, layer.num_kv_heads, rope_dim // 2
+    half, interleaved = layer.positions.rotary_dim // 2, layer.positions.interleaved
     w = layer.in_proj.blocks()[0]
     if selection != "norm":  # "high": the first pairs, which turn fastest
         step = half // n if selection == "uniform" else 1
         return (torch.arange(n, device=w.device) * step).expand(G, n)
     with torch.no_grad():
         q, k, _ = layer.in_proj.qkv(calibration.to(w))  # (B, H or G, S, D)
-    features = _pair_features(layer.positions, w.device)  # (R/2, 2)
-    norms = [x[..., features].norm(dim=-1).mean(dim=(0, 2)) for x in (q, k)]  # (·, R/2): |pair|
+    # (B, heads, S, R) -> (B, heads, S, R/2, 2) interleaved, or (.., 2, R/2): each pair's a, b
+    split, ab = ((half, 2), -1) if interleaved else ((2, half), -2)
+    norms = [x[..., : 2 * half].unflatten(-1, split).norm(dim=ab).mean((0, 2)) for x in (q, k)]
     score = norms[0].view(G, H // G, half).sum(1) * norms[1]  # (G, R/2)
     return score.topk(n, dim=1).indices.sort(dim=1).values
 
@@ -271,10 +269,10 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
             f"{layer.head_tag!r} normalises its latent (kv_latent_norm), which no MHA layer "
             "computes: it has no MHA equivalent"
         )
-    if latent.rope is not None:
+    if latent.rope is not None or latent.qk_head_dim != layer.head_dim or latent.softmax_scale:
         raise ValueError(
-            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), which no MHA layer "
-            "computes (its scores are D + d_R wide): it has no MHA equivalent"
+            f"{layer.head_tag!r} has a decoupled rotary key (rotary_dim), its own Q/K width or "
+            "scale, which no MHA layer computes: it has no MHA equivalent"
         )
     new = rebuild(layer)
     w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV

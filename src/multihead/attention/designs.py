@@ -197,8 +197,8 @@ def resolve_design(
         ValueError: an unknown name, options of no design or of two, options the design
             does not take.
     """
-    off = {(k, v) for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
-    options = {k: v for k, v in options.items() if v is not None and (k, v) not in off}
+    off = {k for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
+    options = {k: v for k, v in options.items() if not (v is None or k in off and v in (0, False))}
     if "head_mixing" in options:  # the layer's older keyword naming a mixing
         if design is not None:
             raise ValueError(f"head_mixing={options['head_mixing']!r} and design={design!r}")

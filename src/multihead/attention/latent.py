@@ -227,9 +227,7 @@ class LatentKV(HeadDesign):
             w_q, b_q, w_o = self.folded(layer, kv_cache)
             q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
             if q_rope is not None and G_R > 1:  # head h scores its own group's key only
-                group = torch.eye(G_R, dtype=q.dtype, device=q.device).repeat_interleave(
-                    H // G_R, 0
-                )
+                group = F.one_hot(torch.arange(H, device=q.device) * G_R // H, G_R).to(q.dtype)
                 q_rope = (q_rope[..., None, :] * group[:, None, :, None]).flatten(-2)  # G_R d_R
             if q_rope is not None:
                 q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + G_R d_R)

@@ -39,9 +39,8 @@ class RotaryPositions(PositionalPart):
         theta: the base of the angles' geometric progression (10,000 in RoFormer and
             Llama 2; 500,000 in Llama 3; 1,000,000 in Qwen2).
         interleaved: pair neighbouring features instead of the two halves (see the module).
-        inv_freq: explicit inverse frequencies instead of ``theta``'s, ``R/2`` numbers, or
-            ``n`` rows of them (row ``i`` for heads ``i*heads/n ..``: the pairs a conversion
-            kept of each K/V group); the pairing stays ``interleaved``'s.
+        inv_freq: explicit inverse frequencies instead of ``theta``'s: ``R/2``, or ``n`` rows
+            of them, row ``i`` for heads ``i*heads/n ..`` (a conversion's, per K/V group).
 
     The part has no parameters and no buffers: the angles are computed in the inputs'
     precision, fp32 at least, at every call, so a checkpoint holds nothing of it.
@@ -69,14 +68,11 @@ class RotaryPositions(PositionalPart):
             )
         if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
-        if inv_freq is not None:
-            freqs = torch.as_tensor(inv_freq, dtype=torch.float64)
-            if freqs.dim() not in (1, 2) or freqs.shape[-1] != rotary_dim // 2 or freqs.min() <= 0:
-                raise ValueError(
-                    f"inv_freq must be positive, (rotary_dim/2={rotary_dim // 2},) or "
-                    f"(n, {rotary_dim // 2}), got {tuple(freqs.shape)}"
-                )
-            inv_freq = tuple(map(tuple, freqs.view(-1, rotary_dim // 2).tolist()))  # (n, R/2)
+        n = rotary_dim // 2
+        freqs = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float64)
+        if freqs is not None and (freqs.dim() > 2 or freqs.shape[-1:] != (n,) or freqs.min() <= 0):
+            raise ValueError(f"inv_freq must be positive, ({n},) or (n, {n}), got {inv_freq!r}")
+        inv_freq = None if freqs is None else tuple(map(tuple, freqs.view(-1, n).tolist()))
         self.inv_freq = inv_freq
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim

@@ -11,13 +11,17 @@ The converted checkpoint is then uptrained for a small fraction of the original 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
+from torch import Tensor, nn
 
-from multihead.attention.convert import with_kv_heads, with_kv_latent
+from multihead.attention import MultiHeadAttention
+from multihead.attention.convert import rotary_index, with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer
 
@@ -47,17 +51,18 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(kind for kind in ATTENTION_SUBLAYERS if kind in names)
 
 
-def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, int]:
+def _target(
+    num_kv_heads: int | None, kv_latent_dim: int | None,
+    names: tuple[str, str] = ("num_kv_heads", "kv_latent_dim"),
+) -> dict[str, int]:  # fmt: skip
     """The one conversion asked for, as ``{name: value}``; bad values raise, naming them."""
     asked = {
-        k: v
-        for k, v in (("num_kv_heads", num_kv_heads), ("kv_latent_dim", kv_latent_dim))
-        if v is not None
+        k: v for k, v in zip(names, (num_kv_heads, kv_latent_dim), strict=True) if v is not None
     }
     if len(asked) != 1:
         raise ValueError(
-            f"set exactly one of num_kv_heads and kv_latent_dim, got num_kv_heads={num_kv_heads}, "
-            f"kv_latent_dim={kv_latent_dim}"
+            f"set exactly one of {names[0]} and {names[1]}, got {names[0]}={num_kv_heads}, "
+            f"{names[1]}={kv_latent_dim}"
         )
     ((name, value),) = asked.items()
     if isinstance(value, bool) or not isinstance(value, int):
@@ -65,36 +70,150 @@ def _target(num_kv_heads: int | None, kv_latent_dim: int | None) -> dict[str, in
     return asked
 
 
-def convert_model(
-    model: Transformer,
-    kinds: Sequence[str],
-    *,
-    num_kv_heads: int | None = None,
-    kv_latent_dim: int | None = None,
-) -> Transformer:
-    """Replace the attention sublayers of ``kinds`` by their converted copies.
+def convert_attention(
+    model: nn.Module, *, kv_heads: int | None = None, kv_latent: int | None = None,
+    rope_dim: int | None = None, selection: str = "high", calibration: Any = None,
+    scope: str | Sequence[str] = "decoder",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Convert every attention layer of ``model`` in place: to ``kv_heads`` pooled K/V heads
+    (:func:`~multihead.attention.convert.with_kv_heads`) or to a ``kv_latent`` K/V latent
+    (:func:`~multihead.attention.convert.with_kv_latent`, rotary layers keeping ``rope_dim``
+    rotated features per K/V group, chosen by ``selection``).
 
-    Changes ``model`` in place and returns it.
+    ``model``: our :class:`Transformer` (the sublayers of ``scope``, see
+    :func:`resolve_scope`; its ``attention_config`` rewritten so that it rebuilds the result),
+    or any model whose layers are :class:`MultiHeadAttention` (swapped by
+    ``replace_torch_attention`` or ``replace_hf_attention``: all of them; an HF model keeps
+    generating, its cache holding each layer's latent). ``calibration``: the model's inputs,
+    called as ``model(*calibration)`` (a tuple), ``model(**calibration)`` (a mapping) or
+    ``model(calibration)``; each layer's inputs on it choose ``selection="norm"``'s pairs and
+    measure the errors below.
 
-    Raises:
-        ValueError: ``num_kv_heads`` does not divide a sublayer's current K/V heads, or a
-            sublayer to give a latent has a head design.
+    Returns:
+        Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
+        per token, fp32), and with ``calibration``, ``k_error`` and ``v_error``: the relative
+        Frobenius error of K and V (per query head, before RoPE and without biases, which
+        move exactly) on the layer's calibration inputs.
     """
-    target = _target(num_kv_heads, kv_latent_dim)
-    for kind, _, path, attn in list(model.attention_sublayers()):
-        if kind in kinds:
-            new = (
-                with_kv_heads(attn, num_kv_heads)
-                if num_kv_heads
-                else with_kv_latent(attn, kv_latent_dim)
+    _target(kv_heads, kv_latent, ("kv_heads", "kv_latent"))
+    if isinstance(model, Transformer):
+        kinds = resolve_scope(scope)
+        layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
+    else:
+        layers = [
+            (p, m, None) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)
+        ]
+    if rope_dim is not None and all(attn.positions is None for _, attn, _ in layers):
+        raise ValueError(f"rope_dim={rope_dim} is for rotary layers; none in scope has positions")
+    inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
+    converted = {}  # every layer first, so that a refusal leaves the model as it was
+    for path, attn, _ in layers:
+        if kv_heads is not None:
+            converted[path] = with_kv_heads(attn, kv_heads)
+        else:
+            rope = None if attn.positions is None else rope_dim  # cross-attention has none
+            x = inputs.get(path, (None,))[0]
+            converted[path] = with_kv_latent(
+                attn, kv_latent, rope_dim=rope, selection=selection, calibration=x
             )
-            model.set_submodule(path, new)
-    for kind in kinds:
-        config = model.attention_config[kind]
-        config.update(target)
-        if kv_latent_dim is not None:  # a latent builds all H K/V heads
-            config["num_kv_heads"] = config["num_heads"]
-    return model
+    if isinstance(model, Transformer):  # one set of options per sublayer kind in its config
+        options = {kind: _shared_options(kind, [converted[p] for p, _, k in layers if k == kind])
+                   for kind in kinds}  # fmt: skip
+    report = []
+    for path, attn, _ in layers:
+        new = converted[path]
+        model.set_submodule(path, new)
+        row = {"layer": path, "bytes_before": attn.kv_cache_bytes_per_token(),
+               "bytes_after": new.kv_cache_bytes_per_token()}  # fmt: skip
+        if path in inputs:
+            row |= _kv_errors(attn, new, inputs[path][1])
+        report.append(row)
+    if isinstance(model, Transformer):
+        for kind in kinds:
+            model.attention_config[kind].update(options[kind])
+    return report
+
+
+def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, Any]:
+    """The attention options of ``kind``'s converted ``layers``, which they must share (a
+    config has one set per sublayer kind)."""
+    found = []
+    for attn in layers:
+        options = {k: v for k, v in attn.head_config.items() if k != "kind"}
+        if "interleaved" in options:  # the layer's name for the key's pairing
+            options["rope_interleaved"] = options.pop("interleaved")
+        found.append(options)
+    if any(options != found[0] for options in found):
+        raise ValueError(
+            f"the {kind} layers would get different options (selection='norm' chose other "
+            "pairs in some), which one model config cannot hold; use selection='high' or "
+            "'uniform'"
+        )
+    return found[0]
+
+
+def _layer_inputs(
+    model: nn.Module, layers: list[tuple[str, MultiHeadAttention, Any]], calibration: Any
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{path: (query, K/V source)}`` of each layer's first call on ``calibration``."""
+    seen: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def hook(path: str):
+        def record(module, args, kwargs):
+            query = args[0] if args else kwargs["query"]
+            key_value = args[1] if len(args) > 1 else kwargs.get("key_value")
+            seen.setdefault(path, (query, query if key_value is None else key_value))
+
+        return record
+
+    handles = [a.register_forward_pre_hook(hook(p), with_kwargs=True) for p, a, _ in layers]
+    try:
+        with torch.no_grad():
+            if isinstance(calibration, tuple):
+                model(*calibration)
+            elif isinstance(calibration, Mapping):
+                model(**calibration)
+            else:
+                model(calibration)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _kv_errors(old: MultiHeadAttention, new: MultiHeadAttention, x: Tensor) -> dict[str, float]:
+    """The relative Frobenius error of ``new``'s K and V against ``old``'s on ``x``, per query
+    head ``(B, H, S, D)``, before RoPE and without biases; an MLA layer's K in ``old``'s
+    feature order (its rotary key's features back at theirs)."""
+    H, D = old.num_heads, old.head_dim
+
+    def per_head(t: Tensor, heads: int) -> Tensor:  # (B, S, heads*w) -> (B, H, S, w)
+        return t.unflatten(-1, (heads, -1)).transpose(1, 2).repeat_interleave(H // heads, 1)
+
+    with torch.no_grad():
+        _, w_k, w_v = old.in_proj.blocks()
+        k, v = per_head(x @ w_k.T, old.num_kv_heads), per_head(x @ w_v.T, old.num_kv_heads)
+        latent = new.design
+        if latent is None:  # pooled K/V heads
+            _, w_k2, w_v2 = new.in_proj.blocks()
+            k2, v2 = per_head(x @ w_k2.T, new.num_kv_heads), per_head(x @ w_v2.T, new.num_kv_heads)
+        else:
+            k2, v2 = latent.expand(x @ latent.down.weight.T)  # (B, H, S, Dq), (B, H, S, D)
+            if latent.rope is not None:
+                G = latent.rope_kv_heads
+                k_rope = per_head(x @ latent.k_rope.weight.T, G)  # (B, H, S, d_R)
+                # The kept pairs, found by their frequencies among the source's (all differ).
+                source = old.positions.frequencies(x.device, torch.float64)  # (R/2,)
+                kept_freqs = torch.tensor(latent.rope.inv_freq, dtype=source.dtype, device=x.device)
+                pairs = (kept_freqs[..., None] == source).int().argmax(-1)  # (G, d_R/2)
+                rope_index = rotary_index(old.positions, pairs)  # (G, d_R)
+                kept = torch.ones(G, D, dtype=torch.bool, device=x.device)
+                kept[torch.arange(G, device=x.device)[:, None], rope_index] = False
+                order = torch.cat((kept.nonzero()[:, 1].view(G, -1), rope_index), 1)  # (G, D)
+                order = order.repeat_interleave(H // G, 0)[None, :, None].expand_as(k)
+                k2 = torch.empty_like(k).scatter_(-1, order, torch.cat((k2, k_rope), -1))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return {"k_error": rel(k2, k), "v_error": rel(v2, v)}
 
 
 def convert_checkpoint(
@@ -103,6 +222,8 @@ def convert_checkpoint(
     scope: str | Sequence[str] = "decoder",
     *,
     kv_latent_dim: int | None = None,
+    rope_dim: int | None = None,
+    selection: str = "high",
 ) -> dict[str, Any]:
     """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
     or a ``kv_latent_dim`` K/V latent.
@@ -116,13 +237,18 @@ def convert_checkpoint(
         num_kv_heads: ``G``; must divide the current K/V heads of every converted sublayer.
         scope: see :func:`resolve_scope`.
         kv_latent_dim: ``r``, instead of ``num_kv_heads``.
+        rope_dim, selection: for a rotary model, see :func:`convert_attention`.
     """
     target = _target(num_kv_heads, kv_latent_dim)
     kinds = resolve_scope(scope)
     ckpt = read_checkpoint(path)
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
-    convert_model(model, kinds, **target)
+    options = copy.deepcopy(model.attention_config)
+    convert_attention(
+        model, kv_heads=num_kv_heads, kv_latent=kv_latent_dim, rope_dim=rope_dim,
+        selection=selection, scope=kinds,
+    )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
@@ -137,9 +263,14 @@ def convert_checkpoint(
     # The run config with the K/V settings of kinds, so that it rebuilds the result.
     extra["config"] = config = copy.deepcopy(extra["config"])
     attention = config["attention"]  # the one place heads are set
+    changed: dict[str, list[str]] = {}
     for kind in kinds:
-        kv = {k: model.attention_config[kind][k] for k in ("num_kv_heads", *target)}
+        now = model.attention_config[kind]  # the keys set, and those a rotary latent changed
+        kv = {
+            k: v for k, v in now.items() if k in ("num_kv_heads", *target) or v != options[kind][k]
+        }
         attention[kind] = {**(attention.get(kind) or {}), **kv}
+        changed[kind] = sorted(set(kv) - {"num_kv_heads", *target})
     if set(kinds) == set(ATTENTION_SUBLAYERS) and num_kv_heads is not None:
         attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
@@ -147,6 +278,8 @@ def convert_checkpoint(
         **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
+        **({"rope_dim": rope_dim, "selection": selection} if any(changed.values()) else {}),
+        **({"changed_keys": changed} if any(changed.values()) else {}),
     }
     converted["multihead"] = extra
     return converted
@@ -170,6 +303,12 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
             for key in ("num_kv_heads", "kv_latent_dim")
             if attention[kind].get(key) is not None
         ]
+        # What a rotary latent adds (rotary_dim, frequencies, ...): keys the config may lack.
+        heads += [
+            f"++attention.{kind}.{key}={json.dumps(value)}"
+            for key, value in attention[kind].items()
+            if key in info.get("changed_keys", {}).get(kind, ())
+        ]
     # Also dropped: resuming (ckpt_path) and the old run directory (paths.output_dir).
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     ours |= {"ckpt_path", "init_from", "paths.output_dir"}
@@ -191,6 +330,8 @@ def convert_kv_heads(
     scope: str | Sequence[str] = "decoder",
     *,
     kv_latent_dim: int | None = None,
+    rope_dim: int | None = None,
+    selection: str = "high",
 ) -> tuple[Path, list[str]]:
     """Convert ``ckpt`` and save it to ``out`` (never overwritten).
 
@@ -203,6 +344,9 @@ def convert_kv_heads(
     """
     if Path(out).exists():  # before the work; save_new checks again when writing
         raise FileExistsError(f"{out} already exists; choose a new out= path")
-    converted = convert_checkpoint(ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim)
+    converted = convert_checkpoint(
+        ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim, rope_dim=rope_dim,
+        selection=selection,
+    )  # fmt: skip
     written = save_new(converted, out)
     return written, uptrain_overrides(ckpt, written, converted)

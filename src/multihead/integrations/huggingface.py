@@ -290,6 +290,7 @@ class _CacheLayer:
     def __init__(self, cache, layer_idx: int) -> None:
         self.cache = cache
         self.layer_idx = layer_idx
+        self.derived: dict = {}  # an MLA layer's folded weights, for this call
 
     @property
     def size(self) -> int:
@@ -297,7 +298,9 @@ class _CacheLayer:
         caller gives no ``position_ids``."""
         return self.cache.get_seq_length(self.layer_idx)
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if v is None:  # one tensor for K and V (an MLA latent): HF's V slot holds 0 features
+            return self.cache.update(k, k[..., :0], self.layer_idx)[0], None
         return self.cache.update(k, v, self.layer_idx)
 
 
