@@ -35,11 +35,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from multihead.attention import with_kv_heads
-from multihead.attention.convert import with_kv_latent
+from multihead.attention import MultiHeadAttention
+from multihead.checkpoints.conversion import convert_attention
 from multihead.data.lm import LanguageModelDataModule
 from multihead.data.tokenizer import Tokenizer
-from multihead.integrations.huggingface import HFAttentionAdapter, replace_hf_attention
+from multihead.integrations.huggingface import replace_hf_attention
 from multihead.training.lm import LanguageModelModule
 
 register_resolvers()
@@ -50,43 +50,20 @@ SELECTIONS = ("high", "uniform", "norm")
 UPTRAIN_LR = 3e-4
 
 
-def adapters(model) -> list[HFAttentionAdapter]:
-    return [m for m in model.modules() if isinstance(m, HFAttentionAdapter)]
-
-
 def cache_bytes(model) -> int:
     """K/V bytes per token (fp32) summed over the layers, from the layers' own count."""
-    return sum(a.attn.kv_cache_bytes_per_token() for a in adapters(model))
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    return sum(attn.kv_cache_bytes_per_token() for attn in layers)
 
 
-def layer_inputs(model, batch: torch.Tensor) -> list[torch.Tensor]:
-    """Each attention layer's input ``(B, T, E)`` on ``batch`` (the calibration)."""
-    seen = []
-    hooks = [
-        a.register_forward_pre_hook(
-            lambda m, args, kw: seen.append(kw.get("hidden_states", args[0] if args else None)),
-            with_kwargs=True,
-        )
-        for a in adapters(model)
-    ]
-    with torch.no_grad():
-        model(input_ids=batch, use_cache=False)
-    for h in hooks:
-        h.remove()
-    return [x.detach() for x in seen]
-
-
-def convert(model, kind: str, value: int, calibration, rope_dim=None, selection="high"):
-    """A converted deep copy of the swapped ``model``: ``kind`` is mha, gqa or mla."""
+def convert(model, kind: str, value: int | None, calibration: dict, **options):
+    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or mla) and
+    :func:`convert_attention`'s per-layer report (``[]`` for mha)."""
     model = copy.deepcopy(model)
-    for adapter, x in zip(adapters(model), calibration, strict=True):
-        if kind == "gqa":
-            adapter.attn = with_kv_heads(adapter.attn, value)
-        elif kind == "mla":
-            adapter.attn = with_kv_latent(
-                adapter.attn, value, rope_dim=rope_dim, selection=selection, calibration=x
-            )
-    return model
+    if kind == "mha":
+        return model, []
+    target = {"kv_heads": value} if kind == "gqa" else {"kv_latent": value}
+    return model, convert_attention(model, **target, calibration=calibration, **options)
 
 
 def batch_loss(model, batch) -> float:
@@ -126,7 +103,7 @@ def uptrain(model, datamodule, steps: int, every: int) -> dict[int, float]:
 def greedy_sample(model, tokenizer: Tokenizer, prompt: str) -> str:
     ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(prompt)]])
     out = model.generate(
-        input_ids=ids, max_new_tokens=20, do_sample=False, use_cache=False,
+        input_ids=ids, max_new_tokens=20, do_sample=False,
         eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
     )  # fmt: skip
     return tokenizer.decode(out[0].tolist())
@@ -207,24 +184,25 @@ def main() -> None:
     replace_hf_attention(model)
     swapped = batch_loss(model, datamodule.blocks["validation"][:16])
     calibration_batch = datamodule.blocks["train"][:16]
-    calibration = layer_inputs(model, calibration_batch)
+    calibration = {"input_ids": calibration_batch, "use_cache": False}
     mha_bytes = cache_bytes(model)
     steps = [round(f * summary["steps"]) for f in args.fractions]
     every = math.gcd(*steps)
 
-    kv_heads = adapters(model)[0].attn.num_kv_heads
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    kv_heads = layers[0].num_kv_heads
     plan, grid = [("MHA", "mha", None, {})], []
     for ratio in RATIOS:
         if kv_heads % ratio == 0:  # else GQA cannot reach the ratio: n/a in the table
             plan.append((f"GQA 1/{ratio}", "gqa", kv_heads // ratio, {}))
-        budget = mha_bytes // ratio // 4 // len(adapters(model))  # floats per token and layer
+        budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
         tried = []
         for rope_dim in ROPE_DIMS:
             r = budget - kv_heads * rope_dim
             if r < 1:  # the rotary keys alone fill the budget
                 continue
             for selection in SELECTIONS:
-                m = convert(model, "mla", r, calibration, rope_dim, selection)
+                m, _ = convert(model, "mla", r, calibration, rope_dim=rope_dim, selection=selection)
                 loss = batch_loss(m, calibration_batch)
                 tried.append(
                     {
@@ -262,12 +240,14 @@ def main() -> None:
         if (args.only and name not in args.only) or name in done:
             continue
         start = time.time()
-        m = convert(model, kind, value, calibration, **options)
+        m, report = convert(model, kind, value, calibration, **options)
+        errors = {key: [row[key] for row in report] for key in ("k_error", "v_error")}
         ppl = uptrain(m, datamodule, max(steps), every)
         row = {
             "name": name, "method": kind, "value": value, **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
-            "ppl": {str(s): p for s, p in ppl.items()}, "seconds": round(time.time() - start),
+            "ppl": {str(s): p for s, p in ppl.items()}, **errors,
+            "seconds": round(time.time() - start),
             "greedy_sample": greedy_sample(m.eval(), tokenizer, "A man"),
         }  # fmt: skip
         print(json.dumps(row), flush=True)
