@@ -17,6 +17,8 @@ Each is scored (validation perplexity) right after conversion and while uptraine
 recipe: AdamW, constant learning rate (no warmup, no decay), the training's batches, for the
 largest fraction of the original steps; the smaller fractions are that run's scores at
 their step counts (with a constant rate, the first n steps of the run are the n-step run).
+``--anneal`` lets the rate fall linearly to zero over the largest fraction's steps instead
+(the trained model ends its own schedule annealed; a constant rate undoes some of that).
 Writes ``OUT_DIR/results.json`` and ``OUT_DIR/uptraining.png``.
 """
 
@@ -81,12 +83,18 @@ class Scores(pl.Callback):
         self.ppl[trainer.global_step] = trainer.callback_metrics["val/ppl"].item()
 
 
-def uptrain(model, datamodule, steps: int, every: int) -> dict[int, float]:
-    """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe."""
+def uptrain(model, datamodule, steps: int, every: int, anneal: bool) -> dict[int, float]:
+    """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe;
+    ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays."""
     optimizer = functools.partial(
         torch.optim.AdamW, lr=UPTRAIN_LR, betas=(0.9, 0.95), weight_decay=0.1
     )
-    module = LanguageModelModule(model.train(), optimizer)
+    scheduler = None
+    if anneal:
+        scheduler = functools.partial(
+            torch.optim.lr_scheduler.LinearLR, start_factor=1.0, end_factor=0.0, total_iters=steps
+        )
+    module = LanguageModelModule(model.train(), optimizer, scheduler)
     scores = Scores()
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=steps, val_check_interval=every,
@@ -164,6 +172,12 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--data", help="the raw Multi30k directory (data.local_dir)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05])
+    parser.add_argument(
+        "--anneal",
+        action="store_true",
+        help="the rate falls linearly to zero over the largest fraction's steps (the smaller "
+        "fractions' scores are then mid-schedule); default: constant",
+    )
     parser.add_argument("--only", nargs="*", help="names of the rows to run (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -230,7 +244,7 @@ def main() -> None:
     results.update(
         run_dir=str(args.run_dir), train_steps=summary["steps"], trained_ppl=summary["val/ppl"],
         uptrain={"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": UPTRAIN_LR,
-                 "schedule": "constant", "steps": steps,
+                 "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
                  "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"},
         swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
         mha_bytes_per_token=mha_bytes, mla_selection_grid=grid,
@@ -242,7 +256,7 @@ def main() -> None:
         start = time.time()
         m, report = convert(model, kind, value, calibration, **options)
         errors = {key: [row[key] for row in report] for key in ("k_error", "v_error")}
-        ppl = uptrain(m, datamodule, max(steps), every)
+        ppl = uptrain(m, datamodule, max(steps), every, args.anneal)
         row = {
             "name": name, "method": kind, "value": value, **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
