@@ -128,14 +128,14 @@ def plot(results: dict, path: Path) -> None:
     for row in results["rows"]:
         steps = sorted(int(s) for s in row["ppl"])
         frac = [100 * s / total for s in steps]
-        style = {"mha": "k-", "gqa": "--", "mla": "-"}[row["method"]]
-        ax.plot(
-            frac, [row["ppl"][str(s)] for s in steps], style, marker="o", ms=3, label=row["name"]
-        )
+        color = {1.0: "black", 0.5: "C1", 0.25: "C2", 0.125: "C0"}.get(row["ratio_of_mha"])
+        style = "--" if row["method"] == "gqa" else "-"
+        ppl = [row["ppl"][str(s)] for s in steps]
+        ax.plot(frac, ppl, style, color=color, marker="o", ms=3, label=row["name"])
     ax.set_xlabel("uptraining steps, % of the original training's")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title("Llama-shaped LM (5.2M), Multi30k en+de: converted, then uptrained")
+    ax.set_title("Llama-shaped LM (5.2M), Multi30k en+de: converted, uptrained")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
