@@ -163,6 +163,8 @@ def table(results: dict) -> str:
         gap = 100 * (row["ppl"][last] / mha["ppl"][last] - 1) if mha else float("nan")
         cells.append(f"{gap:+.1f}%")
         lines.append("| " + " | ".join(cells) + " |")
+    for row in results.get("unreachable", []):  # a ratio the design cannot reach
+        lines.append(f"| {row['name']}: n/a, {row['why']} |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
 
 
@@ -205,10 +207,13 @@ def main() -> None:
 
     layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     kv_heads = layers[0].num_kv_heads
-    plan, grid = [("MHA", "mha", None, {})], []
+    plan, grid, unreachable = [("MHA", "mha", None, {})], [], []
     for ratio in RATIOS:
-        if kv_heads % ratio == 0:  # else GQA cannot reach the ratio: n/a in the table
+        if kv_heads % ratio == 0:
             plan.append((f"GQA 1/{ratio}", "gqa", kv_heads // ratio, {}))
+        else:
+            why = f"{kv_heads} K/V heads do not pool into 1/{ratio} as many"
+            unreachable.append({"name": f"GQA 1/{ratio}", "why": why})
         budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
         tried = []
         for rope_dim in ROPE_DIMS:
@@ -228,6 +233,10 @@ def main() -> None:
                     }
                 )
         grid += tried
+        if not tried:
+            why = f"{budget} numbers per token and layer hold no latent beside the rotary keys"
+            unreachable.append({"name": f"MLA 1/{ratio}", "why": why})
+            continue
         best = min(tried, key=lambda t: t["calibration_loss"])
         plan.append(
             (
@@ -247,7 +256,7 @@ def main() -> None:
                  "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
                  "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"},
         swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
-        mha_bytes_per_token=mha_bytes, mla_selection_grid=grid,
+        mha_bytes_per_token=mha_bytes, mla_selection_grid=grid, unreachable=unreachable,
     )  # fmt: skip
     done = {row["name"] for row in results["rows"]}
     for name, kind, value, options in plan:
