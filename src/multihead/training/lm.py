@@ -40,7 +40,7 @@ class LanguageModelModule(pl.LightningModule):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self._val_losses: list[Tensor] = []
+        self._val_losses: list[tuple[Tensor, int]] = []  # (loss sum, blocks) per batch
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -49,11 +49,11 @@ class LanguageModelModule(pl.LightningModule):
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
-        self._val_losses.append(loss.detach() * len(batch))
+        self._val_losses.append((loss.detach() * len(batch), len(batch)))
 
     def on_validation_epoch_end(self) -> None:
-        blocks = len(self.trainer.datamodule.blocks["validation"])
-        loss = torch.stack(self._val_losses).sum().item() / blocks
+        sums, blocks = zip(*self._val_losses, strict=True)
+        loss = torch.stack(sums).sum().item() / sum(blocks)
         self._val_losses.clear()
         self.log("val/loss", loss)
         self.log("val/ppl", math.exp(loss), prog_bar=True)
