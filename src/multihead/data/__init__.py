@@ -1,5 +1,8 @@
 """Data for translation: corpus loading, joint BPE tokenizer, token batching, DataModule.
 
+The same corpus's sentences as blocks for a causal language model are in
+:mod:`multihead.data.lm` (imported on its own, not from here).
+
 ``TranslationDataModule`` is imported when first asked for: it is a Lightning DataModule, and
 importing Lightning (and through it ``torch._dynamo``) costs seconds that evaluating,
 translating or exporting a checkpoint does not need.

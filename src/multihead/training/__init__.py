@@ -2,7 +2,8 @@
 (:func:`~multihead.training.loss.linear_cross_entropy`), the learning-rate schedule, the
 ``precision: auto`` setting, the callbacks that run during ``fit`` (throughput, wall clock,
 recent checkpoints), and :func:`~multihead.training.run.train`, which wires
-them from a config. In the import order only ``multihead.cli`` and the root are above it.
+them from a config; the causal LM's module in :mod:`multihead.training.lm` (issue 56's
+Llama-shaped LM). In the import order only ``multihead.cli`` and the root are above it.
 
 Reading and writing checkpoints lives in :mod:`multihead.checkpoints` (Lightning's writes
 during ``fit`` go through its atomic writer, :mod:`multihead.training.checkpoint_io`);

@@ -1,0 +1,284 @@
+"""Issue 56's LM study: a trained Llama-shaped LM converted to GQA and MLA, then uptrained.
+
+python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05]
+
+``RUN_DIR`` is a ``scripts/train_lm.py`` run (``hf/``, ``tokenizer.json``, ``summary.json``,
+``.hydra/config.yaml``). Every attention module is swapped for the layer
+(``replace_hf_attention``), then each layer is converted:
+
+* GQA: ``with_kv_heads`` (mean-pooled K/V heads), 4, 2 and 1 K/V heads;
+* MLA: ``with_kv_latent`` (partial RoPE + joint SVD), a latent of ``r`` and ``rope_dim``
+  rotated features per K/V group, ``r + G * rope_dim`` = 1/2, 1/4, 1/8 of MHA's cache; of the
+  ``rope_dim`` and pair selections tried, the one with the lowest loss on the calibration
+  batch (training blocks, not the validation split);
+* MHA: the swapped model unchanged, the control.
+
+Each is scored (validation perplexity) right after conversion and while uptrained with one
+recipe: AdamW, constant learning rate (no warmup, no decay), the training's batches, for the
+largest fraction of the original steps; the smaller fractions are that run's scores at
+their step counts (with a constant rate, the first n steps of the run are the n-step run).
+``--anneal`` lets the rate fall linearly to zero over the largest fraction's steps instead
+(the trained model ends its own schedule annealed; a constant rate undoes some of that).
+Writes ``OUT_DIR/results.json`` and ``OUT_DIR/uptraining.png``.
+"""
+
+import argparse
+import copy
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+from multihead.cli import register_resolvers
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import OmegaConf
+from transformers import LlamaForCausalLM
+
+from multihead.attention import MultiHeadAttention
+from multihead.checkpoints.conversion import convert_attention
+from multihead.data.lm import LanguageModelDataModule
+from multihead.data.tokenizer import Tokenizer
+from multihead.integrations.huggingface import replace_hf_attention
+from multihead.training.lm import LanguageModelModule
+
+register_resolvers()
+
+RATIOS = (8, 4, 2)  # MHA's cache over the converted one's; the hardest first
+ROPE_DIMS = (2, 4, 8)
+SELECTIONS = ("high", "uniform", "norm")
+UPTRAIN_LR = 3e-4
+
+
+def cache_bytes(model) -> int:
+    """K/V bytes per token (fp32) summed over the layers, from the layers' own count."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    return sum(attn.kv_cache_bytes_per_token() for attn in layers)
+
+
+def convert(model, kind: str, value: int | None, calibration: dict, **options):
+    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or mla) and
+    :func:`convert_attention`'s per-layer report (``[]`` for mha)."""
+    model = copy.deepcopy(model)
+    if kind == "mha":
+        return model, []
+    target = {"kv_heads": value} if kind == "gqa" else {"kv_latent": value}
+    return model, convert_attention(model, **target, calibration=calibration, **options)
+
+
+def batch_loss(model, batch) -> float:
+    with torch.no_grad():
+        return model(input_ids=batch, labels=batch, use_cache=False).loss.item()
+
+
+class Scores(pl.Callback):
+    """Validation perplexity at each validation's step."""
+
+    def __init__(self) -> None:
+        self.ppl: dict[int, float] = {}
+
+    def on_validation_end(self, trainer, module) -> None:
+        self.ppl[trainer.global_step] = trainer.callback_metrics["val/ppl"].item()
+
+
+def uptrain(model, datamodule, steps: int, every: int, anneal: bool) -> dict[int, float]:
+    """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe;
+    ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays."""
+    optimizer = functools.partial(
+        torch.optim.AdamW, lr=UPTRAIN_LR, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    scheduler = None
+    if anneal:
+        scheduler = functools.partial(
+            torch.optim.lr_scheduler.LinearLR, start_factor=1.0, end_factor=0.0, total_iters=steps
+        )
+    module = LanguageModelModule(model.train(), optimizer, scheduler)
+    scores = Scores()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, val_check_interval=every,
+        check_val_every_n_epoch=None, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[scores],
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    if steps:
+        trainer.fit(module, datamodule=datamodule)
+    return scores.ppl
+
+
+def greedy_sample(model, tokenizer: Tokenizer, prompt: str) -> str:
+    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(prompt)]])
+    out = model.generate(
+        input_ids=ids, max_new_tokens=20, do_sample=False,
+        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+    )  # fmt: skip
+    return tokenizer.decode(out[0].tolist())
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    total = results["train_steps"]
+    for row in results["rows"]:
+        steps = sorted(int(s) for s in row["ppl"])
+        frac = [100 * s / total for s in steps]
+        color = {1.0: "black", 0.5: "C1", 0.25: "C2", 0.125: "C0"}.get(row["ratio_of_mha"])
+        style = "--" if row["method"] == "gqa" else "-"
+        ppl = [row["ppl"][str(s)] for s in steps]
+        ax.plot(frac, ppl, style, color=color, marker="o", ms=3, label=row["name"])
+    ax.set_xlabel("uptraining steps, % of the original training's")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title("Llama-shaped LM (5.2M), Multi30k en+de: converted, uptrained")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(results: dict) -> str:
+    """The markdown table of ``results``: perplexity right after conversion and uptrained."""
+    steps = results["uptrain"]["steps"]
+    total = results["train_steps"]
+    mha = next((r for r in results["rows"] if r["method"] == "mha"), None)
+    head = ["design", "KV bytes/token", "of MHA", "converted"]
+    head += [f"+{s} steps ({100 * s / total:g}%)" for s in steps]
+    head += [f"vs MHA at +{steps[-1]}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["rows"]:
+        how = {
+            "mha": "",
+            "gqa": f" (G={row['value']})",
+            "mla": f" (r={row['value']}, rope_dim={row.get('rope_dim')}, {row.get('selection')})",
+        }
+        cells = [row["name"] + how[row["method"]], str(row["kv_bytes_per_token"]),
+                 f"{row['ratio_of_mha']:g}", f"{row['ppl']['0']:.2f}"]  # fmt: skip
+        cells += [f"{row['ppl'][str(s)]:.2f}" for s in steps]
+        last = str(steps[-1])
+        gap = 100 * (row["ppl"][last] / mha["ppl"][last] - 1) if mha else float("nan")
+        cells.append(f"{gap:+.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    for row in results.get("unreachable", []):  # a ratio the design cannot reach
+        lines.append(f"| {row['name']}: n/a, {row['why']} |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--data", help="the raw Multi30k directory (data.local_dir)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05])
+    parser.add_argument(
+        "--anneal",
+        action="store_true",
+        help="the rate falls linearly to zero over the largest fraction's steps (the smaller "
+        "fractions' scores are then mid-schedule); default: constant",
+    )
+    parser.add_argument("--only", nargs="*", help="names of the rows to run (default: all)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
+    summary = json.loads((args.run_dir / "summary.json").read_text())
+    data = dict(OmegaConf.to_container(cfg.data, resolve=False))
+    data.pop("_target_")
+    data.update(local_dir=args.data or data["local_dir"], cache_dir="outputs/cache", seed=0)
+    datamodule = LanguageModelDataModule(**data)
+    datamodule.setup("fit")
+    tokenizer = Tokenizer.load(args.run_dir / "tokenizer.json")
+    if tokenizer.fingerprint() != datamodule.tokenizer.fingerprint():
+        raise SystemExit(
+            f"error: {args.run_dir}'s tokenizer is not the data's; same data settings?"
+        )
+    model = LlamaForCausalLM.from_pretrained(args.run_dir / "hf")
+    unswapped = batch_loss(model, datamodule.blocks["validation"][:16])
+    replace_hf_attention(model)
+    swapped = batch_loss(model, datamodule.blocks["validation"][:16])
+    calibration_batch = datamodule.blocks["train"][:16]
+    calibration = {"input_ids": calibration_batch, "use_cache": False}
+    mha_bytes = cache_bytes(model)
+    steps = [round(f * summary["steps"]) for f in args.fractions]
+    every = math.gcd(*steps)
+
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    kv_heads = layers[0].num_kv_heads
+    plan, grid, unreachable = [("MHA", "mha", None, {})], [], []
+    for ratio in RATIOS:
+        if kv_heads % ratio == 0:
+            plan.append((f"GQA 1/{ratio}", "gqa", kv_heads // ratio, {}))
+        else:
+            why = f"{kv_heads} K/V heads do not pool into 1/{ratio} as many"
+            unreachable.append({"name": f"GQA 1/{ratio}", "why": why})
+        budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
+        tried = []
+        for rope_dim in ROPE_DIMS:
+            r = budget - kv_heads * rope_dim
+            if r < 1:  # the rotary keys alone fill the budget
+                continue
+            for selection in SELECTIONS:
+                m, _ = convert(model, "mla", r, calibration, rope_dim=rope_dim, selection=selection)
+                loss = batch_loss(m, calibration_batch)
+                tried.append(
+                    {
+                        "ratio": ratio,
+                        "r": r,
+                        "rope_dim": rope_dim,
+                        "selection": selection,
+                        "calibration_loss": loss,
+                    }
+                )
+        grid += tried
+        if not tried:
+            why = f"{budget} numbers per token and layer hold no latent beside the rotary keys"
+            unreachable.append({"name": f"MLA 1/{ratio}", "why": why})
+            continue
+        best = min(tried, key=lambda t: t["calibration_loss"])
+        plan.append(
+            (
+                f"MLA 1/{ratio}",
+                "mla",
+                best["r"],
+                {"rope_dim": best["rope_dim"], "selection": best["selection"]},
+            )
+        )
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "results.json"
+    results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    results.update(
+        run_dir=str(args.run_dir), train_steps=summary["steps"], trained_ppl=summary["val/ppl"],
+        uptrain={"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": UPTRAIN_LR,
+                 "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
+                 "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"},
+        swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
+        mha_bytes_per_token=mha_bytes, mla_selection_grid=grid, unreachable=unreachable,
+    )  # fmt: skip
+    done = {row["name"] for row in results["rows"]}
+    for name, kind, value, options in plan:
+        if (args.only and name not in args.only) or name in done:
+            continue
+        start = time.time()
+        m, report = convert(model, kind, value, calibration, **options)
+        errors = {key: [row[key] for row in report] for key in ("k_error", "v_error")}
+        ppl = uptrain(m, datamodule, max(steps), every, args.anneal)
+        row = {
+            "name": name, "method": kind, "value": value, **options,
+            "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
+            "ppl": {str(s): p for s, p in ppl.items()}, **errors,
+            "seconds": round(time.time() - start),
+            "greedy_sample": greedy_sample(m.eval(), tokenizer, "A man"),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        results["rows"].append(row)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out_dir / "uptraining.png")
+    (args.out_dir / "table.md").write_text(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Language-model data: the sentences of a parallel corpus, both languages, as one stream.
+
+Every sentence of a split's ``src`` and ``tgt`` columns becomes ``<bos> ids <eos>``; the
+sentences are concatenated in corpus order and cut into blocks of ``block_size`` tokens
+(the last, shorter block is dropped), the packing of Hugging Face's ``run_clm`` example.
+A block may start inside a sentence and hold several: the model learns to continue across
+``<eos>``. The tokenizer is the translation data's joint BPE (:func:`load_or_train_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader
+
+from multihead.data.loading import filter_parallel_dataset, load_parallel_dataset
+from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+
+def pack_blocks(sentences: list[list[int]], *, bos_id: int, eos_id: int, block_size: int):
+    """``(N, block_size)`` long: ``<bos> s <eos>`` of every sentence, concatenated, cut."""
+    stream = list(itertools.chain.from_iterable([bos_id, *s, eos_id] for s in sentences))
+    n = len(stream) // block_size
+    if n == 0:
+        raise ValueError(
+            f"block_size={block_size} is longer than the whole split ({len(stream)} tokens)"
+        )
+    return torch.tensor(stream[: n * block_size]).view(n, block_size)  # (N, block_size)
+
+
+class LanguageModelDataModule(L.LightningDataModule):
+    """Blocks of both languages' sentences of a parallel corpus, for a causal LM.
+
+    Args:
+        name, src_lang, tgt_lang, local_dir: the corpus, as :func:`load_parallel_dataset`.
+        vocab_size: the joint BPE's size.
+        block_size: tokens per training example.
+        batch_size: blocks per batch.
+        cache_dir: where the tokenizer is cached.
+        seed: the order of the training blocks.
+
+    Batches are ``(B, block_size)`` long tensors; the model predicts each next token.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "bentrevett/multi30k",
+        src_lang: str = "en",
+        tgt_lang: str = "de",
+        local_dir: str | None = None,
+        vocab_size: int = 8000,
+        block_size: int = 128,
+        batch_size: int = 16,
+        cache_dir: str | Path = "outputs/cache",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for key, value in (("block_size", block_size), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive int, got {value!r}")
+        self.corpus = dict(name=name, src_lang=src_lang, tgt_lang=tgt_lang, local_dir=local_dir)
+        self.vocab_size_setting = vocab_size
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.cache_dir = cache_dir
+        self.seed = seed
+        self.tokenizer: Tokenizer | None = None
+        self.blocks: dict[str, torch.Tensor] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.tokenizer is not None:
+            return
+        dataset, _ = filter_parallel_dataset(load_parallel_dataset(**self.corpus))
+        self.tokenizer = load_or_train_tokenizer(dataset, self.cache_dir, self.vocab_size_setting)
+        tok = self.tokenizer
+        for split in ("train", "validation"):
+            ds = dataset[split]
+            sentences = tok.encode_batch(list(ds["src"]) + list(ds["tgt"]))
+            self.blocks[split] = pack_blocks(
+                sentences, bos_id=tok.bos_id, eos_id=tok.eos_id, block_size=self.block_size
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's ids, special tokens included (after :meth:`setup`)."""
+        return self.tokenizer.vocab_size
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.blocks["train"], batch_size=self.batch_size, shuffle=True, generator=generator
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.blocks["validation"], batch_size=self.batch_size)

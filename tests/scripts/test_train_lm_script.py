@@ -1,0 +1,93 @@
+"""scripts/train_lm.py: a tiny Llama-shaped LM trained for three steps writes its model, and
+the perplexity it reports is the saved model's, recomputed here with plain cross-entropy; a
+bad model value ends the process with one line. scripts/convert_lm.py on that run: the
+swapped model scores the trained one's perplexity, the caches are the asked fractions, and a
+fraction a design cannot reach is n/a in the table."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from multihead.data.lm import LanguageModelDataModule
+from multihead.data.tokenizer import Tokenizer
+
+from helpers.scripts import assert_one_error_line, run_script
+
+TINY = (
+    "data.vocab_size=300", "data.block_size=32", "data.batch_size=8",
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.intermediate_size=64", "trainer.max_steps=3", "trainer.val_check_interval=3",
+    "module.scheduler.warmup_steps=1", "module.scheduler.cooldown_steps=1",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, multi30k_dir, cache_dir):
+    run = tmp_path_factory.mktemp("lm") / "run"
+    result = run_script(
+        "train_lm.py", *TINY, f"data.local_dir={multi30k_dir}", f"paths.cache_dir={cache_dir}",
+        f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run
+
+
+def test_a_tiny_training_writes_a_model_that_scores_its_reported_perplexity(
+    tiny_run, multi30k_dir, cache_dir
+) -> None:
+    run = tiny_run
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3
+    model = LlamaForCausalLM.from_pretrained(run / "hf").eval()
+    assert model.config.num_key_value_heads == 2
+    data = LanguageModelDataModule(
+        local_dir=str(multi30k_dir), vocab_size=300, block_size=32, cache_dir=cache_dir
+    )
+    data.setup()
+    assert Tokenizer.load(run / "tokenizer.json").fingerprint() == data.tokenizer.fingerprint()
+    blocks = data.blocks["validation"]  # (N, 32)
+    with torch.no_grad():
+        logits = model(input_ids=blocks).logits  # (N, 32, V)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), blocks[:, 1:].flatten())
+    assert math.isclose(summary["val/ppl"], loss.exp().item(), rel_tol=1e-4)
+
+
+def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
+    result = run_script(
+        "train_lm.py", *TINY, "model.num_kv_heads=3", f"data.local_dir={multi30k_dir}",
+        f"paths.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert_one_error_line(result, "num_kv_heads=3 must divide num_heads=4")
+
+
+def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30k_dir) -> None:
+    """2 K/V heads of 8 features, 1 layer: MHA's cache is 2 * 2 * 8 * 4 = 128 bytes a token."""
+    out = tmp_path / "study"
+    result = run_script(
+        "convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
+        "--fractions", "0.34", "0.67",  # 1 and 2 of the 3 steps
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["name"]: row for row in results["rows"]}
+    trained = json.loads((tiny_run / "summary.json").read_text())["val/ppl"]
+    assert math.isclose(rows["MHA"]["ppl"]["0"], trained, rel_tol=1e-5)  # the swap is exact
+    assert rows["MHA"]["kv_bytes_per_token"] == 2 * 2 * 8 * 4
+    assert rows["GQA 1/2"]["kv_bytes_per_token"] == 1 * 2 * 8 * 4
+    # 32 numbers a token at MHA. MLA 1/2: r + 2 groups * rope_dim = 16, whichever rope_dim won
+    mla = rows["MLA 1/2"]
+    assert mla["value"] + 2 * mla["rope_dim"] == 16 and mla["kv_bytes_per_token"] == 16 * 4
+    assert sorted(rows["MLA 1/2"]["ppl"]) == ["0", "1", "2"]
+    # MLA 1/4: 8 numbers, only rope_dim 2 leaves a latent (r = 4); at 1/8 none does
+    assert (rows["MLA 1/4"]["value"], rows["MLA 1/4"]["rope_dim"]) == (4, 2)
+    table = (out / "table.md").read_text()
+    for name in ("GQA 1/4", "GQA 1/8", "MLA 1/8"):
+        assert f"| {name}: n/a, " in table
+    assert (out / "uptraining.png").stat().st_size > 0
