@@ -9,7 +9,7 @@ import torch
 from multihead import BackendUnavailableError, MultiHeadAttention
 from multihead.attention import available_backends
 from multihead.attention.backends import BACKENDS, unavailable_reason
-from multihead.attention.masks import build_attention_mask
+from multihead.attention.masks import AttentionMask, build_attention_mask
 
 E, H = 64, 4  # head_dim 16: the smallest FlexAttention compiles on CUDA
 B, L = 2, 6
@@ -189,6 +189,10 @@ def test_unknown_backend_lists_backends():
 def test_flex_with_dropout_raises():
     with pytest.raises(ValueError, match=r"dropout=0.1.*math, sdpa"):
         MultiHeadAttention(E, H, dropout=0.1, backend="flex")
+    # The registry entry called directly refuses it too: FlexAttention would ignore it.
+    q = torch.randn(1, H, 3, E // H)
+    with pytest.raises(BackendUnavailableError, match=r"'flex' takes no attention dropout"):
+        BACKENDS["flex"](q, q, q, AttentionMask(), 0.1, 1.0)
 
 
 @pytest.mark.skipif(

@@ -287,6 +287,11 @@ class Backend:
     reroute: Reroute | None = None
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float, scale: float) -> Tensor:
+        # Checked at every call, not only by attend: a kernel without dropout (flex) would
+        # otherwise ignore it when called from the registry directly.
+        reason = self.dropout_rule(dropout_p)
+        if reason is not None:
+            raise BackendUnavailableError(reason)
         if self.reroute is not None and self.reroute.when(q, k):
             return BACKENDS[self.reroute.to](q, k, v, mask, dropout_p, scale)
         return self.kernel(q, k, v, mask, dropout_p, scale)
