@@ -169,6 +169,14 @@ CALLS: dict[str, Callable[[MultiHeadAttention], Steps]] = {
     "mla_rope_static_expanded_left_padded": _cached(
         static=True, padding=True, positions=True, absorb=False
     ),
+    # A rotary layer converted to MLA (with_kv_latent(rope_dim=...)): narrower Q/K, its own
+    # scale, a rotary key per K/V group with explicit frequencies, one row per group.
+    "mla_grouped_rope_absorbed_left_padded": _cached(
+        static=False, padding=True, positions=True, absorb=True
+    ),
+    "mla_grouped_rope_static_expanded_left_padded": _cached(
+        static=True, padding=True, positions=True, absorb=False
+    ),
     # Sparse heads: each routed query rotated at its token's position, in packed rows.
     "moh_rope_left_padded": _full(
         is_causal=True, key_padding_mask=lambda: _padding(5), positions=True
@@ -183,6 +191,18 @@ LAYERS: dict[str, dict[str, Any]] = {
     **{call: ROPE for call in CALLS if call.startswith("rope_")},
     "rope_interleaved_left_padded": {**GQA, "rotary_dim": 16, "rope_interleaved": True},
     **{call: {"kv_latent_dim": 16, "rotary_dim": 8} for call in CALLS if call.startswith("mla_")},
+    **{
+        call: {
+            "kv_latent_dim": 16,
+            "rotary_dim": 4,
+            "qk_head_dim": 12,
+            "softmax_scale": 0.25,
+            "rope_kv_heads": G,
+            "rope_inv_freq": [[1.0, 0.01], [0.1, 0.001]],
+        }
+        for call in CALLS
+        if call.startswith("mla_grouped_")
+    },
     **{call: {**ROPE, "top_k_heads": 2, "num_shared_heads": 1} for call in CALLS if "moh" in call},
 }
 # Sparse heads read back how many rows the most-chosen head has (C): the fake device answers
@@ -298,13 +318,13 @@ def test_a_cpu_tensor_in_the_causal_rows_fails(monkeypatch, call: str) -> None:
 
 @pytest.mark.parametrize(
     "call", ["rope_cached", "rope_static_cached_left_padded", "mla_rope_absorbed_left_padded",
-             "moh_rope_left_padded"],
+             "mla_grouped_rope_absorbed_left_padded", "moh_rope_left_padded"],
 )  # fmt: skip
 def test_a_cpu_tensor_in_the_rotary_angles_fails(monkeypatch, call: str) -> None:
     # The rotary frequencies made on the default device: cos/sin mix cuda:0 with the CPU.
     run_call(call, "sdpa", "bf16")  # passes as the code is
-    line = "torch.arange(0, R, 2, device=positions.device, dtype=work)"
-    bug = planted(rotary, line, "torch.arange(0, R, 2, dtype=work)", monkeypatch)
+    line = "self.frequencies(positions.device, work)"
+    bug = planted(rotary, line, "self.frequencies(None, work)", monkeypatch)
     monkeypatch.setattr(rotary.RotaryPositions, "cos_sin", bug.RotaryPositions.cos_sin)
     with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
         run_call(call, "sdpa", "bf16")
