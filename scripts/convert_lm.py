@@ -1,6 +1,6 @@
 """Issue 56's LM study: a trained Llama-shaped LM converted to GQA and MLA, then uptrained.
 
-python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05]
+python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05] [--lr 3e-4]
 
 ``RUN_DIR`` is a ``scripts/train_lm.py`` run (``hf/``, ``tokenizer.json``, ``summary.json``,
 ``.hydra/config.yaml``). Every attention module is swapped for the layer
@@ -30,7 +30,7 @@ import math
 import time
 from pathlib import Path
 
-from multihead.cli import register_resolvers
+from multihead.cli import exit_on_user_error, register_resolvers
 
 import lightning.pytorch as pl
 import torch
@@ -83,12 +83,10 @@ class Scores(pl.Callback):
         self.ppl[trainer.global_step] = trainer.callback_metrics["val/ppl"].item()
 
 
-def uptrain(model, datamodule, steps: int, every: int, anneal: bool) -> dict[int, float]:
-    """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe;
-    ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays."""
-    optimizer = functools.partial(
-        torch.optim.AdamW, lr=UPTRAIN_LR, betas=(0.9, 0.95), weight_decay=0.1
-    )
+def uptrain(model, datamodule, steps: int, every: int, anneal: bool, lr: float) -> dict[int, float]:
+    """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe at rate
+    ``lr``; ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays."""
+    optimizer = functools.partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = None
     if anneal:
         scheduler = functools.partial(
@@ -168,6 +166,7 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@exit_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
@@ -181,7 +180,10 @@ def main() -> None:
         "fractions' scores are then mid-schedule); default: constant",
     )
     parser.add_argument("--only", nargs="*", help="names of the rows to run (default: all)")
+    parser.add_argument("--lr", type=float, default=UPTRAIN_LR, help="the uptraining rate")
     args = parser.parse_args()
+    if not 0 < args.lr < 1:
+        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     torch.manual_seed(0)
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
     summary = json.loads((args.run_dir / "summary.json").read_text())
@@ -252,7 +254,7 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else {"rows": []}
     results.update(
         run_dir=str(args.run_dir), train_steps=summary["steps"], trained_ppl=summary["val/ppl"],
-        uptrain={"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": UPTRAIN_LR,
+        uptrain={"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
                  "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
                  "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"},
         swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
@@ -265,7 +267,7 @@ def main() -> None:
         start = time.time()
         m, report = convert(model, kind, value, calibration, **options)
         errors = {key: [row[key] for row in report] for key in ("k_error", "v_error")}
-        ppl = uptrain(m, datamodule, max(steps), every, args.anneal)
+        ppl = uptrain(m, datamodule, max(steps), every, args.anneal, args.lr)
         row = {
             "name": name, "method": kind, "value": value, **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,

@@ -2,7 +2,7 @@
 the perplexity it reports is the saved model's, recomputed here with plain cross-entropy; a
 bad model value ends the process with one line. scripts/convert_lm.py on that run: the
 swapped model scores the trained one's perplexity, the caches are the asked fractions, and a
-fraction a design cannot reach is n/a in the table."""
+fraction a design cannot reach is n/a in the table; a bad uptraining rate is one line."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) 
         f"paths.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     assert_one_error_line(result, "num_kv_heads=3 must divide num_heads=4")
+
+
+def test_a_bad_uptraining_rate_fails_in_one_line(tmp_path) -> None:
+    result = run_script("convert_lm.py", str(tmp_path / "run"), str(tmp_path / "out"), "--lr", "0")
+    assert_one_error_line(result, "--lr must be in (0, 1), got 0.0")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30k_dir) -> None:
