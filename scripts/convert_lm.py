@@ -252,11 +252,18 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    recipe = {"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
+              "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
+              "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"}  # fmt: skip
+    if results["rows"] and results["uptrain"] != recipe:
+        # A row already there was uptrained otherwise: continuing would mix two recipes.
+        raise ValueError(
+            f"{out} holds rows uptrained with {results['uptrain']}, not {recipe}; "
+            "use another OUT_DIR"
+        )
     results.update(
         run_dir=str(args.run_dir), train_steps=summary["steps"], trained_ppl=summary["val/ppl"],
-        uptrain={"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
-                 "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
-                 "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"},
+        uptrain=recipe,
         swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
         mha_bytes_per_token=mha_bytes, mla_selection_grid=grid, unreachable=unreachable,
     )  # fmt: skip

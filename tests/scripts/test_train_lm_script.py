@@ -2,7 +2,8 @@
 the perplexity it reports is the saved model's, recomputed here with plain cross-entropy; a
 bad model value ends the process with one line. scripts/convert_lm.py on that run: the
 swapped model scores the trained one's perplexity, the caches are the asked fractions, and a
-fraction a design cannot reach is n/a in the table; a bad uptraining rate is one line."""
+fraction a design cannot reach is n/a in the table; a bad uptraining rate is one line, and
+so is continuing a study with another rate, which leaves its results as they were."""
 
 from __future__ import annotations
 
@@ -97,3 +98,13 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     for name in ("GQA 1/4", "GQA 1/8", "MLA 1/8"):
         assert f"| {name}: n/a, " in table
     assert (out / "uptraining.png").stat().st_size > 0
+
+
+def test_continuing_a_study_with_another_rate_is_refused(tiny_run, tmp_path, multi30k_dir) -> None:
+    out = tmp_path / "study"
+    common = ("convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
+              "--fractions", "0.34", "--only", "MHA")  # fmt: skip
+    assert run_script(*common).returncode == 0
+    before = (out / "results.json").read_text()
+    assert_one_error_line(run_script(*common, "--lr", "1e-4"), "use another OUT_DIR")
+    assert (out / "results.json").read_text() == before
