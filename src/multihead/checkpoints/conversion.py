@@ -99,6 +99,11 @@ def convert_attention(
     if isinstance(model, Transformer):
         kinds = resolve_scope(scope)
         layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
+    elif scope != "decoder":  # another model's layers have no kinds to choose from
+        raise ValueError(
+            f"scope={scope!r} is for our Transformer; in a {type(model).__name__} every "
+            "MultiHeadAttention is converted (leave scope at its default)"
+        )
     else:
         layers = [
             (p, m, None) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)
