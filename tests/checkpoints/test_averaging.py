@@ -33,3 +33,11 @@ def test_recent_checkpoints_orders_every_step_named_file_by_step(tmp_path: Path)
         (tmp_path / name).touch()
     picked = [p.name for p in recent_checkpoints(tmp_path, last=4)]
     assert picked == ["step1000.ckpt", "minute105-step1004.ckpt", "step1100.ckpt", "step1123.ckpt"]
+
+
+def test_recent_checkpoints_counts_a_step_once(tmp_path: Path) -> None:
+    """A minute mark on a periodic save's step is the same weights: one of the `last`, not two."""
+    for name in ["step1200.ckpt", "step1300.ckpt", "minute105-step1300.ckpt", "step1400.ckpt"]:
+        (tmp_path / name).touch()
+    picked = [p.name for p in recent_checkpoints(tmp_path, last=3)]
+    assert picked == ["step1200.ckpt", "step1300.ckpt", "step1400.ckpt"]

@@ -16,17 +16,20 @@ def recent_checkpoints(ckpt_dir: str | Path, last: int) -> list[Path]:
     """The ``last`` newest files ending in ``step<N>.ckpt`` in ``ckpt_dir``, oldest first.
 
     That is every checkpoint a run names by its step: the periodic ``step<N>.ckpt`` saves, the
-    final step, and the ``minute<M>-step<N>.ckpt`` marks (each counts as one checkpoint).
+    final step, and the ``minute<M>-step<N>.ckpt`` marks. Each step counts once: a minute mark
+    that falls on a periodic save's step holds the same weights, and counting it twice would
+    weight that step double and push the oldest one out.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
     if last < 1:
         raise ValueError(f"last={last}; expected at least 1 checkpoint to average")
-    found = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP.search(p.name)))
-    if not found:
+    named = ((_STEP.search(p.name), p) for p in sorted(ckpt_dir.iterdir()))
+    by_step = {int(m.group(1)): p for m, p in named if m}
+    if not by_step:
         raise FileNotFoundError(f"no step<N>.ckpt checkpoints in {ckpt_dir}")
-    return [p for _, p in found[-last:]]
+    return [by_step[step] for step in sorted(by_step)[-last:]]
 
 
 def checkpoints_to_average(
