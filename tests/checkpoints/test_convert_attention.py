@@ -76,8 +76,9 @@ def test_a_torch_model_swapped_by_replace_torch_attention_converts_and_reports_i
     assert report[0]["k_error"] == pytest.approx(((k - mean).norm() / k.norm()).item(), rel=1e-9)
     assert (report[0]["bytes_before"], report[0]["bytes_after"]) == (256, 64)
     # scope chooses among our Transformer's sublayers; here it would be ignored, so it is refused.
-    with pytest.raises(ValueError, match="scope='all' is for our Transformer; in a Transformer"):
-        convert_attention(copy.deepcopy(model), kv_heads=1, scope="all")
+    for scope in ("all", "decoder"):  # "decoder", our Transformer's default, too
+        with pytest.raises(ValueError, match=f"scope='{scope}' is for our Transformer; in a Tr"):
+            convert_attention(copy.deepcopy(model), kv_heads=1, scope=scope)
     # A latent of the K/V stack's full rank (E = 32): the same model, no error.
     report = convert_attention(model, kv_latent=32, calibration=x)
     assert all(row["k_error"] < 1e-12 and row["v_error"] < 1e-12 for row in report)

@@ -73,14 +73,14 @@ def _target(
 def convert_attention(
     model: nn.Module, *, kv_heads: int | None = None, kv_latent: int | None = None,
     rope_dim: int | None = None, selection: str = "high", calibration: Any = None,
-    scope: str | Sequence[str] = "decoder",
+    scope: str | Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Convert every attention layer of ``model`` in place: to ``kv_heads`` pooled K/V heads
     (:func:`~multihead.attention.convert.with_kv_heads`) or to a ``kv_latent`` K/V latent
     (:func:`~multihead.attention.convert.with_kv_latent`, rotary layers keeping ``rope_dim``
     rotated features per K/V group, chosen by ``selection``).
 
-    ``model``: our :class:`Transformer` (the sublayers of ``scope``, see
+    ``model``: our :class:`Transformer` (the sublayers of ``scope``, default ``"decoder"``, see
     :func:`resolve_scope`; its ``attention_config`` rewritten so that it rebuilds the result),
     or any model whose layers are :class:`MultiHeadAttention` (swapped by
     ``replace_torch_attention`` or ``replace_hf_attention``: all of them; an HF model keeps
@@ -97,12 +97,12 @@ def convert_attention(
     """
     _target(kv_heads, kv_latent, ("kv_heads", "kv_latent"))
     if isinstance(model, Transformer):
-        kinds = resolve_scope(scope)
+        kinds = resolve_scope("decoder" if scope is None else scope)
         layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
-    elif scope != "decoder":  # another model's layers have no kinds to choose from
+    elif scope is not None:  # another model's layers have no kinds to choose from
         raise ValueError(
             f"scope={scope!r} is for our Transformer; in a {type(model).__name__} every "
-            "MultiHeadAttention is converted (leave scope at its default)"
+            "MultiHeadAttention is converted (leave scope unset)"
         )
     else:
         layers = [
