@@ -575,3 +575,35 @@ def test_head_attention_mixing_keeps_fp64_accuracy():
         q, k, v = mix.head_mix(heads).chunk(3, dim=-1)
         expected = heads + torch.softmax(q @ k.transpose(-2, -1) / 8**0.5, dim=-1) @ v
         torch.testing.assert_close(mix(heads), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize(
+    "mask_shape", [None, (1, 9), (3, 1, 1, 9), (3, 8, 1, 9), (8, 1, 9)], ids=str
+)
+def test_one_query_with_grouped_heads_is_folded_exactly(kv_heads, mask_shape):
+    """A decoding step of GQA/MQA on 'sdpa' runs its query heads as rows of their K/V head
+    (fold_query_heads); it equals the written-out formula for every mask shape that
+    broadcasts to (B, H, 1, S), bool and float, with fully masked rows zeroed."""
+    from multihead.attention.backends import attend
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 8, 16, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided
+    k, v = (torch.randn(3, kv_heads, 9, 16, generator=gen, dtype=torch.float64) for _ in "kv")
+    for dtype in (torch.bool, torch.float64):
+        attn_mask = None
+        if mask_shape is not None:
+            attn_mask = torch.rand(mask_shape, generator=gen) < 0.4  # True = masked out
+            if dtype != torch.bool:
+                attn_mask = torch.randn(mask_shape, generator=gen, dtype=dtype)
+            elif len(mask_shape) == 4:
+                attn_mask[0, ...] = True  # a row with no key left: zeros
+        mask = build_attention_mask(
+            key_padding_mask=None, attn_mask=attn_mask, is_causal=True, batch_size=3,
+            num_heads=8, q_len=1, kv_len=9, dtype=torch.float64, device=q.device,
+        )  # fmt: skip
+        want, _ = attend(q, k, v, mask, backend="math", dropout_p=0.0, scale=0.25)
+        got, _ = attend(q, k, v, mask, backend="sdpa", dropout_p=0.0, scale=0.25)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        if mask_shape is not None and len(mask_shape) == 4 and dtype == torch.bool:
+            assert got[0].abs().max() == 0

@@ -258,24 +258,6 @@ def test_flash_on_a_padded_sublayer_refuses_when_the_model_is_built():
     assert model.head_config["decoder_self_attention"]["backend"] == "flash"
 
 
-def test_packed_output_projection_is_the_linear_map_after_fused_optimiser_steps():
-    """Inside packed() (a search) the oneDNN path agrees with F.linear; a fused Adam step
-    between two searches, which changes the weight without bumping its version counter, is
-    seen by the next search; outside packed() and with autograd it is nn.Linear's path."""
-    from multihead.model.transformer import OutputProjection
-
-    proj = OutputProjection(16, 50, bias=False)
-    x = torch.randn(7, 1, 16)
-    optimiser = torch.optim.Adam(proj.parameters(), lr=0.1, fused=True)
-    for _ in range(2):
-        with torch.inference_mode(), proj.packed():
-            assert proj._packed is not None
-            torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight))
-        assert proj._packed is None
-        proj(x).sum().backward()  # nn.Linear's path: gradients flow
-        optimiser.step()
-
-
 def test_head_config_and_tag_describe_every_layer_after_per_layer_pruning():
     model = tiny_model()
     path = "decoder_layers.1.self_attn"

@@ -76,8 +76,11 @@ class QKVProjection(nn.Linear):
         all ``H``)."""
         B, L, _ = x.shape
         h = self.num_heads if heads is None else heads
-        (w, _, _), (b, _, _) = self.blocks(), self.blocks("bias")
-        q = F.linear(x, w[: h * self.head_dim], None if b is None else b[: h * self.head_dim])
+        if self.separate and h == self.num_heads:
+            q = self.q_proj(x)  # the module's own call (its hooks, a packed weight's kernel)
+        else:
+            (w, _, _), (b, _, _) = self.blocks(), self.blocks("bias")
+            q = F.linear(x, w[: h * self.head_dim], None if b is None else b[: h * self.head_dim])
         return q.view(B, L, h, self.head_dim).transpose(1, 2)  # (B, h, L, D)
 
     def kv(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -59,6 +59,7 @@ from multihead.attention import (
 )
 from multihead.attention.alibi import ALiBi
 from multihead.attention.backends import attend
+from multihead.integrations.hf_decoding import AppendCache, prepare_for_decoding  # noqa: F401
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
 

@@ -119,21 +119,20 @@ def greedy_decode(
     output = src.new_full((B, num_steps), eos_id)  # eos past each sentence's end
     alive = torch.arange(B, device=src.device)  # sentence of each running row
     tokens = src.new_full((B, 1), bos_id)  # (n, 1), the token fed at this step
-    with model.output_projection.packed():  # one weight reorder per search
-        for step in range(num_steps):
-            logits = model.decode(tokens, memory, src_pad_mask, caches)  # (n, 1, V)
-            next_tokens = logits[:, -1].argmax(dim=-1)  # (n,)
-            # A sentence that already has max_len tokens is ended here.
-            done = next_tokens.eq(eos_id) | max_lens.le(step)
-            output[alive, step] = next_tokens.masked_fill(done, eos_id)
-            keep = _still_running(done)
-            if keep is not None:
-                if keep.numel() == 0:
-                    break
-                caches.select(keep, keep)
-                memory, src_pad_mask = memory[keep], src_pad_mask[keep]
-                alive, max_lens, next_tokens = alive[keep], max_lens[keep], next_tokens[keep]
-            tokens = next_tokens[:, None]
+    for step in range(num_steps):
+        logits = model.decode(tokens, memory, src_pad_mask, caches)  # (n, 1, V)
+        next_tokens = logits[:, -1].argmax(dim=-1)  # (n,)
+        # A sentence that already has max_len tokens is ended here.
+        done = next_tokens.eq(eos_id) | max_lens.le(step)
+        output[alive, step] = next_tokens.masked_fill(done, eos_id)
+        keep = _still_running(done)
+        if keep is not None:
+            if keep.numel() == 0:
+                break
+            caches.select(keep, keep)
+            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
+            alive, max_lens, next_tokens = alive[keep], max_lens[keep], next_tokens[keep]
+        tokens = next_tokens[:, None]
     return _to_lists(output, eos_id)
 
 
@@ -208,66 +207,63 @@ def beam_search(
     tokens = src.new_full((B * first_rows, 1), bos_id)  # (n*k, 1)
     beam_offsets = torch.arange(K, device=device)
     not_eos = torch.arange(V, device=device).ne(eos_id)  # (V,)
-    with model.output_projection.packed():  # one weight reorder per search
-        for step in range(num_steps):
-            n, k = scores.shape
-            logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*k, V)
-            # Log-probabilities plus each beam's score, in place: the (n*k, V) buffers are the
-            # largest of the search and allocating them again per step costs as much as the sum.
-            candidates = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
-            forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
-            if step >= first_forced_step:  # known on the host: no wait for `forced`
-                candidates.view(n, k, V).masked_fill_(
-                    forced[:, None, None] & not_eos, float("-inf")
-                )
-            candidates.add_(scores.view(-1, 1))
-            candidates = candidates.view(n, k * V)
-            top_scores, top_index = _topk_by_chunks(candidates, 2 * K)  # (n, 2K), best first
-            top_beam = top_index // V  # (n, 2K) the row each candidate extends
-            top_token = top_index % V
-            top_eos = top_token.eq(eos_id)
+    for step in range(num_steps):
+        n, k = scores.shape
+        logits = model.decode(tokens, memory, src_pad_mask, caches)[:, -1]  # (n*k, V)
+        # Log-probabilities plus each beam's score, in place: the (n*k, V) buffers are the
+        # largest of the search and allocating them again per step costs as much as the sum.
+        candidates = F.log_softmax(logits.float(), dim=-1)  # (n*k, V)
+        forced = max_lens.le(step)  # (n,) sentences at their length limit: eos only
+        if step >= first_forced_step:  # known on the host: no wait for `forced`
+            candidates.view(n, k, V).masked_fill_(forced[:, None, None] & not_eos, float("-inf"))
+        candidates.add_(scores.view(-1, 1))
+        candidates = candidates.view(n, k * V)
+        top_scores, top_index = _topk_by_chunks(candidates, 2 * K)  # (n, 2K), best first
+        top_beam = top_index // V  # (n, 2K) the row each candidate extends
+        top_token = top_index % V
+        top_eos = top_token.eq(eos_id)
 
-            # Finish eos candidates ranked in the top K, up to K finished per sentence. Written
-            # for every sentence (a no-op where none finishes), so that no step waits to learn
-            # whether one did.
-            new_finished = top_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
-            free_slots = K - num_finished  # (n,)
-            new_finished &= new_finished.cumsum(dim=1) <= free_slots[:, None]
-            num_finished += new_finished.sum(dim=1)
-            normalised = top_scores[:, :K] / (step + 1) ** length_penalty
-            normalised = normalised.masked_fill(~new_finished, float("-inf"))
-            step_best, position = normalised.max(dim=1)  # (n,)
-            previous_best = best_score[alive]  # (n,)
-            better = step_best > previous_best  # False where nothing finished (-inf)
-            ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
-            rows = torch.arange(n, device=device) * k + ended_beam  # its history row
-            best_score[alive] = torch.where(better, step_best, previous_best)
-            # Its history is eos from column `step` on, so the eos is already there.
-            best_tokens[alive] = torch.where(better[:, None], history[rows], best_tokens[alive])
+        # Finish eos candidates ranked in the top K, up to K finished per sentence. Written
+        # for every sentence (a no-op where none finishes), so that no step waits to learn
+        # whether one did.
+        new_finished = top_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
+        free_slots = K - num_finished  # (n,)
+        new_finished &= new_finished.cumsum(dim=1) <= free_slots[:, None]
+        num_finished += new_finished.sum(dim=1)
+        normalised = top_scores[:, :K] / (step + 1) ** length_penalty
+        normalised = normalised.masked_fill(~new_finished, float("-inf"))
+        step_best, position = normalised.max(dim=1)  # (n,)
+        previous_best = best_score[alive]  # (n,)
+        better = step_best > previous_best  # False where nothing finished (-inf)
+        ended_beam = top_beam.gather(1, position[:, None]).squeeze(1)  # (n,)
+        rows = torch.arange(n, device=device) * k + ended_beam  # its history row
+        best_score[alive] = torch.where(better, step_best, previous_best)
+        # Its history is eos from column `step` on, so the eos is already there.
+        best_tokens[alive] = torch.where(better[:, None], history[rows], best_tokens[alive])
 
-            # The next live beams: the best K candidates that do not end in eos.
-            live_scores = top_scores.masked_fill(top_eos, float("-inf"))
-            scores, pick = live_scores.topk(K, dim=1)  # (n, K)
-            next_tokens = top_token.gather(1, pick)  # (n, K)
-            origin = torch.arange(n, device=device)[:, None] * k + top_beam.gather(1, pick)
-            origin = origin.view(-1)  # (n*K,) the row each new beam extends
-            history = history[origin]
-            history[:, step] = next_tokens.view(-1)
+        # The next live beams: the best K candidates that do not end in eos.
+        live_scores = top_scores.masked_fill(top_eos, float("-inf"))
+        scores, pick = live_scores.topk(K, dim=1)  # (n, K)
+        next_tokens = top_token.gather(1, pick)  # (n, K)
+        origin = torch.arange(n, device=device)[:, None] * k + top_beam.gather(1, pick)
+        origin = origin.view(-1)  # (n*K,) the row each new beam extends
+        history = history[origin]
+        history[:, step] = next_tokens.view(-1)
 
-            done = num_finished.ge(K) | forced  # (n,)
-            keep = _still_running(done)  # (n',) or None
-            if keep is not None:
-                if keep.numel() == 0:
-                    break
-                keep_rows = (keep[:, None] * K + beam_offsets).view(-1)  # (n'*K,)
-                origin, history = origin[keep_rows], history[keep_rows]
-                scores, next_tokens = scores[keep], next_tokens[keep]
-                alive, max_lens, num_finished = alive[keep], max_lens[keep], num_finished[keep]
-                memory, src_pad_mask = memory[keep], src_pad_mask[keep]
-            # Beams move every step, sentences leave only now and then: the memory's K/V are
-            # copied only then.
-            caches.select(origin, keep)
-            tokens = next_tokens.view(-1, 1)
+        done = num_finished.ge(K) | forced  # (n,)
+        keep = _still_running(done)  # (n',) or None
+        if keep is not None:
+            if keep.numel() == 0:
+                break
+            keep_rows = (keep[:, None] * K + beam_offsets).view(-1)  # (n'*K,)
+            origin, history = origin[keep_rows], history[keep_rows]
+            scores, next_tokens = scores[keep], next_tokens[keep]
+            alive, max_lens, num_finished = alive[keep], max_lens[keep], num_finished[keep]
+            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
+        # Beams move every step, sentences leave only now and then: the memory's K/V are
+        # copied only then.
+        caches.select(origin, keep)
+        tokens = next_tokens.view(-1, 1)
     return _to_lists(best_tokens, eos_id)
 
 

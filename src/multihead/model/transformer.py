@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from multihead.attention.designs import design_options
 from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
+from multihead.model.packed import PackedLinear
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
@@ -218,38 +218,15 @@ class DecoderCache:
             cache.reset()
 
 
-class OutputProjection(nn.Linear):
-    """The projection to vocabulary logits, ``(..., E) -> (..., V)``: an ``nn.Linear`` that a
-    search can run on oneDNN with its weight reordered once (:meth:`packed`).
+class OutputProjection(PackedLinear):
+    """The projection to vocabulary logits, ``(..., E) -> (..., V)``: a
+    :class:`~multihead.model.packed.PackedLinear`, so that a search runs it on oneDNN with
+    its weight reordered once.
 
     At ``V`` ~ 8,000 this is the largest matmul of every decoding step. On the CPU,
     ``F.linear`` calls Intel MKL's sgemm; oneDNN on a weight kept in its own blocked layout
     ran the same product faster on an AVX2 AMD EPYC (docs/results.md, "Beam search per host").
     """
-
-    _packed: Tensor | None = None  # the reordered weight, inside packed() only
-
-    @contextmanager
-    def packed(self) -> Iterator[None]:
-        """Inside the block, CPU fp32 calls without autograd use a oneDNN copy of the weight.
-
-        The copy lives for the block only (one search): the weight cannot change during a
-        search, but can between two, and a fused optimiser step changes it in place without
-        bumping its version counter, so no cache could tell.
-        """
-        weight = self.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if torch.backends.mkldnn.is_available():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        try:
-            yield
-        finally:
-            self._packed = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self._packed is None or torch.is_grad_enabled() or x.dtype != torch.float32:
-            return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
 def _attention_config(

@@ -1,0 +1,76 @@
+"""PackedLinear: nn.Linear's map on a oneDNN copy of the weight, never a stale copy."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead.model.packed import PackedLinear, can_pack, pack_linears, unpack_linears
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.empty(1)), reason="oneDNN is not available in this torch build"
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 50, bias=False))
+
+
+def test_pack_keeps_parameters_and_state_dict_and_computes_the_linear_map():
+    model = _model().eval()
+    params = [id(p) for p in model.parameters()]
+    keys = list(model.state_dict())
+    x = torch.randn(8, 3, 16, dtype=torch.float64).float()
+    want = F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight)
+    assert pack_linears(model) == ["0", "2"]
+    assert [id(p) for p in model.parameters()] == params and list(model.state_dict()) == keys
+    with torch.inference_mode():
+        got = model(x)
+    assert model[0]._packed is not None  # the oneDNN path ran
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert unpack_linears(model) == ["0", "2"]
+    assert type(model[0]) is nn.Linear and "_packed" not in vars(model[0])
+
+
+def test_a_fused_optimiser_step_in_eval_mode_is_seen_by_the_next_inference_call():
+    """A fused Adam step changes the weight without moving its version counter; the copy
+    is dropped at the grad-enabled forward the step needs, so inference is never stale."""
+    model = _model().eval()
+    pack_linears(model)
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        with torch.no_grad():
+            got = model(x)
+        want = F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model(x).sum().backward()  # nn.Linear's path: gradients flow
+        optimiser.step()
+        optimiser.zero_grad()
+
+
+def test_load_state_dict_under_no_grad_is_seen_by_the_copy():
+    model = _model().eval()
+    pack_linears(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model(x)  # makes the copies
+        other = _model()
+        for p in other.parameters():
+            p.mul_(3.0)
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-5)
+
+
+def test_training_mode_and_other_dtypes_run_f_linear():
+    layer = nn.Linear(8, 4)
+    pack_linears(layer)
+    assert isinstance(layer, PackedLinear)
+    with torch.no_grad():
+        layer(torch.randn(2, 8))  # training mode: F.linear, no copy
+        assert layer._packed is None
+        layer.eval()(torch.randn(2, 8, dtype=torch.float64).float())
+        assert layer._packed is not None
+        out = layer.double()(torch.randn(2, 8, dtype=torch.float64))  # fp64: F.linear
+    assert out.dtype == torch.float64
