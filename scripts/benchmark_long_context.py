@@ -292,6 +292,7 @@ def prepare(model, design: str, candidate: str):
     """The candidate's copy of ``model``."""
     if candidate.startswith("hf-"):
         return model
+    register()  # the "multihead" names (idempotent)
     model = copy.deepcopy(model)
     if design == "mla":
         replace_hf_attention(model)
@@ -312,11 +313,11 @@ def linear_numbers(model) -> int:
 # --------------------------------------------------------------------------- the cache
 def new_cache(candidate: str, model, context: int, steps: int):
     config = model.config
-    if candidate in ("hf-dynamic",):
+    if candidate == "hf-dynamic":
         return DynamicCache(config=config)
-    if candidate.endswith("static"):
-        return StaticCache(config=config, max_cache_len=context + steps)
-    return AppendCache(config=config)
+    if candidate == "ours-append":
+        return AppendCache(config=config)
+    return StaticCache(config=config, max_cache_len=context + steps)
 
 
 @torch.inference_mode()
@@ -353,6 +354,7 @@ def held_bytes(cache) -> int:
     return sum(storages.values())
 
 
+@torch.inference_mode()
 def rewind(cache, context: int) -> None:
     """Back to ``context`` positions after the timed steps."""
     for layer in cache.layers:
@@ -567,7 +569,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    register()
     shape = Shape(args.hidden, args.heads, args.layers, args.ffn, args.vocab)
     print(host_line(args.device))
     print("command: python scripts/benchmark_long_context.py " + " ".join(sys.argv[1:]))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU paths in one command, on a CUDA machine, in about 10 minutes: the GPU tests, three
+# The GPU paths in one command, on a CUDA machine, in about 15 minutes: the GPU tests, three
 # minutes of the Multi30k recipe in bf16 with its throughput, the attention benchmark for
-# every backend in bf16 and fp16, and the training-step benchmark; one markdown report.
+# every backend in bf16 and fp16, the training-step benchmark and long-context decoding;
+# one markdown report.
 #
 #   scripts/gpu_check.sh [REPORT]        # default outputs/gpu_check.md
 #
@@ -137,6 +138,13 @@ section "Training-step benchmark (32-true, bf16-mixed, 16-mixed)" 90 \
     "$python" scripts/benchmark_training.py experiment=multi30k_en_de \
     "data.local_dir=$data" "paths.cache_dir=$work/cache" \
     --device cuda --precisions 32-true bf16-mixed 16-mixed
+
+# Long-context decoding (issue 64's benchmark) on CUDA in bf16: the designs at 4k and 16k,
+# batches 1 and 8, HF's sdpa on StaticCache/DynamicCache beside ours, with the roofline.
+section "Long-context decoding, bf16 (MHA, GQA, MQA, MLA)" 300 \
+    "$python" scripts/benchmark_long_context.py --device cuda --dtypes bf16 \
+    --settings 4096x1 4096x8 16384x1 16384x8 --steps 5 --rounds 2 --prefill 1024 \
+    --json "$work/long_context.json"
 
 # ---------------------------------------------------------------- the report
 {

@@ -62,6 +62,7 @@ def _load(script: str):
     path = REPO_ROOT / "scripts" / script
     spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
