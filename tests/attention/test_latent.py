@@ -189,8 +189,10 @@ def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
 
 
 @pytest.mark.parametrize(
-    "options", [{"rotary_dim": 4}, {"qk_head_dim": 8}, {"softmax_scale": 0.5}],
-    ids=["rotary_key", "qk_width", "scale"],
+    "options",
+    [{"rotary_dim": 4}, {"qk_head_dim": 8}, {"softmax_scale": 0.5}, {"v_head_dim": 4},
+     {"q_latent_dim": 8}],
+    ids=["rotary_key", "qk_width", "scale", "v_width", "low_rank_query"],
 )  # fmt: skip
 def test_expand_latent_refuses_what_no_mha_layer_computes(options):
     """25fe9c2 returned a plain MHA layer: the rotary key gone, the scale wrong (0.036 off)."""
@@ -219,3 +221,31 @@ def test_a_cached_eval_mode_call_gives_the_full_pass_gradients(rotary_dim):
     for name, grad in full.items():
         assert cached[name] is not None, name
         torch.testing.assert_close(cached[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_deepseek_widths_and_low_rank_query_decode_absorbed_as_the_full_pass():
+    """DeepSeek-V3's shape: V heads wider than E / H (10 > 6), Q/K heads of their own width
+    and a normalised low-rank query, which the absorbed query projection reads."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(
+        24, 4, kv_latent_dim=8, kv_latent_norm=True, rotary_dim=4, qk_head_dim=6,
+        v_head_dim=10, q_latent_dim=5, rope_interleaved=True,
+    ).eval()  # fmt: skip
+    assert layer.in_proj.weight.shape == (4 * 6, 5) and layer.out_proj.weight.shape == (24, 40)
+    assert layer.design.up.weight.shape == (4 * (6 + 10), 8)
+    assert layer.head_tag == "mla4r8nq5rope4"
+    assert {"v_head_dim": 10, "q_latent_dim": 5}.items() <= layer.head_config.items()
+    x = torch.randn(2, 5, 24)
+    cache = layer.make_kv_cache(2, 5)
+    with torch.no_grad():
+        steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(5)]
+        full = layer(x, is_causal=True)
+    assert cache.k.shape == (2, 1, 5, 8 + 4)  # the latent and the rotary key alone
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_a_v_head_narrower_than_the_scores_is_padded_but_not_wider():
+    with pytest.raises(ValueError, match=r"rotary_dim must be at least v_head_dim=12, got 6"):
+        MultiHeadAttention(24, 4, kv_latent_dim=8, qk_head_dim=6, rotary_dim=4, v_head_dim=12)
+    with pytest.raises(ValueError, match="q_latent_dim must be >= 1, got 0"):
+        MultiHeadAttention(24, 4, kv_latent_dim=8, q_latent_dim=0)

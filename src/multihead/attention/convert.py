@@ -207,12 +207,14 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
     """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``.
 
     For engines without latent attention (CTranslate2). A layer with a latent norm (not
-    linear), a decoupled rotary key, its own Q/K width or scale has none and is refused.
+    linear), a decoupled rotary key, its own Q/K or V width, a low-rank (normalised) query or
+    its own scale has none and is refused.
     """
     latent = layer.design
     if latent is None or "expand_latent" not in latent.conversions:
         raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
-    own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "softmax_scale")
+    own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "v_head_dim", "q_latent_dim",
+           "softmax_scale")  # fmt: skip
     own = [name for name in own if name in latent.options]  # each set only when it is not MHA's
     if own:
         raise ValueError(

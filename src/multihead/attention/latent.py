@@ -28,6 +28,11 @@ original ``1/sqrt(D)`` scale: no per-step up-projection of the cache. With the r
 queries ``[W_UK_h^T q_h^C ; q_h^R]`` attend over the cached ``[c ; k_R]`` as K and V, and
 the first ``r`` features of each head's output are its latent head (the rotary part is only
 scored, never a value): absorbed decoding stays exact.
+
+DeepSeek's widths (``qk_head_dim``, ``v_head_dim``) and its low-rank query (``q_latent_dim``,
+DeepSeek-V2 section 2.1.2; V3, not V2-Lite): Q, and the rotary query, come from a second
+normalised latent ``c_Q = norm(x W_DQ^T + b_DQ)`` of ``r_Q`` numbers, not from ``x``. It is
+never cached, and the absorbed query projection folds ``W_UK`` into the one after it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ class LatentKV(HeadDesign):
             holds ``r + G_R d_R``); a converted GQA layer keeps one per K/V group.
         qk_head_dim: the width of each head's Q and K from the latent (DeepSeek's
             ``qk_nope_head_dim``); ``None``: ``D``, the width of V.
+        v_head_dim: the width of each head's V (DeepSeek's ``v_head_dim``); ``None``:
+            ``D = E / H``. The layer's output projection reads ``H * v_head_dim`` features.
+        q_latent_dim: ``r_Q``, a low-rank query (DeepSeek's ``q_lora_rank``): ``x`` down to
+            ``r_Q`` numbers, an RMSNorm (as DeepSeek's ``q_a_layernorm``), then the layer's
+            Q projection and the rotary query read that; ``None``: they read ``x``.
         softmax_scale: the scores' scale; ``None``: ``(qk_head_dim + d_R)^-1/2`` with the
             rotary key, else the layer's ``1/sqrt(D)``.
         device, dtype: for the parameters.
@@ -91,6 +101,7 @@ class LatentKV(HeadDesign):
         rotary_dim: int | None = None, rope_theta: float = 10000.0,
         rope_interleaved: bool = False, rope_inv_freq=None, rope_kv_heads: int = 1,
         qk_head_dim: int | None = None, softmax_scale: float | None = None,
+        v_head_dim: int | None = None, q_latent_dim: int | None = None,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
         check_positive_int("rope_kv_heads", rope_kv_heads)
@@ -99,18 +110,29 @@ class LatentKV(HeadDesign):
         D = embed_dim // num_heads
         qk = D if qk_head_dim is None else qk_head_dim
         check_positive_int("qk_head_dim", qk, minimum=0 if rotary_dim else 1)  # 0: all rotary
-        if qk + (rotary_dim or 0) < D:  # V is padded to the Q/K width for the kernels
-            raise ValueError(f"qk_head_dim + rotary_dim must be at least head_dim={D}, got {qk}")
+        Dv = D if v_head_dim is None else v_head_dim
+        check_positive_int("v_head_dim", Dv)
+        if qk + (rotary_dim or 0) < Dv:  # V is padded to the Q/K width for the kernels
+            name = "head_dim" if v_head_dim is None else "v_head_dim"
+            raise ValueError(f"qk_head_dim + rotary_dim must be at least {name}={Dv}, got {qk}")
+        if q_latent_dim is not None:
+            check_positive_int("q_latent_dim", q_latent_dim)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
         self.latent_dim = kv_latent_dim
         self.head_dim, self.qk_head_dim, self.rope_kv_heads = D, qk, rope_kv_heads
+        self.v_head_dim, self.q_latent_dim = Dv, q_latent_dim
         self.softmax_scale = softmax_scale
         self.down = nn.Linear(embed_dim, kv_latent_dim, bias, **factory)  # W_DKV
         self.norm = nn.RMSNorm(kv_latent_dim, **factory) if kv_latent_norm else None
-        # [W_UK; W_UV]: (H * qk_head_dim + E, r)
-        self.up = nn.Linear(kv_latent_dim, num_heads * qk + embed_dim, bias=False, **factory)
+        # [W_UK; W_UV]: (H * qk_head_dim + H * v_head_dim, r)
+        self.up = nn.Linear(kv_latent_dim, num_heads * (qk + Dv), bias=False, **factory)
+        self.q_down = self.q_norm = None
+        if q_latent_dim is not None:  # W_DQ and its norm; W_UQ is the layer's Q projection
+            self.q_down = nn.Linear(embed_dim, q_latent_dim, bias, **factory)
+            self.q_norm = nn.RMSNorm(q_latent_dim, **factory)
+        q_in = embed_dim if q_latent_dim is None else q_latent_dim
         self.absorb = True
         self.rope_dim = 0
         self.rope = None
@@ -121,7 +143,7 @@ class LatentKV(HeadDesign):
                 rotary_dim, theta=rope_theta, interleaved=rope_interleaved, inv_freq=rope_inv_freq
             )
             self.rope_dim = rotary_dim
-            self.q_rope = nn.Linear(embed_dim, num_heads * rotary_dim, bias, **factory)  # W_QR
+            self.q_rope = nn.Linear(q_in, num_heads * rotary_dim, bias, **factory)  # W_QR
             # W_KR: (G_R * d_R, E), one key per group of H / G_R heads
             self.k_rope = nn.Linear(embed_dim, rope_kv_heads * rotary_dim, bias, **factory)
 
@@ -132,13 +154,16 @@ class LatentKV(HeadDesign):
         rope |= {} if self.rope_kv_heads == 1 else {"rope_kv_heads": self.rope_kv_heads}
         rope |= {} if self.qk_head_dim == self.head_dim else {"qk_head_dim": self.qk_head_dim}
         rope |= {} if self.softmax_scale is None else {"softmax_scale": self.softmax_scale}
+        rope |= {} if self.v_head_dim == self.head_dim else {"v_head_dim": self.v_head_dim}
+        rope |= {} if self.q_latent_dim is None else {"q_latent_dim": self.q_latent_dim}
         return {"kv_latent_dim": self.latent_dim, **norm, **rope}
 
     @property
     def tag(self) -> str:
         rope = f"rope{self.rope_dim}" if self.rope_dim else ""
         rope += f"x{self.rope_kv_heads}" if self.rope_kv_heads > 1 else ""
-        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + rope
+        q = "" if self.q_latent_dim is None else f"q{self.q_latent_dim}"
+        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + q + rope
 
     def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
         """One latent of width ``r`` (and the rotary key, ``r + d_R``), stored once for K
@@ -150,39 +175,46 @@ class LatentKV(HeadDesign):
         c = self.down(source)
         return c if self.norm is None else self.norm(c)
 
+    def query_input(self, query: Tensor) -> Tensor:
+        """What the Q projections read: ``query`` ``(B, L, E)``, or its low-rank latent
+        ``c_Q`` ``(B, L, r_Q)``."""
+        return query if self.q_down is None else self.q_norm(self.q_down(query))
+
     def expand(self, c: Tensor) -> tuple[Tensor, Tensor]:
-        """K ``(B, H, S, qk_head_dim)`` and V ``(B, H, S, D)`` from the latent ``c``
+        """K ``(B, H, S, qk_head_dim)`` and V ``(B, H, S, v_head_dim)`` from the latent ``c``
         ``(B, S, r)``."""
-        (B, S, _), E = c.shape, self.num_heads * self.head_dim
-        k, v = self.up(c).split([self.num_heads * self.qk_head_dim, E], dim=-1)  # (B, S, H*·)
-        k = k.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, qk_head_dim)
-        v = v.view(B, S, self.num_heads, -1).transpose(1, 2)  # (B, H, S, D)
+        (B, S, _), H = c.shape, self.num_heads
+        k, v = self.up(c).split([H * self.qk_head_dim, H * self.v_head_dim], dim=-1)  # (B,S,H*·)
+        k = k.view(B, S, H, -1).transpose(1, 2)  # (B, H, S, qk_head_dim)
+        v = v.view(B, S, H, -1).transpose(1, 2)  # (B, H, S, v_head_dim)
         return k, v
 
     def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
-        """``weights @ V`` per head ``(B, H, L, D)``, V of every head from the latent."""
-        _, v = self.expand(self.latent(source))  # (B, H, S, D)
+        """``weights @ V`` per head ``(B, H, L, v_head_dim)``, V of every head from the latent."""
+        _, v = self.expand(self.latent(source))  # (B, H, S, v_head_dim)
         return weights @ v
 
     def folded(
         self, layer: AttentionLayer, kv_cache: KVCache
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """``W_UK`` folded into the query projection, ``W_UV`` into the output one:
-        ``(w_q, b_q, w_o)``, ``(H*r, E)``, ``(H*r,)`` or ``None``, ``(E, H*r)``. Without
+        ``(w_q, b_q, w_o)``, ``(H*r, E)`` (``(H*r, r_Q)`` with a low-rank query), ``(H*r,)``
+        or ``None``, ``(E, H*r)``. Without
         autograd they are kept in ``kv_cache`` for the search (no check could tell that
         parameters changed between two searches: a fused optimiser step writes them without
         bumping their version); with it, folded at every call, so gradients flow through."""
         if "mla_folded" in kv_cache.derived:
             return kv_cache.derived["mla_folded"]
         E, H, r, Dq = layer.embed_dim, self.num_heads, self.latent_dim, self.qk_head_dim
-        D = E // H
-        w_uk, w_uv = self.up.weight.split([H * Dq, E])  # (H*Dq, r), (E, r)
-        w_uk, w_uv = w_uk.view(H, Dq, r), w_uv.view(H, D, r)
+        Dv = self.v_head_dim
+        w_uk, w_uv = self.up.weight.split([H * Dq, H * Dv])  # (H*Dq, r), (H*Dv, r)
+        w_uk, w_uv = w_uk.view(H, Dq, r), w_uv.view(H, Dv, r)
         (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, Dq, E)).reshape(H * r, E)
+        q_in = w_q.shape[-1]  # E, or r_Q
+        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, Dq, q_in)).reshape(H * r, q_in)
         if b_q is not None:
             b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, Dq)).reshape(H * r)
-        w_o = layer.out_proj.weight.view(E, H, D)
+        w_o = layer.out_proj.weight.view(E, H, Dv)
         w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
         if not torch.is_grad_enabled():
             kv_cache.derived["mla_folded"] = (w_q, b_q, w_o)
@@ -203,6 +235,7 @@ class LatentKV(HeadDesign):
         H, r, d_R, G_R = self.num_heads, self.latent_dim, self.rope_dim, self.rope_kv_heads
         cross = key_value is not None
         q_rope, scale = None, self.softmax_scale
+        q_in = self.query_input(query)  # (B, L, E), or (B, L, r_Q) with a low-rank query
         if cross and kv_cache is not None and kv_cache.size > 0:
             c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
         else:
@@ -212,7 +245,7 @@ class LatentKV(HeadDesign):
                 k_rope = self.k_rope(query).view(B, L, G_R, d_R).transpose(1, 2)  # (B,G_R,L,d_R)
                 k_rope = self.rope.rotate(k_rope, positions).transpose(1, 2).reshape(B, 1, L, -1)
                 c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + G_R d_R)
-                q_rope = self.q_rope(query).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
+                q_rope = self.q_rope(q_in).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
                 q_rope = self.rope.rotate(q_rope, positions)
                 if scale is None:
                     scale = (self.qk_head_dim + d_R) ** -0.5  # the scores' width
@@ -221,7 +254,7 @@ class LatentKV(HeadDesign):
 
         if self.absorb and kv_cache is not None and not self.training:
             w_q, b_q, w_o = self.folded(layer, kv_cache)
-            q = F.linear(query, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
+            q = F.linear(q_in, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
             if q_rope is not None and G_R > 1:  # head h scores its own group's key only
                 group = F.one_hot(torch.arange(H, device=q.device) * G_R // H, G_R).to(q.dtype)
                 q_rope = (q_rope[..., None, :] * group[:, None, :, None]).flatten(-2)  # G_R d_R
@@ -233,8 +266,8 @@ class LatentKV(HeadDesign):
             # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
             out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
         else:
-            q = layer.in_proj.q(query)  # (B, H, L, Dq)
-            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, D)
+            q = layer.in_proj.q(q_in)  # (B, H, L, Dq)
+            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, Dv)
             if q_rope is not None:
                 q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, Dq + d_R)
                 k_rope = c[:, 0, :, r:].unflatten(-1, (G_R, d_R)).transpose(1, 2)  # (B,G_R,S,d_R)
@@ -245,7 +278,7 @@ class LatentKV(HeadDesign):
                 v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))  # (B, H, S, Dq + d_R)
             mask = make_mask(q, k, kv_cache, num_heads=H, **masks)
             heads, weights = kernel_of(layer, need_weights, scale)(q, k, v, mask)
-            heads = heads[..., : E // H]  # (B, H, L, D)
+            heads = heads[..., : self.v_head_dim]  # (B, H, L, Dv)
             out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         return (out, weights) if need_weights else out
 

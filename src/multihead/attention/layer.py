@@ -135,12 +135,16 @@ class MultiHeadAttention(nn.Module):
         # Q, K and V stacked in one (E + 2*G*D, E) matrix (the projection part owns that
         # layout); a design whose K and V come from elsewhere (MLA's latent) projects Q alone.
         projects_kv = design is None or design.projects_kv
-        qk_dim = design_options.get("qk_head_dim", self.head_dim)  # MLA's Q/K may be narrower
+        # MLA's widths (DeepSeek's): Q/K heads narrower or wider than E / H, V heads of their
+        # own width, and Q projected from a low-rank latent of the query instead of from x.
+        qk_dim = design_options.get("qk_head_dim", self.head_dim)
+        v_dim = design_options.get("v_head_dim", self.head_dim)
+        q_in = design_options.get("q_latent_dim", embed_dim)
         self.in_proj = QKVProjection(
-            embed_dim, num_heads, num_kv_heads, qk_dim, bias=bias, kv=projects_kv,
+            q_in, num_heads, num_kv_heads, qk_dim, bias=bias, kv=projects_kv,
             device=device, dtype=dtype,
         )  # fmt: skip
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias, device, dtype)
+        self.out_proj = nn.Linear(num_heads * v_dim, embed_dim, bias, device, dtype)
         # forward's default head_mask, (H,) or None: a plain attribute, not in the state_dict.
         self.head_mask: Tensor | None = None
         # A position encoding for self-attention (torchtune's pos_embeddings): none by default.

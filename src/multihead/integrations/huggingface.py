@@ -23,8 +23,10 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   call and cache. Then the layer's own conversions apply (``adapter.attn.with_kv_heads``).
   Supported: GPT-2, the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
   layer applies itself (HF's default ``rope_type`` only; see :func:`_from_llama`), DiffLlama,
-  on the layer's differential design (:func:`_from_diffllama`), and BLOOM, whose ALiBi the
-  layer adds itself (:class:`BloomAttentionAdapter`).
+  on the layer's differential design (:func:`_from_diffllama`), BLOOM, whose ALiBi the
+  layer adds itself (:class:`BloomAttentionAdapter`), and DeepSeek-V2/V3, on the layer's MLA
+  design, which caches the latent alone and decodes with absorbed weights (HF's module
+  re-expands the cached latent at every step; see :func:`_from_deepseek`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -38,6 +40,7 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 from functools import cache
 
 import torch
@@ -45,6 +48,14 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.bloom.modeling_bloom import BloomAttention
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+    DeepseekV2Attention,
+    DeepseekV2RotaryEmbedding,
+)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+)
 from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -256,12 +267,21 @@ def _refuse_models_that_compute_attention_themselves() -> None:
 
 
 # --------------------------------------------------------------------------- module swap
+# The folded weights of MLA layers per HF cache object: one search's, dropped with the cache.
+_FOLDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class _CacheLayer:
     """One layer of an HF ``Cache`` as the layer's self-attention sees a cache: it asks for
     ``update(k, v)`` (the new positions appended, all of them returned) and ``static``.
 
     HF's static cache returns its whole buffers; the mask HF builds hides the unwritten
     positions, so the layer need not know (``static`` is False for every HF cache).
+
+    An MLA layer's latent ``[c ; k_R]`` goes to HF's K slot, with 0 features in the V slot:
+    ``r + d_R`` numbers per token and layer. Its folded weights (:attr:`derived`) are kept
+    for the search, as in the layer's own cache: per HF cache object and layer, from the
+    call that finds that layer empty (a new search, or a cache reset for another) on.
     """
 
     static = False
@@ -269,7 +289,7 @@ class _CacheLayer:
     def __init__(self, cache, layer_idx: int) -> None:
         self.cache = cache
         self.layer_idx = layer_idx
-        self.derived: dict = {}  # an MLA layer's folded weights, for this call
+        self.derived: dict = {}  # an MLA layer's folded weights: the search's, set by update
 
     @property
     def size(self) -> int:
@@ -279,6 +299,10 @@ class _CacheLayer:
 
     def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if v is None:  # one tensor for K and V (an MLA latent): HF's V slot holds 0 features
+            searches = _FOLDED.setdefault(self.cache, {})
+            if self.size == 0:  # nothing cached: a new search, whose weights may have changed
+                searches.pop(self.layer_idx, None)
+            self.derived = searches.setdefault(self.layer_idx, {})
             return self.cache.update(k, k[..., :0], self.layer_idx)[0], None
         return self.cache.update(k, v, self.layer_idx)
 
@@ -520,6 +544,128 @@ def _from_diffllama(module: DiffLlamaAttention, backend: str) -> HFAttentionAdap
     return adapter
 
 
+# --------------------------------------------------------------------------- DeepSeek (MLA)
+# The rotary module each DeepSeek attention's model builds: the converter takes its
+# frequencies and magnitude from one built on the same config.
+_DEEPSEEK_ROTARY = {
+    DeepseekV2Attention: DeepseekV2RotaryEmbedding,
+    DeepseekV3Attention: DeepseekV3RotaryEmbedding,
+}
+# HF's rope types whose frequencies are fixed when the model is built (dynamic and longrope
+# change them with the sequence length, at every call).
+_FIXED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _from_deepseek(
+    module: DeepseekV2Attention | DeepseekV3Attention, backend: str
+) -> HFAttentionAdapter:
+    """DeepSeek-V2/V3's multi-head latent attention on the layer's MLA design
+    (:mod:`~multihead.attention.latent`), which caches the latent alone and decodes with
+    absorbed weights; HF's module caches it too but expands every cached position through
+    ``kv_b_proj`` at every step.
+
+    The weights (``dn = qk_nope_head_dim``, ``dr = qk_rope_head_dim``, ``dv = v_head_dim``):
+
+    * ``kv_a_proj_with_mqa`` ``(r + dr, E)``: its first ``r`` rows are the latent's
+      down-projection, the last ``dr`` the shared rotary key's (``k_rope``).
+    * ``kv_a_layernorm`` is the latent's norm: the module itself, so its epsilon (1e-6,
+      DeepSeek's RMSNorm default, not ``rms_norm_eps``) and its fp32 computation are HF's.
+    * ``kv_b_proj`` ``(H (dn + dv), r)`` holds each head's K rows then its V rows; the
+      design's ``up`` stacks all K rows (``W_UK``), then all V rows (``W_UV``).
+    * ``q_proj`` (or with ``q_lora_rank``: ``q_a_proj``, ``q_a_layernorm``, kept, and
+      ``q_b_proj``) ``(H (dn + dr), ·)`` holds each head's ``dn`` rows then ``dr`` rotary rows:
+      the layer's Q projection and the design's ``q_rope``.
+    * ``o_proj`` ``(E, H dv)`` is the layer's ``out_proj``, the module's own.
+
+    Positions: HF's frequencies (``rope_type`` default, linear, llama3 or yarn), rotating
+    neighbouring pairs (V2 always; V3 with ``rope_interleave``, whose permutation of the
+    rotated features, the same for Q and K, leaves the scores as they are) or halves. YaRN's
+    ``attention_factor`` (the magnitude of HF's ``cos`` and ``sin``, from ``mscale`` over
+    ``mscale_all_dim``) scales the rotary Q and K rows, the same by linearity; its
+    ``mscale_all_dim`` term is in the module's ``scaling``, the layer's softmax scale.
+    Refused: a rope type whose frequencies change with the length (dynamic, longrope),
+    rotary frequencies for other than ``qk_rope_head_dim`` features (``partial_rotary_factor``)
+    and ``num_key_value_heads != num_attention_heads`` (HF's own forward breaks on it).
+    """
+    config = module.config
+    H, E, r = module.num_heads, module.hidden_size, module.kv_lora_rank
+    dn, dr, dv = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
+    rope = dict(config.rope_parameters)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in _FIXED_ROPE:
+        raise ValueError(
+            f"rope_type={rope_type!r} (frequencies that change with the length) is not "
+            f"supported; the layer takes fixed ones: {', '.join(_FIXED_ROPE)}"
+        )
+    if config.num_key_value_heads != H:
+        raise ValueError(
+            f"num_key_value_heads={config.num_key_value_heads} (!= num_attention_heads={H}): "
+            "MLA has one K/V head per query head, as HF's DeepSeek expands them"
+        )
+    rotary = _DEEPSEEK_ROTARY[type(module)](config)  # HF's frequencies, built as the model's
+    if rotary.inv_freq.numel() * 2 != dr:
+        raise ValueError(
+            f"rotary frequencies for {rotary.inv_freq.numel() * 2} features (rope_parameters "
+            f"{rope}) for qk_rope_head_dim={dr}: HF would rotate them all with fewer; the "
+            "layer rotates qk_rope_head_dim features"
+        )
+    factor = float(rotary.attention_scaling)  # YaRN's attention_factor; 1 otherwise
+    interleaved = isinstance(module, DeepseekV2Attention) or bool(config.rope_interleave)
+    q_rank, bias = module.q_lora_rank, bool(config.attention_bias)
+    weight = module.kv_a_proj_with_mqa.weight
+    attn = MultiHeadAttention(
+        E, H, dropout=module.attention_dropout, bias=bias, backend=backend, design="mla",
+        kv_latent_dim=r, kv_latent_norm=True, q_latent_dim=q_rank, qk_head_dim=dn,
+        v_head_dim=dv, softmax_scale=module.scaling, rotary_dim=dr,
+        rope_theta=float(rope["rope_theta"]), rope_interleaved=interleaved,
+        rope_inv_freq=rotary.inv_freq, device=weight.device, dtype=weight.dtype,
+    )  # fmt: skip
+    latent = attn.design
+    q_up = module.q_proj if q_rank is None else module.q_b_proj
+    q_w = q_up.weight.view(H, dn + dr, -1)  # (H, dn + dr, E or q_lora_rank)
+    _copy_into(attn.in_proj.weight, q_w[:, :dn].reshape(H * dn, -1))
+    _copy_into(latent.q_rope.weight, q_w[:, dn:].reshape(H * dr, -1) * factor)
+    _copy_into(latent.down.weight, weight[:r])
+    _copy_into(latent.k_rope.weight, weight[r:] * factor)
+    if bias:  # on kv_a_proj_with_mqa, q_a_proj and o_proj; none on the Q rows
+        _copy_into(latent.down.bias, module.kv_a_proj_with_mqa.bias[:r])
+        _copy_into(latent.k_rope.bias, module.kv_a_proj_with_mqa.bias[r:] * factor)
+        attn.in_proj.register_parameter("bias", None)
+        latent.q_rope.register_parameter("bias", None)
+    kv_w = module.kv_b_proj.weight.view(H, dn + dv, r)  # (H, dn + dv, r): K rows, V rows
+    w_uk, w_uv = kv_w[:, :dn].flatten(0, 1), kv_w[:, dn:].flatten(0, 1)  # (H dn, r), (H dv, r)
+    _copy_into(latent.up.weight, torch.cat((w_uk, w_uv)))
+    latent.norm = module.kv_a_layernorm
+    if q_rank is not None:
+        latent.q_down, latent.q_norm = module.q_a_proj, module.q_a_layernorm
+    attn.out_proj = module.o_proj
+    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
+    return adapter.train(module.training)
+
+
+def _check_deepseek_rotary(model: nn.Module) -> None:
+    """Refuse a swap of a DeepSeek model whose rotary module is not the one its config builds,
+    whose frequencies and magnitude :func:`_from_deepseek` took: a model cast after it was
+    built rounds its ``inv_freq`` (HF's angles with it)."""
+    rotary_classes = tuple(_DEEPSEEK_ROTARY.values())
+    for name, module in model.named_modules():
+        if not isinstance(module, rotary_classes):
+            continue
+        built = type(module)(module.config)
+        same = (
+            module.inv_freq.dtype == built.inv_freq.dtype
+            and torch.equal(module.inv_freq.cpu(), built.inv_freq)
+            and module.attention_scaling == built.attention_scaling
+        )
+        if not same:
+            raise ValueError(
+                f"cannot replace the attention: {name!r} ({type(module).__name__}) holds an "
+                f"inv_freq in {module.inv_freq.dtype} or an attention_scaling other than its "
+                "config builds (the model was cast after it was built?); build the model with "
+                "dtype= instead of casting it, or call replace_hf_attention before casting"
+            )
+
+
 # --------------------------------------------------------------------------- the swap
 # The HF attention classes the swap converts, by exact type: a subclass may change forward.
 CONVERTERS = {
@@ -529,6 +675,8 @@ CONVERTERS = {
     MistralAttention: _from_llama,
     BloomAttention: _from_bloom,
     DiffLlamaAttention: _from_diffllama,
+    DeepseekV2Attention: _from_deepseek,
+    DeepseekV3Attention: _from_deepseek,
 }
 
 
@@ -599,7 +747,8 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
     on an error nothing has changed.
 
     Args:
-        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, DiffLlama, BLOOM).
+        model: an HF ``PreTrainedModel`` (GPT-2, Llama, Qwen2, Mistral, DiffLlama, BLOOM,
+            DeepSeek-V2, DeepSeek-V3).
         backend: the layer's backend.
 
     Returns:
@@ -632,6 +781,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
             stacklevel=2,
         )
     _check_rotary_angles(model, adapters, backend)
+    _check_deepseek_rotary(model)
     if not adapters:
         raise ValueError(
             f"no attention module to replace in {type(model).__name__}; supported: "
