@@ -15,7 +15,7 @@ BACKENDS = ["math", "sdpa", "flash"]
 GATE = torch.tensor([0.0, 1.7, -0.4, 1.0])  # a per-head gate: off, boosted, negative, kept
 
 # Every design the layer builds, as its keyword arguments. ``absorb`` (latent attention:
-# decode with the folded weights, or re-expand K and V) and ``head_mask`` (the gate above)
+# decode over the latent, absorbed, or re-expand K and V) and ``head_mask`` (the gate above)
 # are set on the built layer.
 PLAIN = {
     f"{backend}-{kind}": {"backend": backend, "num_kv_heads": G}

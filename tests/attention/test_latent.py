@@ -164,11 +164,12 @@ def test_export_equivalent_and_refusals():
 
 def test_absorbed_decoding_after_a_fused_adam_step_uses_the_new_weights():
     """Fused Adam writes the parameters in place without bumping their version counter: a
-    search after the step must decode with the new weights, not those folded before it."""
+    search after the step must decode with the new weights (an earlier version folded them
+    into the projections once per search)."""
     layer = mla()
     x, _, _ = inputs()
     with torch.no_grad():
-        layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(B, L))  # a search: folds
+        layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(B, L))  # a search
     optimizer = torch.optim.Adam(layer.parameters(), lr=0.1, fused=True)
     layer.train()
     layer(x, is_causal=True).square().sum().backward()

@@ -272,7 +272,7 @@ def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim
     with torch.no_grad():
         want = source(x, is_causal=True)
         torch.testing.assert_close(mla(x, is_causal=True), want, rtol=0, atol=1e-12)
-        for absorb in (True, False):  # the folded weights, or K and V re-expanded each step
+        for absorb in (True, False):  # absorbed, or K and V re-expanded each step
             mla.kv_latent.absorb, cache = absorb, mla.make_kv_cache(2, 7)
             steps = [mla(x[:, :3], is_causal=True, kv_cache=cache)]
             steps += [mla(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(3, 7)]

@@ -94,7 +94,7 @@ def _cached(
     (L = 2 < S = 6: the causal rows are written into the mask), then one step.
     ``positions``: each step's ``position_ids`` for a left-padded batch (else the layer
     counts them from the cache). ``absorb``: an MLA layer decodes in eval mode with the
-    folded weights (True) or re-expands K and V from the latent (False)."""
+    absorbed weights (True) or re-expands K and V from the latent (False)."""
 
     def call(layer: MultiHeadAttention) -> Steps:
         if absorb is not None:

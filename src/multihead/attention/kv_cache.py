@@ -80,9 +80,6 @@ class KVCache:
         self.share_kv = share_kv
         self.v = self.k if share_kv else torch.zeros(shape, device=device, dtype=dtype)
         self.size = 0  # positions filled so far; max_len once written when static
-        # Weights a design derives for the search this cache serves (MLA's absorbed ones):
-        # a fused optimiser step changes parameters in place, without a trace to check.
-        self.derived: dict[str, object] = {}
         self.static = static
         # The keys' positions (B, max_len), stored when update is given them: a score bias
         # (ALiBi) reads them back, so a left-padded batch's keys keep their own positions.
@@ -183,8 +180,7 @@ class KVCache:
             self.positions = self.positions.index_select(0, index)
 
     def reset(self) -> None:
-        """Forget every position and derived weight (the buffers are kept)."""
+        """Forget every position (the buffers are kept)."""
         self.size = 0
-        self.derived.clear()
         if self.position is not None:
             self.position.zero_()

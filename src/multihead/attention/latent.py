@@ -21,18 +21,18 @@ rotary key, cached beside the latent; the latent part stays position-free::
     scores scaled by 1 / sqrt(D + d_R); the cache holds [c ; k_R]: r + d_R numbers per token.
 
 Absorbed decoding. ``q_h . K_hj = (W_UK_h^T q_h) . c_j`` and ``sum_j p_j V_hj =
-W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache the layer folds ``W_UK`` into the
-query and output projections once per search (kept in the KV cache: :attr:`KVCache.derived`)
-and each step attends over the cached latent as one shared K/V head of width ``r`` with the
-original ``1/sqrt(D)`` scale: no per-step up-projection of the cache. With the rotary key,
-queries ``[W_UK_h^T q_h^C ; q_h^R]`` attend over the cached ``[c ; k_R]`` as K and V, and
-the first ``r`` features of each head's output are its latent head (the rotary part is only
-scored, never a value): absorbed decoding stays exact.
+W_UV_h (sum_j p_j c_j)``, so in eval mode with a KV cache each step applies ``W_UK_h^T`` to
+the query heads and ``W_UV_h`` to the attention's output heads (DeepSeek-V3's
+``inference/model.py``) and attends over the cached latent as one shared K/V head of width
+``r`` with the original ``1/sqrt(D)`` scale: no per-step up-projection of the cache. With
+the rotary key, queries ``[W_UK_h^T q_h^C ; q_h^R]`` attend over the cached ``[c ; k_R]``
+as K and V, and the first ``r`` features of each head's output are its latent head (the
+rotary part is only scored, never a value): absorbed decoding stays exact.
 
 DeepSeek's widths (``qk_head_dim``, ``v_head_dim``) and its low-rank query (``q_latent_dim``,
 DeepSeek-V2 section 2.1.2; V3, not V2-Lite): Q, and the rotary query, come from a second
 normalised latent ``c_Q = norm(x W_DQ^T + b_DQ)`` of ``r_Q`` numbers, not from ``x``. It is
-never cached, and the absorbed query projection folds ``W_UK`` into the one after it.
+never cached; the absorbed path applies ``W_UK`` after the query's projection from it.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class LatentKV(HeadDesign):
         device, dtype: for the parameters.
 
     Attributes:
-        absorb: decode with the folded weights (the default); ``False`` re-expands K and V
+        absorb: decode over the latent, absorbed (the default); ``False`` re-expands K and V
             from the cached latent at every step, to measure what absorption buys.
     """
 
@@ -194,32 +194,6 @@ class LatentKV(HeadDesign):
         _, v = self.expand(self.latent(source))  # (B, H, S, v_head_dim)
         return weights @ v
 
-    def folded(
-        self, layer: AttentionLayer, kv_cache: KVCache
-    ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``W_UK`` folded into the query projection, ``W_UV`` into the output one:
-        ``(w_q, b_q, w_o)``, ``(H*r, E)`` (``(H*r, r_Q)`` with a low-rank query), ``(H*r,)``
-        or ``None``, ``(E, H*r)``. Without
-        autograd they are kept in ``kv_cache`` for the search (no check could tell that
-        parameters changed between two searches: a fused optimiser step writes them without
-        bumping their version); with it, folded at every call, so gradients flow through."""
-        if "mla_folded" in kv_cache.derived:
-            return kv_cache.derived["mla_folded"]
-        E, H, r, Dq = layer.embed_dim, self.num_heads, self.latent_dim, self.qk_head_dim
-        Dv = self.v_head_dim
-        w_uk, w_uv = self.up.weight.split([H * Dq, H * Dv])  # (H*Dq, r), (H*Dv, r)
-        w_uk, w_uv = w_uk.view(H, Dq, r), w_uv.view(H, Dv, r)
-        (w_q, _, _), (b_q, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-        q_in = w_q.shape[-1]  # E, or r_Q
-        w_q = torch.einsum("hdr,hde->hre", w_uk, w_q.view(H, Dq, q_in)).reshape(H * r, q_in)
-        if b_q is not None:
-            b_q = torch.einsum("hdr,hd->hr", w_uk, b_q.view(H, Dq)).reshape(H * r)
-        w_o = layer.out_proj.weight.view(E, H, Dv)
-        w_o = torch.einsum("ehd,hdr->ehr", w_o, w_uv).reshape(E, H * r)
-        if not torch.is_grad_enabled():
-            kv_cache.derived["mla_folded"] = (w_q, b_q, w_o)
-        return w_q, b_q, w_o
-
     def attention(
         self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
         kv_cache: KVCache | None = None, need_weights: bool = False,
@@ -229,8 +203,7 @@ class LatentKV(HeadDesign):
         cache, then either the expanded heads (training, full passes) or the absorbed ones
         (cached decoding).
 
-        ``head_mask`` ``(H,)`` scales each head's output; on the absorbed path it scales
-        the latent heads, the same by linearity (``W_UV`` is folded into ``W^O``)."""
+        ``head_mask`` ``(H,)`` scales each head's output."""
         B, L, E = query.shape
         H, r, d_R, G_R = self.num_heads, self.latent_dim, self.rope_dim, self.rope_kv_heads
         cross = key_value is not None
@@ -253,8 +226,13 @@ class LatentKV(HeadDesign):
                 c, _ = kv_cache.update(c, None)  # (B, 1, S, r [+ d_R]), new positions appended
 
         if self.absorb and kv_cache is not None and not self.training:
-            w_q, b_q, w_o = self.folded(layer, kv_cache)
-            q = F.linear(q_in, w_q, b_q).view(B, L, H, r).transpose(1, 2)  # (B, H, L, r)
+            w_uk, w_uv = self.up.weight.split([H * self.qk_head_dim, H * self.v_head_dim])
+            # q_h . (W_UK_h c_j) = (W_UK_h^T q_h) . c_j: W_UK meets the L queries, not the S
+            # cached positions. Applied per head to the activations (DeepSeek-V3's
+            # inference/model.py), not folded into W^Q: a step reads W^Q and W_UK, H(Dq + r)E
+            # numbers fewer than a folded (H r, E) matrix, and nothing is kept per search.
+            q = layer.in_proj.q(q_in)  # (B, H, L, Dq)
+            q = torch.einsum("bhld,hdr->bhlr", q, w_uk.view(H, self.qk_head_dim, r))  # (B,H,L,r)
             if q_rope is not None and G_R > 1:  # head h scores its own group's key only
                 group = F.one_hot(torch.arange(H, device=q.device) * G_R // H, G_R).to(q.dtype)
                 q_rope = (q_rope[..., None, :] * group[:, None, :, None]).flatten(-2)  # G_R d_R
@@ -263,8 +241,9 @@ class LatentKV(HeadDesign):
             mask = make_mask(q, c, kv_cache, num_heads=H, **masks)
             heads, weights = kernel_of(layer, need_weights, scale)(q, c, c, mask)
             heads = heads[..., :r]  # (B, H, L, r): the rotary key is scored, not a value
-            # (B, L, H*r): latent heads concatenated, then W^O with W_UV folded in.
-            out = F.linear(merge_heads(scale_heads(heads, head_mask)), w_o, layer.out_proj.bias)
+            # sum_j p_j (W_UV_h c_j) = W_UV_h (sum_j p_j c_j): each latent head through W_UV_h.
+            heads = torch.einsum("bhlr,hdr->bhld", heads, w_uv.view(H, self.v_head_dim, r))
+            out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
         else:
             q = layer.in_proj.q(q_in)  # (B, H, L, Dq)
             k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, Dv)

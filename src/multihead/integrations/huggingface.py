@@ -40,7 +40,6 @@ import inspect
 import re
 import sys
 import warnings
-import weakref
 from functools import cache
 
 import torch
@@ -267,10 +266,6 @@ def _refuse_models_that_compute_attention_themselves() -> None:
 
 
 # --------------------------------------------------------------------------- module swap
-# The folded weights of MLA layers per HF cache object: one search's, dropped with the cache.
-_FOLDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 class _CacheLayer:
     """One layer of an HF ``Cache`` as the layer's self-attention sees a cache: it asks for
     ``update(k, v)`` (the new positions appended, all of them returned) and ``static``.
@@ -279,9 +274,7 @@ class _CacheLayer:
     positions, so the layer need not know (``static`` is False for every HF cache).
 
     An MLA layer's latent ``[c ; k_R]`` goes to HF's K slot, with 0 features in the V slot:
-    ``r + d_R`` numbers per token and layer. Its folded weights (:attr:`derived`) are kept
-    for the search, as in the layer's own cache: per HF cache object and layer, from the
-    call that finds that layer empty (a new search, or a cache reset for another) on.
+    ``r + d_R`` numbers per token and layer.
     """
 
     static = False
@@ -289,7 +282,6 @@ class _CacheLayer:
     def __init__(self, cache, layer_idx: int) -> None:
         self.cache = cache
         self.layer_idx = layer_idx
-        self.derived: dict = {}  # an MLA layer's folded weights: the search's, set by update
 
     @property
     def size(self) -> int:
@@ -299,10 +291,6 @@ class _CacheLayer:
 
     def update(self, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if v is None:  # one tensor for K and V (an MLA latent): HF's V slot holds 0 features
-            searches = _FOLDED.setdefault(self.cache, {})
-            if self.size == 0:  # nothing cached: a new search, whose weights may have changed
-                searches.pop(self.layer_idx, None)
-            self.derived = searches.setdefault(self.layer_idx, {})
             return self.cache.update(k, k[..., :0], self.layer_idx)[0], None
         return self.cache.update(k, v, self.layer_idx)
 
