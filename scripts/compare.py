@@ -37,6 +37,7 @@ def main(cfg: DictConfig) -> None:
         wandb_log=cfg.wandb,
         wandb_group=cfg.wandb_group,
         equivalence_margin=cfg.equivalence_margin,
+        long_context=cfg.long_context,
     )
     for run in runs:
         print(f"{run.label}: {run.source} (validation curves: {run.curve_source})")

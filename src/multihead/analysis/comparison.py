@@ -11,6 +11,7 @@ order.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ def compare(
     wandb_log: bool = False,
     wandb_group: str | None = None,
     equivalence_margin: float | None = None,
+    long_context: str | os.PathLike | None = None,
 ) -> tuple[list[RunResult], list[Path]]:
     """Read the runs below ``runs`` or in wandb ``group`` and write the comparison to ``out``.
 
@@ -101,11 +103,14 @@ def compare(
     the comparison to a wandb run of its own in ``wandb_group`` (``None``: ``group``, or
     the runs' own ``wandb_group``). ``equivalence_margin``: the BLEU difference within
     which a design counts as equal to MHA if the TOST says so; ``None``: no such test.
+    ``long_context``: the rows ``scripts/benchmark_long_context.py --json`` wrote, for the
+    section on what each design buys at long context; ``None``: no such section.
     """
     if (runs is None) == (group is None):
         raise ValueError(
             f"give exactly one of runs=PATH or group=NAME (got runs={runs}, group={group})"
         )
+    long_context_rows = None if long_context is None else read_long_context(long_context)
     if runs is not None:
         results, source = load_local_runs(runs), str(runs)
     else:
@@ -127,11 +132,33 @@ def compare(
             write_speed_record(run, measured[run.label], setup)
     metric = (significance or {}).get("metric", "lc-tok")
     report = make_report(results, source, notes, metric, equivalence_margin)
+    report.long_context = long_context_rows
     paths = write_comparison(report, out)
     if wandb_log:
         target = wandb_group or group or runs_wandb_group(results)
         log_to_wandb(report, paths, group=target, project=project, entity=entity)
     return results, paths
+
+
+def read_long_context(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``scripts/benchmark_long_context.py --json``, checked in one line."""
+    path = Path(path)
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"long_context={path}: expected the JSON file benchmark_long_context.py --json "
+            f"writes ({type(err).__name__}: {err})"
+        ) from None
+    needed = {"design", "dtype", "context", "batch", "candidate", "ms"}
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and needed <= r.keys() for r in rows
+    ):
+        raise ValueError(
+            f"long_context={path}: expected a list of rows with {', '.join(sorted(needed))} "
+            "(benchmark_long_context.py --json)"
+        )
+    return rows
 
 
 def run_checkpoint(run: RunResult, checkpoint: str | None) -> Path:

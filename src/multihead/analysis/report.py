@@ -301,6 +301,8 @@ class Report:
     speed_gaps: str = ""  # which runs lack side-by-side speeds, and what was done
     bleu_key: str = "test/bleu"
     tests: dict[str, SeedTest] = field(default_factory=dict)  # by configuration
+    # scripts/benchmark_long_context.py's rows (its --json), for "what each design buys"
+    long_context: list[dict[str, Any]] | None = None
     contrasts: dict[tuple[str, str], SeedTest] = field(default_factory=dict)
 
     @property
@@ -522,6 +524,8 @@ def comparison_markdown(report: Report) -> str:
     if has_repeats(runs):
         parts.append(seed_means_markdown(report))
     parts.append(_frontier_lines(report))
+    if report.long_context is not None:
+        parts.append(long_context_markdown(report))
     parts.append(
         "\n## Plots\n\n![test BLEU vs decoding speed](bleu_vs_decode_speed.png)\n\n"
         "![test BLEU vs KV-cache bytes per token](bleu_vs_kv_cache.png)\n\n"
@@ -562,6 +566,43 @@ def speed_note(report: Report) -> str:
     else:
         lines.append(f"The plots and ratios use the speeds measured {speeds['as']}.")
     return "\n\n".join(lines) + "\n"
+
+
+def long_context_markdown(report: Report) -> str:
+    """What each compared design buys where it pays: the long-context benchmark's decoding
+    speed per design kind (the project's path, ``ours-static``) as a multiple of MHA's at
+    each context and batch, beside the cache each kind holds per token in these runs."""
+    kinds = sorted({str(k) for run in report.runs if (k := value(run, "kind")) is not None})
+    rows = [
+        r for r in report.long_context or [] if r.get("candidate") == "ours-static" and r.get("ms")
+    ]
+    dtypes = sorted({r["dtype"] for r in rows})
+    settings = sorted({(r["context"], r["batch"]) for r in rows})
+    speed = {(r["design"], r["dtype"], r["context"], r["batch"]): r["ms"] for r in rows}
+    headers = ["kind", "KV-cache bytes/token (these runs, mean)"]
+    headers += [f"{d} {c // 1024}k x {b}: × MHA" for d in dtypes for c, b in settings]
+    table = []
+    for kind in kinds:
+        cached = [number(value(run, "kv_cache/bytes_per_token")) for run in report.runs]
+        cached = [c for c, run in zip(cached, report.runs, strict=True)
+                  if c is not None and value(run, "kind") == kind]  # fmt: skip
+        row = [kind, format_cell(statistics.mean(cached) if cached else None, ",.0f")]
+        for d in dtypes:
+            for c, b in settings:
+                mine, mha = speed.get((kind, d, c, b)), speed.get(("mha", d, c, b))
+                row.append(format_cell(mha / mine if mine and mha else None, ".2f"))
+        table.append(row)
+    return "\n".join(
+        [
+            "\n## What each design buys: decoding at long context\n",
+            "Tokens per second of one decoding step at each context × batch, as a multiple "
+            "of MHA's (above 1 is faster), measured by `scripts/benchmark_long_context.py` "
+            "on its reference shape (not these runs' models), the project's path on HF's "
+            "StaticCache; kinds it does not measure (MoH, mixings) are blank. The BLEU above "
+            "is what a design costs; this is what it is for.\n",
+            markdown_table(headers, table),
+        ]
+    )
 
 
 def _frontier_lines(report: Report) -> str:
