@@ -2,15 +2,18 @@
 on the layer's kernels and matches ``eager``, or it is refused by name.
 
 The models come from HF's causal-LM auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``),
-each built from its default config made small (hidden size 32, 2 layers, 4 heads, vocabulary
-128) with random weights. Skipped, with the reason: encoder-decoders, configs the small sizes
-do not reach (nested sub-configs, multimodal: over 3M parameters), configs whose eager model
-does not build or run at these sizes, and models without an attention module (at these
-sizes: the 2 layers of a hybrid may both be recurrent). The rest are compared with the same
-weights under ``eager``, on a short causal input in eval mode.
+each built from its default config made small, with random weights: hidden size 32, 2 layers
+(one of each kind a hybrid has), 4 heads, vocabulary 128, in every sub-config (a multimodal
+model's text and vision parts); where a config has them, 4 experts, MLA ranks of 32, a
+sliding window of 4 and a sparse-attention indexer keeping 4 keys, on 12 tokens. Skipped,
+with the reason: encoder-decoders, configs the small sizes do not reach (over 8M
+parameters), configs whose eager model does not build or run at these sizes, and models
+without an attention module. The rest are compared with the same weights under ``eager``,
+on a causal input in eval mode.
 
 Counts (exact / refused / skipped, ``docs/reuse.md``): each passing case prints one line,
-``sweep: <model_type> exact|refused``; run with ``-s -rs``.
+``sweep: <model_type> exact`` or ``sweep: <model_type> refused: <message>``; run with
+``-s -rs``.
 """
 
 from __future__ import annotations
@@ -40,20 +43,28 @@ SMALLER = dict(
     n_group=1, topk_group=1, first_k_dense_replace=1,
     q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     index_topk=4, index_n_heads=2, index_head_dim=16, sliding_window=4,
+    rotary_dim=4, attention_hidden_size=32, lru_width=32, num_kv_shared_layers=0,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
 )  # fmt: skip
 # MiniMax-M3 builds its sparse indexer only on layers of this type (none by default); its
-# blocks of 2 keys, 2 of them kept beside the query's own.
+# blocks of 2 keys, 2 of them kept beside the query's own. Hybrids that place their attention
+# layers by other fields than layer_types: the second of the two layers.
 OVERRIDES = {
     "minimax_m3_vl_text": dict(
         layer_types=["minimax_m3_sparse"] * 2, index_block_size=2, index_topk_blocks=2
     ),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
 }
+# No softmax attention, whatever a module's name says: no implementation name reaches it.
+RECURRENT = {"rwkv": "RwkvSelfAttention is RWKV's time mixing, a recurrence"}
 LENGTH = 12  # tokens, above every window and top-k above
 # Refused by a rule that read the whole file (issue 66), these must run.
 NOT_REFUSED = {
     "got_ocr2": "its vision attention reads neither the name nor a mask; its Qwen2 routes",
 }
-MAX_PARAMETERS = 3_000_000
+MAX_PARAMETERS = 8_000_000
 TOLERANCE = 1e-5
 
 
@@ -67,6 +78,10 @@ def quiet_and_registered():
 
 
 def _shrink(config, fields: dict) -> None:
+    kinds = list(dict.fromkeys(_get(config, "layer_types") or []))
+    if kinds:  # one layer of each kind (a hybrid's attention is seldom among its first two)
+        layers = kinds * 2 if len(kinds) == 1 else kinds
+        fields = fields | dict(num_hidden_layers=len(layers), layer_types=layers)
     for name, value in fields.items():
         try:
             setattr(config, name, value)
@@ -75,21 +90,27 @@ def _shrink(config, fields: dict) -> None:
     for key in getattr(config, "sub_configs", {}):  # a multimodal model's text, vision, ...
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "sub_configs"):
-            _shrink(sub, SMALL | _present(sub))
+            _shrink(sub, SMALL | _present(sub) | dict(pad_token_id=0))
 
 
 def _present(config) -> dict:
     fields = {k: v for k, v in SMALLER.items() if _has(config, k)}
     if "kv_lora_rank" in fields:  # latent attention expands K and V to every query head
         fields["num_key_value_heads"] = SMALL["num_attention_heads"]
+    if {"num_experts", "num_local_experts", "n_routed_experts"} & set(fields):
+        fields |= dict(num_experts_per_tok=2, moe_intermediate_size=32)
     return fields
 
 
-def _has(config, name: str) -> bool:
+def _get(config, name: str):
     try:
-        return getattr(config, name, None) is not None
+        return getattr(config, name, None)
     except Exception:  # a per-layer field (Dots3): set, it is set on every layer
         return True
+
+
+def _has(config, name: str) -> bool:
+    return _get(config, name) is not None
 
 
 def small_config(model_type: str):
@@ -122,7 +143,7 @@ def eager_or_skip(model_type: str):
     if size > MAX_PARAMETERS:
         pytest.skip(f"cannot be built small: over {MAX_PARAMETERS:,} parameters at the small sizes")
     eager = build(model_type, "eager")
-    if not any("Attention" in type(m).__name__ for m in eager.modules()):
+    if model_type in RECURRENT or not any("Attention" in type(m).__name__ for m in eager.modules()):
         pytest.skip("no attention module at the small sizes")
     ids = torch.randint(3, 100, (1, LENGTH), generator=torch.Generator().manual_seed(0))
     try:
@@ -151,7 +172,7 @@ def test_a_causal_lm_runs_on_our_kernels_exactly_or_is_refused_by_name(model_typ
         assert "\n" not in message
         assert any(name in message for name in named), message  # the model or its module
         assert model_type not in NOT_REFUSED, f"{model_type}: {NOT_REFUSED[model_type]}"
-        print(f"sweep: {model_type} refused")
+        print(f"sweep: {model_type} refused: {message}")
         return
     assert calls, f"{type(eager).__name__} never called the multihead attention function"
     assert (got - want).abs().max() < TOLERANCE

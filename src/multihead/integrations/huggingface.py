@@ -83,10 +83,10 @@ HONOURED = frozenset({
 
 # What the keywords known to change the attention are, for the refusal's message.
 FEATURES = {
-    "softcap": "logit softcapping (Gemma 2)",
-    "s_aux": "attention sinks (gpt-oss)",
+    "softcap": "logit softcapping, Gemma 2's",
+    "s_aux": "attention sinks, gpt-oss's",
     "sinks": "attention sinks",
-    "position_bias": "an additive position bias (T5-style)",
+    "position_bias": "an additive position bias, T5's",
     "indices": "sparse attention: the indexer's top-k keys",
     "block_indices": "sparse attention: the indexer's top-k key blocks",
 }
