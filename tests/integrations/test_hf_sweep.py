@@ -78,8 +78,9 @@ def quiet_and_registered():
 
 
 def _shrink(config, fields: dict) -> None:
+    # One layer of each kind a hybrid has (its attention is seldom among its first two).
     kinds = list(dict.fromkeys(_get(config, "layer_types") or []))
-    if kinds:  # one layer of each kind (a hybrid's attention is seldom among its first two)
+    if kinds and "layer_types" not in fields:
         layers = kinds * 2 if len(kinds) == 1 else kinds
         fields = fields | dict(num_hidden_layers=len(layers), layer_types=layers)
     for name, value in fields.items():
