@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 from transformers import (  # noqa: E402
     AttentionInterface,
     AutoModelForCausalLM,
+    DeepseekV32Config,
     Gemma2Config,
     GPT2Config,
     LlamaConfig,
@@ -223,6 +224,34 @@ def test_logit_softcapping_is_refused() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="multihead")
     with pytest.raises(ValueError, match=r"passes softcap= \(logit softcapping"):
         model(*padded_batch())
+
+
+def test_sparse_attention_is_refused_by_name_at_build_and_after_set_attn_implementation():
+    # DeepSeek-V3.2 folds its indexer's top-k keys into the mask for eager and sdpa only; any
+    # other function gets them as indices=. Dropped, the model ran dense: 0.24 off eager with
+    # 4 of 12 keys kept (issue 66).
+    mla = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8)
+    moe = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    config = DeepseekV32Config(
+        **DECODER, **COMMON, **mla, **moe, v_head_dim=16, num_key_value_heads=4,
+        moe_intermediate_size=32, index_topk=4, index_n_heads=2, index_head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    switched = through(eager, "interface")
+    # from_config keeps the config it is given: a copy, or this model's name changes eager's.
+    built = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="multihead")
+    ids = torch.randint(3, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    for model in (built, switched):
+        with pytest.raises(ValueError, match=r"^DeepseekV32Attention passes indices= \(sparse"):
+            model(ids)
+
+
+def test_a_keyword_the_function_does_not_read_is_refused_unless_it_is_none() -> None:
+    attention, q = hf.attention_function("math"), torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"^Linear passes window_bias=, which backend 'math'"):
+        attention(torch.nn.Linear(1, 1), q, q, q, None, window_bias=torch.zeros(3))
+    attention(torch.nn.Linear(1, 1), q, q, q, None, window_bias=None)
 
 
 def test_flash_backends_get_names_hf_leaves_alone() -> None:

@@ -12,10 +12,12 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
 
   Every attention call of a model that dispatches through the interface (Llama, Qwen2,
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
-  positions and cache. A backend that cannot run raises ``BackendUnavailableError``; a
-  feature the kernels do not compute (logit softcapping, attention sinks, a position bias)
-  raises ``ValueError``; a model whose attention does not dispatch through the interface
-  (Bloom, Falcon, ...) raises ``ValueError`` when it is built
+  positions and cache. A backend that cannot run raises ``BackendUnavailableError``. A
+  keyword the model passes that the kernels do not read (logit softcapping, attention sinks,
+  a position bias, a sparse indexer's top-k keys: anything not in :data:`HONOURED`) raises
+  ``ValueError`` at the call, naming it. A model that builds an attention module computing
+  its attention in its own code (Bloom, Falcon, GIT's text attention, ...) raises
+  ``ValueError`` when it is built or switched by ``set_attn_implementation``
   (:func:`routes_through_interface`). Nothing falls back in silence.
 * Through the module. :func:`replace_hf_attention` swaps each attention module of a
   supported family for an :class:`HFAttentionAdapter` holding a
@@ -73,12 +75,31 @@ from multihead.integrations.hf_decoding import AppendCache, prepare_for_decoding
 
 DEFAULT_BACKEND = "sdpa"  # the layer's default, what "multihead" runs
 
-# Keyword arguments some HF models pass to the attention function for a change to the formula
-# that the kernels do not make: refused by name rather than dropped.
-REFUSED = {
-    "softcap": "logit softcapping (Gemma 2)",
-    "s_aux": "attention sinks (gpt-oss)",
-    "position_bias": "an additive position bias (T5-style)",
+# The keywords beside the tensors that HF's models pass the attention function (by name, or
+# from the model call's own keywords) and the kernels honour as they are. Any other keyword
+# that is not None is refused by name: it changes the formula or describes the input in a way
+# the kernels do not read, so dropping it would run another attention in silence.
+HONOURED = frozenset({
+    "sliding_window",  # in the mask HF builds for the layer (its sliding-window mask)
+    "position_ids",  # read by HF's rotary step before the call, and by its mask builder
+    "output_attentions",  # the weights, from the math path
+    # Packed sequences as flash-attention reads them (and Mamba layers, seq_idx); eager and
+    # sdpa read the packing from the mask HF builds from position_ids, as the kernels do.
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+    # The model call's keywords that HF passes down every layer, about its cache (written
+    # before the call), its outputs or its loss.
+    "use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
+    "logits_to_keep",
+})  # fmt: skip
+
+# What the keywords known to change the attention are, for the refusal's message.
+FEATURES = {
+    "softcap": "logit softcapping, Gemma 2's",
+    "s_aux": "attention sinks, gpt-oss's",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias, T5's",
+    "indices": "sparse attention: the indexer's top-k keys",
+    "block_indices": "sparse attention: the indexer's top-k key blocks",
 }
 
 
@@ -142,7 +163,9 @@ def attention_function(backend: str):
     as they are), ``out`` ``(B, L, H, D)``. ``attention_mask`` is :func:`multihead_mask`'s
     (or a 4D mask of the caller's, bool or float); without one, ``is_causal`` (else the
     module's ``is_causal``) makes it causal. The weights ``(B, H, L, S)`` come from the
-    ``math`` path when HF asks for them (``output_attentions``), else ``None``.
+    ``math`` path when HF asks for them (``output_attentions``), else ``None``. Of the other
+    keywords, those in :data:`HONOURED` are taken as they are; any other that is not ``None``
+    raises ``ValueError`` naming it and the module's class.
     """
 
     def attention(
@@ -156,11 +179,12 @@ def attention_function(backend: str):
         is_causal: bool | None = None,
         **kwargs,
     ) -> tuple[Tensor, Tensor | None]:
-        for kwarg, feature in REFUSED.items():
-            if kwargs.get(kwarg) is not None:
+        for kwarg, given in kwargs.items():
+            if given is not None and kwarg not in HONOURED:
+                feature = f" ({FEATURES[kwarg]})" if kwarg in FEATURES else ""
                 raise ValueError(
-                    f"{type(module).__name__} passes {kwarg}= ({feature}), which backend "
-                    f"{backend!r} does not compute; use attn_implementation='eager'"
+                    f"{type(module).__name__} passes {kwarg}={feature}, which backend "
+                    f"{backend!r} does not read; use attn_implementation='eager'"
                 )
         if torch.is_autocast_enabled(query.device.type):
             # HF's rotary step (bf16 projections times fp32 cos/sin) leaves Q and K in fp32
@@ -194,35 +218,104 @@ def attention_function(backend: str):
 
 
 # ------------------------------------------------- models that never reach the interface
-@cache
 def routes_through_interface(model_class: type) -> bool:
-    """Whether ``model_class`` computes its attention through HF's ``AttentionInterface``.
+    """Whether every attention ``model_class`` builds reaches HF's ``AttentionInterface``, or
+    computes the same under any implementation name: :func:`own_attention` finds none."""
+    return not own_attention(model_class)
 
-    HF accepts any registered name for any model. A model whose attention modules call their
-    own eager code (Bloom, XGLM, GPT-NeoX-Japanese, RoFormer, ...) never calls the registered
-    function: it reads the mask :func:`multihead_mask` built (``None`` for plain causality)
-    as an additive bias, so causality is lost in silence; others index a dict of their own by
-    the name (Falcon, GPT-Neo: ``KeyError``) or fail later (MPT). The rule: the source of the
-    module defining ``model_class`` looks the function up
-    (``ALL_ATTENTION_FUNCTIONS.get_interface(``) if it defines an attention module (a
-    ``class *Attention*(nn.Module)``); a module with none (a head class reusing another
-    model's layers, Mamba) passes. It is HF's own test for ``set_attn_implementation``
-    (``PreTrainedModel._can_set_attn_implementation``), read once per class, before any
-    weight is built: exact on every small-buildable causal LM of transformers 5.24
-    (``tests/integrations/test_hf_sweep.py`` also counts the calls of the attention
-    function), and cheap. A flag set by the function and checked after the first forward
-    would need a hook on every model built (HF offers no place to add one) and comes too
-    late for Falcon's ``KeyError`` at build. A source that cannot be read (a class defined in
-    a notebook) does not pass.
+
+@cache
+def own_attention(model_class: type) -> tuple[str, ...]:
+    """The attention classes ``model_class`` builds that compute their attention in their own
+    code and would read, or fail on, a :func:`register` name: ``()`` for a model that may
+    take one.
+
+    HF accepts any registered name for any model. An attention module that calls its own
+    eager code (Bloom, XGLM, GIT's text attention, ...) never calls the registered function:
+    it reads the mask :func:`multihead_mask` built (``None`` for plain causality) as an
+    additive bias, so causality is lost in silence; others index a dict of their own by the
+    name (Falcon, GPT-Neo, GIT: ``KeyError``) or fail later (MPT).
+
+    The rule, read from the source once per class, before any weight is built: an
+    ``nn.Module`` class with ``Attention`` in its name, among those ``model_class`` builds
+    (named in its ``__init__``, or a base's, directly or in a dict, and so on down), that
+    does not look the function up (``ALL_ATTENTION_FUNCTIONS.get_interface(``) is refused if
+    it reads ``_attn_implementation``, or if it computes a softmax itself over a mask it is
+    given (a ``forward`` argument named ``*mask*``). An attention that takes no mask and
+    reads no name (GOT-OCR2's vision windows) computes what it computes under ``eager``, as
+    under ``sdpa``; a wrapper that passes the mask on to its own attention module (BERT's)
+    or a linear attention without softmax (RWKV, Mamba-style hybrids) is not refused either.
+    A sub-model built through the auto classes (a multimodal model's language model) is
+    checked when it is built. Exact on every small-buildable causal LM of transformers 5.24
+    (``tests/integrations/test_hf_sweep.py``, which also counts the calls of the attention
+    function). HF's own test (``PreTrainedModel._can_set_attn_implementation``) reads the
+    whole file: GIT's vision attention dispatches, its text attention does not. A source
+    that cannot be read (a class defined in a notebook) is refused.
     """
-    module = sys.modules.get(model_class.__module__)
     try:
-        source = inspect.getsource(module)
+        inspect.getsource(model_class)
     except (OSError, TypeError):
+        return (model_class.__name__,)
+    return tuple(sorted(c.__name__ for c in _built_classes(model_class) if _computes_its_own(c)))
+
+
+@cache
+def _sources(cls: type) -> tuple[tuple[type, str], ...]:
+    """``cls`` and its bases up to HF's and torch's own classes, each with its source."""
+    out = []
+    for base in cls.__mro__:
+        if not issubclass(base, nn.Module) or base.__module__.split(".")[0] == "torch":
+            continue
+        if base in PreTrainedModel.__mro__:
+            continue
+        try:
+            out.append((base, inspect.getsource(base)))
+        except (OSError, TypeError):
+            out.append((base, ""))
+    return tuple(out)
+
+
+def _built_classes(model_class: type) -> set[type]:
+    """The ``nn.Module`` classes named in ``model_class``'s ``__init__`` (or its bases'),
+    resolved in their module, a dict's values included (GIT's classes by name), and so on
+    down."""
+    seen, todo = set(), [model_class]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for base, _ in _sources(cls):
+            if "__init__" not in vars(base):
+                continue
+            try:
+                init = inspect.getsource(vars(base)["__init__"])
+            except (OSError, TypeError):
+                continue
+            names = vars(sys.modules[base.__module__])
+            for word in set(re.findall(r"\b[A-Za-z_]\w*", init)):
+                value = names.get(word)
+                for found in value.values() if isinstance(value, dict) else [value]:
+                    if isinstance(found, type) and issubclass(found, nn.Module):
+                        todo.append(found)
+    return seen
+
+
+def _computes_its_own(cls: type) -> bool:
+    """Whether ``cls`` is an attention module that computes its attention in its own code
+    over the name's mask, or reads the name (:func:`own_attention`'s rule)."""
+    if "Attention" not in cls.__name__:
         return False
-    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE):
+    sources = _sources(cls)
+    source = "".join(text for _, text in sources)
+    if not all(text for _, text in sources):
         return True
-    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+    if "ALL_ATTENTION_FUNCTIONS.get_interface(" in source:
+        return False
+    if "_attn_implementation" in source:
+        return True
+    masked = any("mask" in p for p in inspect.signature(cls.forward).parameters)
+    return masked and re.search(r"softmax\(|logsumexp\(", source) is not None
 
 
 def refusal(model_class: type, name: str) -> str:
@@ -238,31 +331,61 @@ def refusal(model_class: type, name: str) -> str:
         fix = "use attn_implementation='eager'; replace_hf_attention supports " + ", ".join(
             c.__name__ for c in CONVERTERS
         )
+    classes = own_attention(model_class)
+    where = f" ({', '.join(classes)})" if classes else ""
     return (
-        f"{model_class.__name__} computes its attention in its own code, not through "
+        f"{model_class.__name__} computes its attention in its own code{where}, not through "
         f"transformers' AttentionInterface, so attn_implementation={name!r} would not reach "
         f"the multihead kernels; {fix}"
     )
 
 
 def _refuse_models_that_compute_attention_themselves() -> None:
-    """Extend HF's check of an ``attn_implementation`` name (``get_correct_attn_implementation``,
-    run when a model is built, before its layers, and by ``set_attn_implementation``) with
-    :func:`routes_through_interface` for :func:`register`'s names: such a model raises
-    ``ValueError`` (:func:`refusal`) at build instead of running wrong or failing on our name."""
-    original = PreTrainedModel.get_correct_attn_implementation
-    if getattr(original, "_multihead", False):
+    """Refuse :func:`register`'s names for a model that fails :func:`routes_through_interface`,
+    with :func:`refusal`'s ``ValueError``, wherever HF takes a name:
+
+    * at build, in HF's check of the name (``get_correct_attn_implementation``, run by every
+      ``PreTrainedModel`` before its layers are built), so that it raises instead of running
+      wrong or failing on our name;
+    * in ``set_attn_implementation``, before HF's own test: for a model that test rejects
+      (Bloom, Falcon) HF logs a warning and keeps ``eager``, and for one it accepts (GIT) it
+      skips the check above. A name in a dict (per sub-config) is checked against every
+      sub-model.
+    """
+    if getattr(PreTrainedModel.get_correct_attn_implementation, "_multihead", False):
         return
     names = set(_names())
+    get_correct, set_implementation = (
+        PreTrainedModel.get_correct_attn_implementation,
+        PreTrainedModel.set_attn_implementation,
+    )
+
+    def check(model_class: type, name) -> None:
+        if name in names and not routes_through_interface(model_class):
+            raise ValueError(refusal(model_class, name))
 
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
-        applicable = original(self, requested_attention, is_init_check)
-        if applicable in names and not routes_through_interface(type(self)):
-            raise ValueError(refusal(type(self), applicable))
+        applicable = get_correct(self, requested_attention, is_init_check)
+        check(type(self), applicable)
         return applicable
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        requested, pending = [], [attn_implementation]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                pending.extend(value.values())
+            else:
+                requested.append(value)
+        for name in requested:
+            for module in self.modules():
+                if isinstance(module, PreTrainedModel):
+                    check(type(module), name)
+        return set_implementation(self, attn_implementation, *args, **kwargs)
 
     get_correct_attn_implementation._multihead = True
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+    PreTrainedModel.set_attn_implementation = set_attn_implementation
 
 
 # --------------------------------------------------------------------------- module swap
