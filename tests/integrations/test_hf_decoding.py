@@ -54,22 +54,33 @@ def test_append_cache_generates_the_tokens_of_dynamic_cache(implementation, beam
     assert all(isinstance(layer, AppendLayer) for layer in cache.layers)
 
 
-def test_append_cache_writes_in_place_and_grows_by_doubling():
+def test_append_cache_writes_in_place_until_full_then_grows_keeping_the_past():
     cache = hf.AppendCache()
     k = torch.randn(2, 1, 5, 4)
     keys, values = cache.update(k, k + 1, layer_idx=0)
     layer = cache.layers[0]
-    assert layer._key_buffer.shape[-2] == 10  # room for twice the first 5
     assert torch.equal(keys, k) and torch.equal(values, k + 1)
-    start = keys.data_ptr()
-    for step in range(5):  # positions 6 .. 10: in place
+    capacity, start = layer._key_buffer.shape[-2], keys.data_ptr()
+    assert capacity > 5
+    for step in range(capacity - 5):  # up to the buffer's end: in place
         new = torch.full((2, 1, 1, 4), float(step))
         keys, _ = cache.update(new, new, layer_idx=0)
         assert keys.data_ptr() == start and keys.shape[-2] == 6 + step
         assert torch.equal(keys[..., :5, :], k) and torch.equal(keys[..., -1:, :], new)
-    keys, _ = cache.update(new, new, layer_idx=0)  # position 11: a new buffer of 22
-    assert keys.data_ptr() != start and layer._key_buffer.shape[-2] == 22
-    assert torch.equal(keys[..., :5, :], k) and cache.get_seq_length(0) == 11
+    keys, _ = cache.update(new, new, layer_idx=0)  # one more: a new buffer, the past kept
+    assert keys.data_ptr() != start and cache.get_seq_length(0) == capacity + 1
+    assert torch.equal(keys[..., :5, :], k) and torch.equal(
+        keys[..., -2:, :], new.expand(-1, -1, 2, -1)
+    )
+    # What it holds beyond the past: a quarter more, at least 256 positions.
+    assert layer._key_buffer.shape[-2] == capacity + 1 + max(256, (capacity + 1) // 4)
+
+
+def test_append_cache_holds_a_quarter_more_than_a_long_prompt():
+    cache = hf.AppendCache()
+    k = torch.randn(1, 1, 4000, 2)
+    cache.update(k, k, layer_idx=0)
+    assert cache.layers[0]._key_buffer.shape[-2] == 5000
 
 
 def test_append_cache_keeps_hf_sliding_window_layers():

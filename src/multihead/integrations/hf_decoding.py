@@ -9,8 +9,9 @@ Both are exported by :mod:`multihead.integrations.huggingface`::
 * :class:`AppendCache`: HF's default ``DynamicCache`` concatenates the whole past with each
   new token (``torch.cat``), so every step copies every cached key and value: at 4,096
   positions and batch 8 that copy costs more than the attention that reads them. This cache
-  writes each new token into spare room at the end of its buffers and grows them by doubling,
-  so the past is copied once per doubling instead of once per token. It is a
+  writes each new token into spare room at the end of its buffers and grows them by a
+  quarter when they are full, so the past is copied once per growth instead of once per
+  token. It is a
   ``DynamicCache`` otherwise: HF builds the same masks, and beam search, cropping and
   batch selection work on it (they rebind the layer's tensors; the next update copies them
   into a new buffer).
@@ -58,9 +59,19 @@ class AppendLayer(DynamicLayer):
         super().reset()
 
 
+def spare_room(needed: int) -> int:
+    """Positions a new buffer holds beyond ``needed``: a quarter more, at least 256.
+
+    Geometric growth keeps the copies amortised (n tokens appended one by one copy about
+    5n positions in all), and a quarter bounds the memory held beyond the past: doubling
+    would hold twice a long prompt's cache from its first step.
+    """
+    return max(256, needed // 4)
+
+
 def _room(buffer: Tensor | None, filled: Tensor, needed: int) -> Tensor:
     """``buffer`` if ``filled`` ``(B, G, S, D)`` is its first ``S`` positions and it holds
-    ``needed``; else a new buffer of twice ``needed`` positions starting with ``filled``."""
+    ``needed``; else a new buffer with :func:`spare_room`, starting with ``filled``."""
     if (
         buffer is not None
         and buffer.shape[-2] >= needed
@@ -70,8 +81,7 @@ def _room(buffer: Tensor | None, filled: Tensor, needed: int) -> Tensor:
         and filled.stride() == buffer.stride()
     ):
         return buffer
-    # Doubling: n tokens appended one by one copy fewer than 2n positions in all.
-    grown = filled.new_empty((*filled.shape[:-2], 2 * needed, filled.shape[-1]))
+    grown = filled.new_empty((*filled.shape[:-2], needed + spare_room(needed), filled.shape[-1]))
     grown[..., : filled.shape[-2], :] = filled
     return grown
 
