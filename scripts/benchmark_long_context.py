@@ -540,28 +540,35 @@ def plot(rows: list[Row], path: Path) -> None:
 
     steps = [r for r in rows if r.note != "prefill"]
     batches = sorted({r.batch for r in steps})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    dtypes = list(dict.fromkeys(r.dtype for r in steps))
+    fig, axes = plt.subplots(
+        len(dtypes), len(batches), figsize=(6 * len(batches), 4.5 * len(dtypes)), squeeze=False
+    )
     colors = dict(zip(DESIGNS, ("C0", "C1", "C2", "C3"), strict=True))
-    for ax, batch in zip(axes[0], batches, strict=True):
-        for design in DESIGNS:
-            best = {}
-            for r in steps:
-                if r.design == design and r.batch == batch and r.candidate == "ours-static":
-                    best[r.context] = r
-            if not best:
-                continue
-            contexts = sorted(best)
-            speed = [best[c].tokens_per_s for c in contexts]
-            roof = [batch * 1000 / best[c].roofline_ms for c in contexts]
-            ax.plot(contexts, speed, "o-", color=colors[design], label=f"{design} (ours, static)")
-            ax.plot(contexts, roof, "--", color=colors[design], alpha=0.6)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"batch {batch}; dashed: roofline")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    for row, dtype in zip(axes, dtypes, strict=True):
+        for ax, batch in zip(row, batches, strict=True):
+            for design in DESIGNS:
+                best = {
+                    r.context: r
+                    for r in steps
+                    if (r.design, r.dtype, r.batch, r.candidate)
+                    == (design, dtype, batch, "ours-static")
+                    and r.ms
+                }
+                if not best:
+                    continue
+                contexts = sorted(best)
+                speed = [best[c].tokens_per_s for c in contexts]
+                roof = [batch * 1000 / best[c].roofline_ms for c in contexts]
+                ax.plot(contexts, speed, "o-", color=colors[design], label=f"{design} (ours)")
+                ax.plot(contexts, roof, "--", color=colors[design], alpha=0.6)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"{dtype}, batch {batch}; dashed: each design's roofline")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -22,6 +22,7 @@ LAYERS = (
     "wandb_setup",  # wandb online/offline without prompts (standard library only)
     "host",  # the host's name, its CPU and the time (standard library only)
     "timing",  # every job once per round, in turn: the one timer of the speed figures (torch only)
+    "packed",  # nn.Linear on a oneDNN-reordered weight, for CPU decoding (torch only)
     "attention",  # the reusable layer (torch only)
     "integrations",  # the layer in other libraries' models (each imports its own extra)
     "model",  # the Transformer, its factory and its decoding

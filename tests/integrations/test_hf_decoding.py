@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from multihead.integrations import huggingface as hf  # noqa: E402
 from multihead.integrations.hf_decoding import AppendLayer  # noqa: E402
-from multihead.model.packed import PackedLinear  # noqa: E402
+from multihead.packed import PackedLinear  # noqa: E402
 
 COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
 COMMON |= dict(initializer_range=0.2, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

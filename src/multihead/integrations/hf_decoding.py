@@ -11,12 +11,11 @@ Both are exported by :mod:`multihead.integrations.huggingface`::
   positions and batch 8 that copy costs more than the attention that reads them. This cache
   writes each new token into spare room at the end of its buffers and grows them by a
   quarter when they are full, so the past is copied once per growth instead of once per
-  token. It is a
-  ``DynamicCache`` otherwise: HF builds the same masks, and beam search, cropping and
-  batch selection work on it (they rebind the layer's tensors; the next update copies them
-  into a new buffer).
+  token. It is a ``DynamicCache`` otherwise: HF builds the same masks, and beam search,
+  cropping and batch selection work on it (they rebind the layer's tensors; the next update
+  copies them into a new buffer).
 * :func:`prepare_for_decoding`: every ``nn.Linear`` of the model becomes a
-  :class:`~multihead.model.packed.PackedLinear`, whose weight is reordered once for oneDNN.
+  :class:`~multihead.packed.PackedLinear`, whose weight is reordered once for oneDNN.
   At batch 8 a step's projections are matrix products of 8 rows, which MKL runs at a small
   fraction of the GEMM peak (docs/benchmarks.md, "Long-context decoding").
 """
@@ -27,7 +26,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from multihead.model.packed import PackedLinear, pack_linears
+from multihead.packed import PackedLinear, pack_linears
 
 
 class AppendLayer(DynamicLayer):
@@ -109,13 +108,13 @@ class AppendCache(DynamicCache):
 
 def prepare_for_decoding(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for decoding on the CPU, in place: eval mode, and every plain
-    ``nn.Linear`` a :class:`~multihead.model.packed.PackedLinear` (the same parameters and
+    ``nn.Linear`` a :class:`~multihead.packed.PackedLinear` (the same parameters and
     ``state_dict``; its weight reordered for oneDNN at its first call without autograd,
     again after any change to it).
 
     Memory: the reordered copies hold as much again as the linear weights. Training
     afterwards is unaffected (with autograd on, the layers are ``nn.Linear``'s), and
-    :func:`~multihead.model.packed.unpack_linears` undoes it.
+    :func:`~multihead.packed.unpack_linears` undoes it.
 
     Returns:
         ``model``.

@@ -23,7 +23,7 @@ from multihead.attention.designs import design_options
 from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
-from multihead.model.packed import PackedLinear
+from multihead.packed import PackedLinear
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
@@ -220,7 +220,7 @@ class DecoderCache:
 
 class OutputProjection(PackedLinear):
     """The projection to vocabulary logits, ``(..., E) -> (..., V)``: a
-    :class:`~multihead.model.packed.PackedLinear`, so that a search runs it on oneDNN with
+    :class:`~multihead.packed.PackedLinear`, so that a search runs it on oneDNN with
     its weight reordered once.
 
     At ``V`` ~ 8,000 this is the largest matmul of every decoding step. On the CPU,

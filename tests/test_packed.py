@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead.model.packed import PackedLinear, can_pack, pack_linears, unpack_linears
+from multihead.packed import PackedLinear, can_pack, pack_linears, unpack_linears
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.empty(1)), reason="oneDNN is not available in this torch build"
