@@ -74,3 +74,23 @@ def test_training_mode_and_other_dtypes_run_f_linear():
         assert layer._packed is not None
         out = layer.double()(torch.randn(2, 8, dtype=torch.float64))  # fp64: F.linear
     assert out.dtype == torch.float64
+
+
+def test_a_used_model_deep_copies_and_pickles_without_its_onednn_copy():
+    import copy
+    import io
+
+    model = _model().eval()
+    pack_linears(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        want = model(x)  # makes the copies
+    clone = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (clone, loaded):
+        assert other[0]._packed is None
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), want)

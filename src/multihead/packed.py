@@ -43,6 +43,14 @@ class PackedLinear(nn.Linear):
     _packed: Tensor | None = None  # the reordered weight
     _packed_version: int = -1  # the weight's version counter when it was reordered
 
+    def __getstate__(self) -> dict:
+        # Copies and pickles leave the oneDNN copy behind (torch cannot copy its storage);
+        # the copy's first call without autograd makes its own.
+        state = super().__getstate__()
+        state.pop("_packed", None)
+        state.pop("_packed_version", None)
+        return state
+
     def train(self, mode: bool = True) -> PackedLinear:
         self._packed = None  # training may change the weight without a trace: reorder again
         return super().train(mode)
