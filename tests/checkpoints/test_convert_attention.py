@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -188,3 +189,13 @@ def test_a_calibration_batch_of_the_wrong_shape_is_refused_naming_the_shape(shap
                                     f"shape {shape}, where it reads (B, S, 32)")
     ):  # fmt: skip
         convert_attention(swapped_encoder(), kv_heads=2, calibration=torch.randn(shape))
+
+
+def test_keeping_every_rotary_feature_warns_nothing():
+    """Q/K all rotary leaves the latent's Q projection no rows: nn.Linear's init warned
+    "Initializing zero-element tensors is a no-op" at every conversion."""
+    model, _ = rope_transformer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_attention(model, kv_latent=16)  # rope_dim unset: all 8 rotated features kept
+    assert model.decoder_layers[0].self_attn.in_proj.weight.shape == (0, 32)
