@@ -230,7 +230,7 @@ def test_kv_conversions_keep_the_head_mask(convert):
     torch.manual_seed(0)
     layer = MultiHeadAttention(16, 4).eval()
     layer.head_mask = torch.tensor([1.0, 0.0, 0.5, 1.0])
-    new = with_kv_heads(layer, 4) if convert == "with_kv_heads" else with_kv_latent(layer, 32)
+    new = with_kv_heads(layer, 4) if convert == "with_kv_heads" else with_kv_latent(layer, 16)
     x = torch.randn(2, 5, 16)
     assert new.head_mask is layer.head_mask
     with torch.no_grad():

@@ -1,5 +1,7 @@
 """Multi-head latent attention against torch's own MHA built from its weight products."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -182,11 +184,21 @@ def test_absorbed_decoding_after_a_fused_adam_step_uses_the_new_weights():
     torch.testing.assert_close(torch.cat(steps, 1), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_latent_that_caches_more_than_the_layer_it_replaces_is_refused():
-    layer = MultiHeadAttention(E, H, num_kv_heads=2)  # caches 2 * 2 heads * 8 * 4 bytes = 128
-    with pytest.raises(ValueError, match=r"with_kv_latent\(33\).*132 bytes.*more than the 128"):
-        with_kv_latent(layer, 33)
-    assert with_kv_latent(layer, 32).kv_cache_bytes_per_token() == 128  # as much: allowed
+@pytest.mark.parametrize(
+    ("num_kv_heads", "r", "message"),
+    [(None, 40, "a K/V latent of 40 is more than the rank 32 of the K/V stack of 'mha4' (E = "
+      "32, G(2D - rope_dim) = 64): 8 of its numbers would always be zero"),
+     (2, 33, "a K/V latent of 33 is more than the rank 32 of the K/V stack of 'gqa4kv2' (E = "
+      "32, G(2D - rope_dim) = 32): 1 of its numbers")],
+    ids=["wider_than_E", "more_cache_than_the_layer"],
+)  # fmt: skip
+def test_a_latent_above_the_rank_of_the_kv_stack_is_refused(num_kv_heads, r, message):
+    """MHA with r = 40 > E was accepted, its last 8 numbers always zero; GQA 4/2 with r = 33
+    caches more than the layer's 2 * 2 heads * 8 (refused before, in other words)."""
+    layer = MultiHeadAttention(E, H, num_kv_heads=num_kv_heads)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        with_kv_latent(layer, r)
+    assert with_kv_latent(layer, 32).kv_latent.latent_dim == 32  # the rank itself: allowed
 
 
 @pytest.mark.parametrize(

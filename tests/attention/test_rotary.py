@@ -266,7 +266,8 @@ def test_rotary_to_mla_at_full_rank_is_the_source_layer(num_kv_heads, rotary_dim
     # the copy scores through the latent plus one rotary key per K/V group.
     source, G = rotary_source(num_kv_heads, rotary_dim, interleaved), num_kv_heads
     x = torch.randn(2, 7, 32, dtype=torch.float64)
-    rank = G * 8 + G * (8 - rotary_dim)  # V and the K features left unrotated, per group
+    # V and the K features left unrotated, per group, at most E = 32
+    rank = min(G * 8 + G * (8 - rotary_dim), 32)
     mla = with_kv_latent(source, rank, selection="norm", calibration=x)
     assert mla.kv_cache_bytes_per_token() == (rank + G * rotary_dim) * 4
     with torch.no_grad():
@@ -327,10 +328,10 @@ def test_partial_rope_keeps_the_selected_pairs_of_each_group(interleaved):
         (None, {"rope_dim": 2}, "rope_dim of 'mha4' must be None: it has no rotary, got 2"),
         (8, {"selection": "low"}, "selection must be 'high', 'uniform' or 'norm', got 'low'"),
         (8, {"selection": "norm"}, "selection='norm' needs calibration, the layer's inputs"),
-        (8, {"kv_latent_dim": 17}, "with_kv_latent(17, rope_dim=8) would cache 132 bytes per "
-         "token (fp32), more than the 128"),  # the rotary keys counted: 17 + 2 groups * 8
+        (8, {"kv_latent_dim": 17}, "a K/V latent of 17 is more than the rank 16 of the K/V "
+         "stack of 'gqa4kv2-rope' (E = 32, G(2D - rope_dim) = 16)"),  # the rotary keys apart
     ],
-    ids=["odd", "wider", "no_rotary", "selection", "no_calibration", "cache"],
+    ids=["odd", "wider", "no_rotary", "selection", "no_calibration", "rank"],
 )  # fmt: skip
 def test_bad_rotary_conversions_are_named(rotary_dim, kwargs, message):
     layer = MultiHeadAttention(32, 4) if rotary_dim is None else rotary_source(2, rotary_dim, False)

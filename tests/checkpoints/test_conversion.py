@@ -279,14 +279,15 @@ def test_a_rotary_checkpoint_converts_to_mla_loads_and_its_uptrain_command_rebui
         recorded.read_text() + "- model.positional=rope\n"
     )
     # Decoder self-attention: MHA, 4 heads of D = 8, rope_dim 4 of the 8 rotated features
-    # kept: the latent holds 4 * 4 K and 4 * 8 V features (full rank 48), cache 48 + 4 * 4.
+    # kept: the latent factors 4 * 4 K and 4 * 8 V features of E = 32 (full rank 32), cache
+    # 32 + 4 * 4.
     out = tmp_path / "mla.ckpt"
     written, overrides = convert_kv_heads(
-        rope_run, None, out, ["decoder_self_attention"], kv_latent_dim=48, rope_dim=4
+        rope_run, None, out, ["decoder_self_attention"], kv_latent_dim=32, rope_dim=4
     )
     new = load_trained_model(written).model
-    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r48rope4x4"
-    assert new.decoder_layers[0].self_attn.kv_cache_bytes_per_token() == (48 + 16) * 4
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope4x4"
+    assert new.decoder_layers[0].self_attn.kv_cache_bytes_per_token() == (32 + 16) * 4
     # rope_dim < 8: the 2 pairs kept are the fastest ("high"); the model differs (uptraining
     # recovers it), but every pair kept rotates at its frequency in the source's pairing.
     assert new.decoder_layers[0].self_attn.kv_latent.rope.inv_freq == ((1.0, 0.1),) * 4

@@ -5,6 +5,8 @@ replace_hf_attention; each is checked against the model before the conversion.""
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -116,3 +118,84 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
         out = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)
         for t in range(8, 13):
             assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
+
+
+# ---------------------------------------------------------------------- refusals, each named
+def swapped_encoder() -> nn.Module:
+    """Two torch encoder layers swapped to MultiHeadAttention: MHA, E = 32, 4 heads of 8."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return replace_torch_attention(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+
+
+def test_a_model_never_swapped_is_refused_naming_the_swap():
+    """It returned [] (the model unchanged, in silence)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(
+        ValueError, match=r"LlamaForCausalLM has no MultiHeadAttention to convert; swap its "
+        r"attention first \(replace_hf_attention for a Hugging Face model"
+    ):  # fmt: skip
+        convert_attention(model, kv_heads=1)
+
+
+def test_an_already_converted_model_is_refused_as_such():
+    """It got "none in scope has positions", as a model with no attention at all did."""
+    model, _ = rope_transformer()
+    convert_attention(model, kv_latent=16)
+    with pytest.raises(
+        ValueError, match=r"^decoder_layers.0.self_attn already has a K/V latent "
+        r"\('mla4r16rope8x2'\), which kv_latent=8 does not convert; it converts MHA/GQA/MQA"
+    ):  # fmt: skip
+        convert_attention(model, kv_latent=8, rope_dim=2)
+
+
+def test_options_it_would_ignore_are_refused_by_name():
+    """rope_dim and selection were accepted with kv_heads and did nothing."""
+    rope, _ = rope_transformer()
+    with pytest.raises(
+        ValueError, match=r"^rope_dim=4 and selection='norm' would be ignored: kv_heads=1 pools "
+        r"K/V heads, and they choose the rotary features of a K/V latent$"
+    ):  # fmt: skip
+        convert_attention(rope, kv_heads=1, rope_dim=4, selection="norm")
+    with pytest.raises(
+        ValueError, match=r"^selection='uniform' would be ignored: they choose rotary features, "
+        r"and no layer in scope has positions$"
+    ):  # fmt: skip
+        convert_attention(swapped_encoder(), kv_latent=8, selection="uniform")
+
+
+def test_refusals_name_the_arguments_as_passed():
+    """kv_heads=0 was refused as num_kv_heads, kv_latent=0 as kv_latent_dim."""
+    model = swapped_encoder()
+    with pytest.raises(ValueError, match=r"^kv_heads must be a positive integer, got kv_heads=0$"):
+        convert_attention(model, kv_heads=0)
+    with pytest.raises(ValueError, match=r"^kv_latent must be a positive integer, got kv_lat"):
+        convert_attention(model, kv_latent=0)
+    with pytest.raises(ValueError, match=r"^cannot pool 4 K/V heads into 3: it must divide 4$"):
+        convert_attention(model, kv_heads=3)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 6, 16), (1, 2, 6, 32)], ids=["width", "rank"]
+)  # fmt: skip
+def test_a_calibration_batch_of_the_wrong_shape_is_refused_naming_the_shape(shape):
+    """A raw matmul error came from inside the layer."""
+    with pytest.raises(
+        ValueError, match=re.escape(f"calibration gives layers.0.self_attn.attn an input of "
+                                    f"shape {shape}, where it reads (B, S, 32)")
+    ):  # fmt: skip
+        convert_attention(swapped_encoder(), kv_heads=2, calibration=torch.randn(shape))
+
+
+def test_keeping_every_rotary_feature_warns_nothing():
+    """Q/K all rotary leaves the latent's Q projection no rows: nn.Linear's init warned
+    "Initializing zero-element tensors is a no-op" at every conversion."""
+    model, _ = rope_transformer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_attention(model, kv_latent=16)  # rope_dim unset: all 8 rotated features kept
+    assert model.decoder_layers[0].self_attn.in_proj.weight.shape == (0, 32)

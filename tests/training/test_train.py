@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import socket
@@ -216,23 +217,53 @@ def test_resume_is_bit_exact(smoke_config, smoke_run_dir, stopped_runs, trained_
     assert callback_states(straight, smoke_run_dir) == callback_states(resumed, run)
 
 
+# The session's smoke run (helpers.training.train_smoke_run).
+SAME_COMMAND = [
+    "trainer.max_steps=20",
+    "trainer.val_check_interval=10",
+    "test=false",
+    "summary.decode_speed=false",
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_same_command_seed_and_threads_give_identical_weights(
-    smoke_run_dir, multi30k_dir, tmp_path
+    threads, smoke_run_dir, multi30k_dir, tmp_path
 ) -> None:
-    """A second run of the session's smoke run (20 steps, seed 1234, one thread), as a fresh
-    ``scripts/train.py`` process with its own data and tokenizer cache, ends with the same
-    weights, optimizer state and sampler position, bit for bit (docs/usage.md, "Reproducible
-    runs": the thread count and the CPU's kernels must match too)."""
-    overrides = smoke_overrides(tmp_path / "run", multi30k_dir, tmp_path / "cache")
-    settings = ["trainer.max_steps=20", "trainer.val_check_interval=10", "test=false"]
-    result = run_script(
-        "train.py", *overrides, *settings, "summary.decode_speed=false", "hydra.mode=RUN",
-        f"hydra.run.dir={tmp_path / 'run'}", env={"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    again = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    first = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    """The session's smoke run (20 steps, seed 1234, one thread) again as a fresh
+    ``scripts/train.py`` process with its own data and tokenizer cache, or two such runs on
+    two threads (the recipe's count), end with the same weights, optimizer state and sampler
+    position, bit for bit (docs/usage.md, "Reproducible runs": the thread count and the CPU's
+    kernels must match too). The budget is in steps: under ``max_time`` with a clock-read
+    cooldown, as the recipe trains, the machine's load decides the steps, and no test can pin
+    that."""
+    runs = [smoke_run_dir] if threads == 1 else []
+    while len(runs) < 2:
+        out = tmp_path / f"run{len(runs)}"
+        overrides = smoke_overrides(out, multi30k_dir, tmp_path / "cache")
+        result = run_script(
+            "train.py", *overrides, *SAME_COMMAND, "hydra.mode=RUN", f"hydra.run.dir={out}",
+            env={"OMP_NUM_THREADS": str(threads)},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads((out / "summary.json").read_text())["run/threads"] == threads
+        runs.append(out)
+    first, again = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False) for r in runs)
     assert_same_training_state(first, again)
+
+
+def test_same_command_check_fails_when_the_seed_is_not_applied(
+    smoke_config, smoke_run_dir, tmp_path, monkeypatch
+) -> None:
+    """A mutation check: with ``seed_everything`` dropped (the initial weights then come from
+    wherever the global generator stands), the check above fails on the same command."""
+    monkeypatch.setattr(pl, "seed_everything", lambda *args, **kwargs: None)
+    torch.manual_seed(0)  # not the run's 1234
+    train(smoke_config(*SAME_COMMAND))
+    first = torch.load(smoke_run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    again = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    with pytest.raises(AssertionError, match=r"^model\."):
+        assert_same_training_state(first, again)
 
 
 def test_resume_checks_fail_when_resume_is_dropped(

@@ -176,7 +176,7 @@ def run_study(
             written, overrides = convert_kv_heads(
                 ckpt, target.get("num_kv_heads"), row_dir / "converted.ckpt",
                 kv_latent_dim=target.get("kv_latent_dim"), rope_dim=target.get("rope_dim"),
-                selection=selection,
+                selection=selection if method == "mla" else "high",  # GQA would refuse it
             )  # fmt: skip
             start = written
         self_bytes, cross_bytes = cache_bytes(start)

@@ -58,10 +58,8 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
     _check_design(layer, "with_kv_heads")
-    if num_kv_heads <= 0 or G % num_kv_heads != 0:
-        raise ValueError(
-            f"cannot pool {G} K/V heads into {num_kv_heads}: num_kv_heads must divide {G}"
-        )
+    if num_kv_heads <= 0 or G % num_kv_heads != 0:  # no argument named: callers name it apart
+        raise ValueError(f"cannot pool {G} K/V heads into {num_kv_heads}: it must divide {G}")
     design = {} if layer.design is None else layer.design.options
     new = rebuild(layer, num_kv_heads=num_kv_heads, **design)
 
@@ -90,11 +88,12 @@ def with_kv_latent(
 
     The joint truncated SVD of the stacked K and V weights (TransMLA, MHA2MLA; 2025):
     ``[W_K; W_V] = U S V^T`` (GQA's K/V heads repeated per query head first), ``W_DKV`` the
-    top ``r`` rows of ``V^T`` and ``[W_UK; W_UV] = U_r S_r``. It is exact when ``r`` is at
-    least the rank of the stack (at most ``min(2 G D, E)``). Biases: the K bias adds the same
-    ``q . b_K`` to every score of a query, which softmax ignores, so it is dropped; the V
-    bias adds ``b_V`` to every head output (weights sum to 1), which moves into the output
-    projection's bias (a query with no key left, zeroed by the layer, then differs).
+    top ``r`` rows of ``V^T`` and ``[W_UK; W_UV] = U_r S_r``. It is exact when ``r`` is the
+    rank of the stack (at most ``min(G (2D - rope_dim), E)``); a larger ``r`` is refused, its
+    last numbers always zero. Biases: the K bias adds the same ``q . b_K`` to every score of
+    a query, which softmax ignores, so it is dropped; the V bias adds ``b_V`` to every head
+    output (weights sum to 1), which moves into the output projection's bias (a query with no
+    key left, zeroed by the layer, then differs).
 
     A rotary ``layer`` (MHA2MLA's partial RoPE, ``docs/reuse.md``): each K/V group keeps
     ``rope_dim`` rotated features (whole pairs; ``None``: all ``R``; chosen by ``selection``,
@@ -130,13 +129,16 @@ def with_kv_latent(
                   "softmax_scale": layer.scale}  # fmt: skip
     new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim, **rotary)
     new.positions = None  # a rotary key is the latent part's own
-    bytes_now, bytes_latent = layer.kv_cache_bytes_per_token(), new.kv_cache_bytes_per_token()
-    if bytes_latent > bytes_now:
-        call = f"{kv_latent_dim}, rope_dim={rope_dim}" if rope_dim else kv_latent_dim
+    # The SVD's rank: G(D - rope_dim) distinct K rows and G D V rows (GQA's repeats add none),
+    # E columns. Above it the latent's last numbers are always zero; above G(2D - rope_dim)
+    # it also caches more than the layer it replaces.
+    kv_rows = G * (2 * D - rope_dim)
+    if kv_latent_dim > min(kv_rows, E):
+        rank = min(kv_rows, E)
         raise ValueError(
-            f"with_kv_latent({call}) would cache {bytes_latent} bytes per token (fp32), more "
-            f"than the {bytes_now} of the {layer.head_tag} layer it replaces; use "
-            f"kv_latent_dim <= {2 * G * D - G * rope_dim}"
+            f"a K/V latent of {kv_latent_dim} is more than the rank {rank} of the K/V stack of "
+            f"{layer.head_tag!r} (E = {E}, G(2D - rope_dim) = {kv_rows}): "
+            f"{kv_latent_dim - rank} of its numbers would always be zero"
         )
     kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
     kept[heads[:G], rope_index] = False
@@ -150,13 +152,10 @@ def with_kv_latent(
     with torch.no_grad():
         stacked = torch.cat([per_query_head(w_k)[kept_q], per_query_head(w_v)]).double()
         U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)  # stacked: (H(2D - d_R), E)
-        r = min(kv_latent_dim, S.numel())
-        up = torch.zeros(stacked.shape[0], kv_latent_dim, dtype=torch.float64, device=U.device)
-        down = torch.zeros(kv_latent_dim, E, dtype=torch.float64, device=U.device)
-        up[:, :r], down[:r] = U[:, :r] * S[:r], Vh[:r]  # a latent wider than E: zero columns
+        r = kv_latent_dim  # at most the rank, checked above
         latent = new.design
-        latent.up.weight.copy_(up)
-        latent.down.weight.copy_(down)
+        latent.up.weight.copy_(U[:, :r] * S[:r])
+        latent.down.weight.copy_(Vh[:r])
         for name, q, k in (("weight", w_q, w_k), ("bias", b_q, b_k)):
             if q is not None:
                 getattr(new.in_proj, name).copy_(q[kept_q])

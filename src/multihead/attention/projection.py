@@ -34,6 +34,12 @@ class QKVProjection(nn.Linear):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.has_kv = kv
 
+    def reset_parameters(self) -> None:
+        # An MLA layer whose Q/K features are all rotary (qk_head_dim 0) has no Q rows here:
+        # nn.Linear's Kaiming init would warn that it draws nothing (it draws nothing anyway).
+        if self.weight.numel():
+            super().reset_parameters()
+
     @classmethod
     def from_linears(
         cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, num_heads: int,

@@ -67,6 +67,8 @@ def _target(
     ((name, value),) = asked.items()
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {name}={value}")
     return asked
 
 
@@ -95,7 +97,20 @@ def convert_attention(
         Frobenius error of K and V (per query head, before RoPE and without biases, which
         move exactly) on the layer's calibration inputs.
     """
-    _target(kv_heads, kv_latent, ("kv_heads", "kv_latent"))
+    return _convert(
+        model, kv_heads, kv_latent, rope_dim=rope_dim, selection=selection,
+        calibration=calibration, scope=scope, names=("kv_heads", "kv_latent"),
+    )  # fmt: skip
+
+
+def _convert(
+    model: nn.Module, kv_heads: int | None, kv_latent: int | None, *, rope_dim: int | None,
+    selection: str, calibration: Any, scope: str | Sequence[str] | None, names: tuple[str, str],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`convert_attention`, its refusals naming the arguments ``names`` (the public
+    function's ``kv_heads``, ``kv_latent``; :func:`convert_checkpoint`'s own)."""
+    _target(kv_heads, kv_latent, names)
+    asked = f"{names[0]}={kv_heads}" if kv_heads is not None else f"{names[1]}={kv_latent}"
     if isinstance(model, Transformer):
         kinds = resolve_scope("decoder" if scope is None else scope)
         layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
@@ -108,8 +123,36 @@ def convert_attention(
         layers = [
             (p, m, None) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)
         ]
-    if rope_dim is not None and all(attn.positions is None for _, attn, _ in layers):
-        raise ValueError(f"rope_dim={rope_dim} is for rotary layers; none in scope has positions")
+        if not layers:  # an HF or torch model never swapped: returning [] hid it
+            raise ValueError(
+                f"{type(model).__name__} has no MultiHeadAttention to convert; swap its "
+                "attention first (replace_hf_attention for a Hugging Face model, "
+                "replace_torch_attention for torch.nn.MultiheadAttention)"
+            )
+    what = "with_kv_heads" if kv_heads is not None else "with_kv_latent"
+    for path, attn, _ in layers:
+        if attn.design is not None and what not in attn.design.conversions:
+            has = (
+                "already has a K/V latent"
+                if "expand_latent" in attn.design.conversions
+                else "has a head design"
+            )
+            raise ValueError(
+                f"{path} {has} ({attn.head_tag!r}), which {asked} does not convert; "
+                "it converts MHA/GQA/MQA layers"
+            )
+    # The options that choose a latent's rotary features, else dropped without a word
+    # (selection's default, "high", cannot be told from one not passed).
+    ignored = [f"rope_dim={rope_dim}"] if rope_dim is not None else []
+    ignored += [f"selection={selection!r}"] if selection != "high" else []
+    if kv_heads is not None:
+        why = f"{asked} pools K/V heads, and they choose the rotary features of a K/V latent"
+    elif all(attn.positions is None for _, attn, _ in layers):
+        why = "they choose rotary features, and no layer in scope has positions"
+    else:
+        why = ""
+    if ignored and why:
+        raise ValueError(f"{' and '.join(ignored)} would be ignored: {why}")
     inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
     converted = {}  # every layer first, so that a refusal leaves the model as it was
     for path, attn, _ in layers:
@@ -162,6 +205,13 @@ def _layer_inputs(
         def record(module, args, kwargs):
             query = args[0] if args else kwargs["query"]
             key_value = args[1] if len(args) > 1 else kwargs.get("key_value")
+            # Refused here, named, before the layer fails on it with a bare matmul error.
+            for x in (query, key_value):
+                if x is not None and (x.dim() != 3 or x.shape[-1] != module.embed_dim):
+                    raise ValueError(
+                        f"calibration gives {path} an input of shape {tuple(x.shape)}, where it "
+                        f"reads (B, S, {module.embed_dim}): pass the model's own inputs"
+                    )
             seen.setdefault(path, (query, query if key_value is None else key_value))
 
         return record
@@ -257,17 +307,20 @@ def convert_checkpoint(
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
     options = copy.deepcopy(model.attention_config)
+    names = ("num_kv_heads", "kv_latent_dim")  # this function's, for the refusals
     if per_kind is None:
-        convert_attention(
-            model, kv_heads=num_kv_heads, kv_latent=kv_latent_dim, rope_dim=rope_dim,
-            selection=selection, scope=kinds,
+        _convert(
+            model, num_kv_heads, kv_latent_dim, rope_dim=rope_dim, selection=selection,
+            calibration=None, scope=kinds, names=names,
         )  # fmt: skip
-    else:  # one call per kind: its own r, and rope_dim only where it has rotary layers
+    else:  # one call per kind: its own r, rope_dim and selection only where it has rotary layers
         rotary = {kind for kind, _, _, a in model.attention_sublayers() if a.positions is not None}
         for kind, r in per_kind.items():
-            convert_attention(
-                model, kv_latent=r, rope_dim=rope_dim if kind in rotary else None,
-                selection=selection, scope=[kind],
+            turns = kind in rotary
+            _convert(
+                model, None, r, rope_dim=rope_dim if turns else None,
+                selection=selection if turns else "high", calibration=None, scope=[kind],
+                names=names,
             )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
