@@ -360,7 +360,7 @@ TEST_HEADERS = [
     "Δ per seed",
     "p (paired t)",
     f"p ({CORRECTION})",
-    "detectable (80% power)",
+    "detectable (80% power, unadjusted α 0.05)",
     "TOST p",
     "verdict",
 ]
@@ -455,7 +455,7 @@ def seed_rows(report: Report) -> tuple[list[str], list[list[Any]]]:
         "Δ high",
         "p (paired t)",
         f"p ({CORRECTION})",
-        "detectable (80% power)",
+        "detectable (80% power, unadjusted α 0.05)",
         "TOST p",
         "verdict",
     ]
