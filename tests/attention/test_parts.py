@@ -240,3 +240,42 @@ def test_a_positional_part_names_itself_in_the_head_tag() -> None:
     assert MultiHeadAttention(32, 4).head_tag == "mha4"
     assert MultiHeadAttention(32, 4, 2, rotary_dim=8).head_tag == "gqa4kv2-rope"
     assert MultiHeadAttention(32, 4, positions=ALiBi(4)).head_tag == "mha4-alibi"
+
+
+class _Hooked(HeadDesign):
+    """A design that changes the formula through the math kernel's hooks (sigmoid weights)
+    and, as a user first wrote one, does not declare ``backends``."""
+
+    name = attribute = "hooked"
+
+    def __init__(self, e, h, g, *, bias, device=None, dtype=None):
+        super().__init__()
+
+    def attend(self, q, k, v, mask, kernel):
+        return kernel(q, k, v, mask, on_weights=lambda w, s: torch.sigmoid(s))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_the_math_kernels_hooks_are_refused_on_another_backend(backend):
+    """It ran the math path while the layer reported ``sdpa`` or ``flex``."""
+    layer = MultiHeadAttention(16, 4, backend=backend, design=_Hooked(16, 4, 4, bias=True))
+    with pytest.raises(ValueError, match=rf"'hooked' changes the formula.*on_weights.*{backend!r}"):
+        layer(torch.randn(2, 3, 16))
+    math = MultiHeadAttention(16, 4, backend="math", design=_Hooked(16, 4, 4, bias=True))
+    x = torch.randn(2, 3, 16)
+    q, k, v = math.in_proj.qkv(x)  # (B, H, L, D): sigmoid(scores) V, by hand
+    heads = torch.sigmoid(q @ k.transpose(-1, -2) * math.scale) @ v
+    torch.testing.assert_close(math(x), math.out_proj(heads.transpose(1, 2).reshape(2, 3, 16)))
+
+
+def test_a_design_without_attribute_is_named():
+    """It failed with KeyError: 'module name can't be empty string ""'."""
+    from multihead.attention import register_design
+
+    class Nameless(_Hooked):
+        name, attribute = "nameless", ""
+
+    with pytest.raises(ValueError, match=r"head design 'nameless' \(.*Nameless\) needs a class"):
+        register_design("nameless", Nameless)
+    with pytest.raises(ValueError, match=r"head design 'nameless' .* got ''"):
+        MultiHeadAttention(16, 4, backend="math", design=Nameless(16, 4, 4, bias=True))

@@ -124,8 +124,22 @@ def register_design(name: str, cls: type[HeadDesign]) -> type[HeadDesign]:
     on ``MultiHeadAttention(..., design=name)`` and the configs' ``design: name`` build it."""
     if not (isinstance(cls, type) and issubclass(cls, HeadDesign)):
         raise TypeError(f"register_design needs a HeadDesign subclass, got {cls!r}")
+    check_attribute(cls)
     DESIGNS[name] = cls
     return cls
+
+
+def check_attribute(design: type[HeadDesign] | HeadDesign) -> None:
+    """Refuse a design without an ``attribute``: the layer holds it under that name (its
+    ``state_dict`` keys' prefix), and an empty one fails deep in ``add_module``."""
+    attribute = design.attribute
+    if not (isinstance(attribute, str) and attribute.isidentifier()):
+        cls = design if isinstance(design, type) else type(design)
+        raise ValueError(
+            f"head design {cls.name or cls.__name__!r} ({cls.__qualname__}) needs a class "
+            f"attribute `attribute`, the name the layer holds it under (a Python identifier, "
+            f"e.g. attribute = {(cls.name or 'my_design')!r}); got {attribute!r}"
+        )
 
 
 def _options(cls: type[HeadDesign]) -> dict[str, object]:
@@ -220,11 +234,31 @@ def make_mask(
 
 def kernel_of(layer: AttentionLayer, need_weights: bool, scale: float | None = None) -> Kernel:
     """:func:`~.backends.attend` with the layer's backend, dropout (training mode only) and
-    scale (``scale``: a design's own, e.g. MLA's wider scores): ``kernel(q, k, v, mask)``."""
-    return functools.partial(
+    scale (``scale``: a design's own, e.g. MLA's wider scores): ``kernel(q, k, v, mask)``.
+
+    ``kernel(q, k, v, mask, on_logits=..., on_weights=...)``, a design changing the formula
+    through the math kernel's hooks, runs on a layer with ``backend="math"`` only: on any
+    other it raises, rather than run the math path while the layer reports its backend.
+    """
+    run = functools.partial(
         attend, backend=layer.backend, dropout_p=layer.dropout if layer.training else 0.0,
         scale=layer.scale if scale is None else scale, need_weights=need_weights,
     )  # fmt: skip
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, **hooks):
+        if hooks and layer.backend != "math":
+            design = getattr(layer, "design", None)
+            name = getattr(design, "name", "") or type(design).__name__
+            raise ValueError(
+                f"head design {name!r} changes the formula through the math kernel's hooks "
+                f"({', '.join(sorted(hooks))}), which backend {layer.backend!r} does not "
+                "compute; build the layer with backend='math' (and declare backends = "
+                "frozenset({'math'}) on the design, so that other backends are refused when "
+                "it is built)"
+            )
+        return run(q, k, v, mask, **hooks)
+
+    return kernel
 
 
 def weights_times_values(layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
     HeadDesign,
+    check_attribute,
     kernel_of,
     make_mask,
     new_positions,
@@ -169,6 +170,8 @@ class MultiHeadAttention(nn.Module):
         if isinstance(design, type):
             factory = {"bias": bias, "device": device, "dtype": dtype}
             design = design(embed_dim, num_heads, num_kv_heads, **factory, **design_options)
+        if design is not None:
+            check_attribute(design)
         self._design_name = None if design is None else design.attribute
         if design is not None:
             self.add_module(design.attribute, design)
