@@ -84,3 +84,32 @@ def test_llama_forward_and_generate(backend: str, precision: str) -> None:
     assert forward == ([backend] * layers if fused else [])
     steps = 1 if backend == "cudnn" else NEW
     assert kernels[len(forward) :] == ([backend] * layers * steps if fused else [])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_prepared_model_generates_on_cuda_with_the_append_cache(precision: str) -> None:
+    """``prepare_for_decoding`` on a CUDA model: its packed linear layers step aside for
+    ``F.linear`` (oneDNN is CPU only) and make no copy; ``AppendCache`` grows on the device;
+    single-token GQA steps go through the folded SDPA call."""
+    from multihead.packed import PackedLinear
+
+    hf.register()
+    fake = FakeCuda()
+    with kernel_stubs():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(**CONFIG), attn_implementation="multihead"
+        )
+        model = hf.prepare_for_decoding(fake.model(model))
+        cache = hf.AppendCache(config=model.config)
+        with fake, torch.no_grad(), autocast(AUTOCAST[precision]):
+            ids = torch.randint(2, 64, (B, PROMPT), device=CUDA)
+            stop = StoppingCriteriaList([StopAfter(fake, PROMPT + NEW)])
+            out = model.generate(
+                ids, max_new_tokens=NEW, do_sample=False, stopping_criteria=stop, cache=cache
+            )
+    assert (out.device, out.shape) == (CUDA, (B, PROMPT + NEW))
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m._packed is None for m in packed)
+    keys = cache.layers[0].keys
+    assert keys.device == CUDA and keys.shape[-2] == PROMPT + NEW - 1

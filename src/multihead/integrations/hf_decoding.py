@@ -35,6 +35,7 @@ class AppendLayer(DynamicLayer):
 
     _key_buffer: Tensor | None = None
     _value_buffer: Tensor | None = None
+    _keys_view: Tensor | None = None  # the keys last returned, a view of _key_buffer
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -45,16 +46,19 @@ class AppendLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         S, L = self.keys.shape[-2], key_states.shape[-2]
-        self._key_buffer = _room(self._key_buffer, self.keys, S + L)
-        self._value_buffer = _room(self._value_buffer, self.values, S + L)
+        # Still the views this layer returned (HF's crop, beam reordering and batch selection
+        # rebind them) with room for L more: written in place; else copied into new buffers.
+        if not (self.keys is self._keys_view and self._key_buffer.shape[-2] >= S + L):
+            self._key_buffer = _grown(self.keys, S + L)
+            self._value_buffer = _grown(self.values, S + L)
         self._key_buffer[..., S : S + L, :] = key_states
         self._value_buffer[..., S : S + L, :] = value_states
-        self.keys = self._key_buffer[..., : S + L, :]  # (B, G, S + L, D), a view
+        self.keys = self._keys_view = self._key_buffer[..., : S + L, :]  # (B, G, S + L, D)
         self.values = self._value_buffer[..., : S + L, :]
         return self.keys, self.values
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer = self._value_buffer = self._keys_view = None
         super().reset()
 
 
@@ -68,18 +72,8 @@ def spare_room(needed: int) -> int:
     return max(256, needed // 4)
 
 
-def _room(buffer: Tensor | None, filled: Tensor, needed: int) -> Tensor:
-    """``buffer`` if ``filled`` ``(B, G, S, D)`` is its first ``S`` positions and it holds
-    ``needed``; else a new buffer with :func:`spare_room`, starting with ``filled``."""
-    if (
-        buffer is not None
-        and buffer.shape[-2] >= needed
-        and buffer.shape[:-2] == filled.shape[:-2]
-        and buffer.shape[-1] == filled.shape[-1]
-        and filled.data_ptr() == buffer.data_ptr()
-        and filled.stride() == buffer.stride()
-    ):
-        return buffer
+def _grown(filled: Tensor, needed: int) -> Tensor:
+    """A new buffer ``(B, G, needed + spare_room(needed), D)`` starting with ``filled``."""
     grown = filled.new_empty((*filled.shape[:-2], needed + spare_room(needed), filled.shape[-1]))
     grown[..., : filled.shape[-2], :] = filled
     return grown
