@@ -36,7 +36,12 @@ def test_one_tree_against_itself_prints_its_fraction_of_the_peak(
         next(line for line in out.splitlines() if "(the peak)" in line).split(" | ")[1][:-2]
     )
     for row in rows:  # "of peak" is the step's GFLOP/s over the 2048^3 GEMM's (both rounded)
-        assert abs(float(row[5].removesuffix("% |")) - 100 * float(row[4]) / peak) <= 1
+        step = float(row[4])
+        # What the printed figures' rounding to whole numbers allows: 0.5 in the step's
+        # GFLOP/s and in the peak's, 0.5 in the percentage (1 point was too tight on a
+        # slow host: 14 over 67 GFLOP/s printed 22%, 20.9 from the rounded figures).
+        allowed = 100 * (0.5 / peak + step * 0.5 / (peak - 0.5) ** 2) + 0.5
+        assert abs(float(row[5].removesuffix("% |")) - 100 * step / peak) <= allowed
     assert "new/old speed: " in out
 
 
