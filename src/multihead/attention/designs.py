@@ -159,8 +159,7 @@ def check_design(design: HeadDesign) -> None:
     cls, options = type(design), design.options
     takes = _options(cls)
     unknown = sorted(set(options) - set(takes))
-    missing = sorted(k for k, v in takes.items() if v is inspect.Parameter.empty)
-    missing = [k for k in missing if k not in options]
+    missing = [k for k in _required(cls) if k not in options]
     if unknown or missing:
         what = (
             f"names {', '.join(unknown)}, which its constructor does not take"
@@ -179,6 +178,10 @@ def _options(cls: type[HeadDesign]) -> dict[str, object]:
     params = inspect.signature(cls.__init__).parameters.values()
     skip = ("bias", "device", "dtype")
     return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in skip}
+
+
+def _required(cls: type[HeadDesign]) -> list[str]:
+    return [k for k, v in _options(cls).items() if v is inspect.Parameter.empty]
 
 
 def design_class(design: str) -> type[HeadDesign]:
@@ -283,12 +286,14 @@ def resolve_design(
     design: str | HeadDesign | None, options: dict[str, object]
 ) -> tuple[type[HeadDesign] | HeadDesign | None, dict[str, object]]:
     """The design class ``design`` names (:func:`design_class`), or the instance it is, and
-    its ``options``: the keyword-only arguments of its constructor, given only with a name.
+    its ``options``: the keyword-only arguments of its constructor, given only with a name;
+    one given as ``None`` is left out (its default), as a config's ``null`` means unset.
 
     Raises:
         ValueError: an unknown name or path, options without a design name, options the
-            design does not take.
+            design does not take, or leaves out.
     """
+    options = {k: v for k, v in options.items() if v is not None}
     if design is None or isinstance(design, HeadDesign):
         if options:
             which = "an instance, built with its own" if design is not None else "no design"
@@ -305,6 +310,12 @@ def resolve_design(
         raise ValueError(
             f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
             + (", ".join(takes) or "none")
+        )
+    missing = [k for k in _required(cls) if k not in options]
+    if missing:
+        raise ValueError(
+            f"head design {design!r} needs option {', '.join(missing)}; its options: "
+            + ", ".join(takes)
         )
     return cls, options
 
