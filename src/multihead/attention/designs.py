@@ -199,6 +199,9 @@ def design_class(design: str) -> type[HeadDesign]:
         )
     if design in DESIGNS:
         return DESIGNS[design]
+    loaded = [cls for cls, name in _LOADED_AS.items() if name == design]
+    if loaded:  # a path loaded before (an entry point's is registered): no metadata scan
+        return loaded[0]
     found = entry_points(group=ENTRY_POINT_GROUP, name=design)
     if found:
         entry = next(iter(found))
