@@ -69,7 +69,8 @@ def build(args: argparse.Namespace, backend: str) -> dict[str, MultiHeadAttentio
     layers = {}
     for k in [None, *args.top_k]:
         torch.manual_seed(args.seed)
-        options = {} if k is None else {"top_k_heads": k, "num_shared_heads": args.shared}
+        moh = {"design": "moh", "top_k_heads": k, "num_shared_heads": args.shared}
+        options = {} if k is None else moh
         layer = MultiHeadAttention(args.embed_dim, args.heads, backend=backend, **options)
         layers[layer.head_tag] = layer
     return layers

@@ -6,15 +6,21 @@
 
 from multihead.model import Transformer
 
+
+def mla(r: int, **rotary: int) -> dict:
+    """The decoder self-attention config of MLA with a latent of ``r``."""
+    return {"design": "mla", "design_options": {"kv_latent_dim": r}, **rotary}
+
+
 DECODERS = {  # name: (decoder self-attention options, positional)
     "MHA 8/8": ({}, "sinusoidal"),
     "GQA 8/4": ({"num_kv_heads": 4}, "sinusoidal"),
     "GQA 8/2": ({"num_kv_heads": 2}, "sinusoidal"),
     "MQA 8/1": ({"num_kv_heads": 1}, "sinusoidal"),
-    "MLA r = 32, no positions in the layer": ({"kv_latent_dim": 32}, "sinusoidal"),
-    "MLA r = 32, rotary key d_R = 8": ({"kv_latent_dim": 32, "rotary_dim": 8}, "rope"),
-    "MLA r = 32, rotary key d_R = 16 (rope's default: D)": ({"kv_latent_dim": 32}, "rope"),
-    "MLA r = 16, rotary key d_R = 8": ({"kv_latent_dim": 16, "rotary_dim": 8}, "rope"),
+    "MLA r = 32, no positions in the layer": (mla(32), "sinusoidal"),
+    "MLA r = 32, rotary key d_R = 8": (mla(32, rotary_dim=8), "rope"),
+    "MLA r = 32, rotary key d_R = 16 (rope's default: D)": (mla(32), "rope"),
+    "MLA r = 16, rotary key d_R = 8": (mla(16, rotary_dim=8), "rope"),
 }
 
 

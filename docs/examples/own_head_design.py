@@ -7,6 +7,16 @@ any other sublayer's options) and the KV cache take it by name, and nothing in `
 changes.
 
     python docs/examples/own_head_design.py
+
+``scripts/train.py`` takes it by its import path, with its option from the command line, and
+the checkpoint records the path, so ``scripts/evaluate.py`` builds it again (the directory on
+``PYTHONPATH`` for both; tests/scripts/test_train_script.py does this with a design of its own):
+
+    PYTHONPATH=docs/examples python scripts/train.py experiment=smoke \
+        data.local_dir=../shared/data/multi30k attention.design=own_head_design.HeadTemperature \
+        ++attention.design_options.start=2.0 hydra.run.dir=outputs/head_temperature
+    PYTHONPATH=docs/examples python scripts/evaluate.py \
+        ckpt=outputs/head_temperature/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ class HeadTemperature(HeadDesign):
 
     @property
     def options(self) -> dict[str, object]:
-        return {"design": self.name, "start": self.start}
+        return {"start": self.start}  # what builds it again; the layer adds its name
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask, kernel):
         # Scaling Q_h by 1 / t_h scales head h's scores by it, on any backend: the kernel
@@ -65,7 +75,7 @@ def main() -> dict[str, float]:
     model = Transformer(
         src_vocab_size=50, tgt_vocab_size=50, d_model=32, ffn_dim=64, num_encoder_layers=2,
         num_decoder_layers=2, dropout=0.0, max_positions=64, attention={"num_heads": 4},
-        decoder_self_attention={"design": "head_temperature", "start": 2.0},
+        decoder_self_attention={"design": "head_temperature", "design_options": {"start": 2.0}},
     ).eval()  # fmt: skip
     src, tgt = torch.randint(4, 50, (2, 6)), torch.randint(4, 50, (2, 5))
     logits = model(src, tgt)  # (B, T, V), the full pass

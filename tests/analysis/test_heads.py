@@ -41,7 +41,7 @@ def examples(tokenizer: Tokenizer) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "backend, head_mixing, kv_latent_dim",
+    "backend, design, kv_latent_dim",
     [
         ("sdpa", None, None),
         ("math", "talking_heads", None),
@@ -51,10 +51,10 @@ def examples(tokenizer: Tokenizer) -> list[dict]:
     ],
 )
 def test_head_outputs_recombine_into_each_layers_output(
-    tokenizer, backend, head_mixing, kv_latent_dim
+    tokenizer, backend, design, kv_latent_dim
 ) -> None:
     model = analysis_model(
-        tokenizer.vocab_size, backend, head_mixing=head_mixing, kv_latent_dim=kv_latent_dim
+        tokenizer.vocab_size, backend, design=design, kv_latent_dim=kv_latent_dim
     )
     with torch.no_grad():  # move the mixings off their identity start, so they count
         for name, param in model.named_parameters():

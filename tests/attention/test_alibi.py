@@ -132,7 +132,7 @@ def test_alibi_is_for_self_attention_and_refused_by_sparse_heads() -> None:
     with pytest.raises(ValueError, match="positions are for self-attention; got a key_value"):
         alibi_layer()(torch.randn(1, 3, 32), torch.randn(1, 4, 32))
     with pytest.raises(ValueError, match="takes no positional part with seam 'score_bias'"):
-        alibi_layer(top_k_heads=2)
+        alibi_layer(design="moh", top_k_heads=2)
 
 
 def test_conversions_keep_alibi_or_refuse_it() -> None:

@@ -549,7 +549,7 @@ def _fp64_reference(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"head_mixing": "talking_heads"}], ids=["math", "talking_heads"]
+    "options", [{}, {"design": "talking_heads"}], ids=["math", "talking_heads"]
 )
 def test_an_fp64_layer_keeps_fp64_accuracy(options):
     """The reference kernel's softmax promotes to at least fp32 and never demotes fp64."""

@@ -212,9 +212,7 @@ def test_head_attention_matches_the_formula(design):
 @pytest.mark.parametrize("design", [d for d in DESIGNS if not d.startswith("moh")])
 def test_mixings_start_as_the_identity(design):
     # Fresh mixings (identity mixes, zero second layer / value rows): the plain layer's output.
-    options = {
-        k: v for k, v in DESIGNS[design].items() if k not in ("head_mixing", "mixing_groups")
-    }
+    options = {k: v for k, v in DESIGNS[design].items() if k not in ("design", "mixing_groups")}
     torch.manual_seed(0)
     mixed = MultiHeadAttention(E, H, **DESIGNS[design])
     torch.manual_seed(0)
@@ -241,7 +239,7 @@ def test_bf16_autocast_trains(design):
 # --------------------------------------------------------------------------- aux loss
 def test_aux_loss_by_hand():
     torch.manual_seed(0)
-    layer = MultiHeadAttention(E, H, top_k_heads=2, num_shared_heads=1).train()
+    layer = MultiHeadAttention(E, H, design="moh", top_k_heads=2, num_shared_heads=1).train()
     x = torch.randn(B, L, E)
     layer(x)
     R, tokens = H - 1, [x[b, t] for b in range(B) for t in range(L)]
@@ -266,7 +264,7 @@ def test_aux_loss_by_hand():
 
 
 def test_a_layer_with_an_aux_loss_can_be_copied_and_pickled():
-    layer = MultiHeadAttention(E, H, top_k_heads=2).train()
+    layer = MultiHeadAttention(E, H, design="moh", top_k_heads=2).train()
     layer(torch.randn(B, L, E))
     assert layer.aux_loss.grad_fn is not None
     copied = copy.deepcopy(layer)
@@ -276,7 +274,7 @@ def test_a_layer_with_an_aux_loss_can_be_copied_and_pickled():
 
 
 def test_aux_loss_is_one_for_a_uniform_gate_and_grows_with_imbalance():
-    layer = MultiHeadAttention(E, H, top_k_heads=1).train()
+    layer = MultiHeadAttention(E, H, design="moh", top_k_heads=1).train()
     x = torch.zeros(1, 4, E)
     x[0, :, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])
     with torch.no_grad():
@@ -303,7 +301,7 @@ def test_sparse_heads_compute_only_the_selected_pairs(top_k):
     heads, length, width, batch = 8, 64, 128, 2
     head_dim = width // heads
     dense = MultiHeadAttention(width, heads, backend="math")
-    sparse = MultiHeadAttention(width, heads, backend="math", top_k_heads=top_k)
+    sparse = MultiHeadAttention(width, heads, backend="math", design="moh", top_k_heads=top_k)
     x = torch.randn(batch, length, width)
     with torch.no_grad():
         chosen = sparse.head_gate(x).topk(top_k, dim=-1).indices  # (B, L, k)
@@ -382,16 +380,20 @@ def test_head_design_names_and_active_fraction():
     assert names["group_mlp"] == "mha4-group_mlp2"
     assert names["group_mlp4-mqa"] == "mqa4-group_mlp4"
     assert names["head_attention-gqa"] == "gqa4kv2-head_attention"
-    config = MultiHeadAttention(E, H, 2, top_k_heads=2, num_shared_heads=1).head_config
+    config = MultiHeadAttention(
+        E, H, 2, design="moh", top_k_heads=2, num_shared_heads=1
+    ).head_config
     assert config == {
         "kind": "gqa",
         "num_heads": H,
         "num_kv_heads": 2,
+        "design": "moh",
         "top_k_heads": 2,
         "num_shared_heads": 1,
     }
-    assert MultiHeadAttention(E, 8, top_k_heads=2, num_shared_heads=1).active_head_fraction == 3 / 8
-    assert MultiHeadAttention(E, H, head_mixing="group_mlp").active_head_fraction == 1.0
+    moh = MultiHeadAttention(E, 8, design="moh", top_k_heads=2, num_shared_heads=1)
+    assert moh.active_head_fraction == 3 / 8
+    assert MultiHeadAttention(E, H, design="group_mlp").active_head_fraction == 1.0
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -411,24 +413,29 @@ def test_with_kv_heads_keeps_the_design(design):
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"top_k_heads": 5}, r"top_k_heads must be in \[1, 4\].*top_k_heads=5"),
-        ({"top_k_heads": 0}, r"top_k_heads must be in \[1, 4\].*got top_k_heads=0"),
-        ({"top_k_heads": 2, "num_shared_heads": 3}, r"\[1, 1\].*num_shared_heads=3.*=2"),
+        ({"design": "moh", "top_k_heads": 5}, r"top_k_heads must be in \[1, 4\].*top_k_heads=5"),
+        ({"design": "moh", "top_k_heads": 0}, r"top_k_heads must be in \[1, 4\].*top_k_heads=0"),
         (
-            {"top_k_heads": 1, "num_shared_heads": 4},
+            {"design": "moh", "top_k_heads": 2, "num_shared_heads": 3},
+            r"\[1, 1\].*num_shared_heads=3.*=2",
+        ),
+        (
+            {"design": "moh", "top_k_heads": 1, "num_shared_heads": 4},
             r"num_shared_heads must be in \[0, 3\].*num_heads=4",
         ),
-        ({"num_shared_heads": 1}, r"\['num_shared_heads'\] select no head design"),
-        ({"head_mixing": "nope"}, r"unknown head design 'nope'.*talking_heads, group_mlp"),
-        ({"head_mixing": "talking_heads"}, r"'talking_heads' runs on backend math only.*'sdpa'"),
+        ({"design": "nope"}, r"unknown head design 'nope'; registered: .*talking_heads, group_mlp"),
+        ({"design": "talking_heads"}, r"'talking_heads' runs on backend math only.*'sdpa'"),
         (
-            {"head_mixing": "talking_heads", "backend": "flash"},
+            {"design": "talking_heads", "backend": "flash"},
             r"'talking_heads' runs on backend math only; got backend='flash'",
         ),
-        ({"top_k_heads": 2, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option top_k"),
-        ({"head_mixing": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
-        ({"mixing_groups": 2}, r"\['mixing_groups'\] select no head design"),
+        ({"design": "group_mlp", "top_k_heads": 2}, r"'group_mlp' takes no option top_k_heads"),
+        ({"design": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
         ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups"),
+        ({"design": "moh", "top_k_heads": None}, r"head design 'moh' needs option top_k_heads"),
+        # A design's options come with its name: none chooses it, none is "off" without it.
+        ({"top_k_heads": 2}, r"options top_k_heads are a head design's, and design= names no"),
+        ({"num_shared_heads": 0}, r"options num_shared_heads are a head design's"),
     ],
 )
 def test_invalid_designs_raise(options, pattern):
@@ -438,4 +445,4 @@ def test_invalid_designs_raise(options, pattern):
 
 def test_non_integer_top_k_raises():
     with pytest.raises(TypeError, match=r"top_k_heads must be an integer, got 2.0"):
-        MultiHeadAttention(E, H, top_k_heads=2.0)
+        MultiHeadAttention(E, H, design="moh", top_k_heads=2.0)

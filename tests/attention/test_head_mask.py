@@ -20,10 +20,10 @@ GATED = {
     "mha": {},
     "gqa": {"num_kv_heads": 2},
     "mqa": {"num_kv_heads": 1},
-    "moh-k2": {"top_k_heads": 2},
-    "moh-k1s2-gqa": {"top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 2},
-    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
-    "mla": {"kv_latent_dim": 12},
+    "moh-k2": {"design": "moh", "top_k_heads": 2},
+    "moh-k1s2-gqa": {"design": "moh", "top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 2},
+    "talking_heads": {"design": "talking_heads", "backend": "math"},
+    "mla": {"design": "mla", "kv_latent_dim": 12},
 }
 GATE = torch.tensor([0.0, 1.7, -0.4, 1.0])
 
@@ -111,7 +111,7 @@ def test_gate_gradient_is_the_heads_contribution():
 
 @pytest.mark.parametrize("mixing", ["group_mlp", "head_attention"])
 def test_mixings_after_the_gate_refuse_it(mixing):
-    layer = build({"head_mixing": mixing})
+    layer = build({"design": mixing})
     x, _, _ = inputs()
     with pytest.raises(ValueError, match=f"head_mask is undefined for head design '{mixing}'"):
         layer(x, head_mask=torch.ones(H))
@@ -188,9 +188,13 @@ def test_pruning_keeps_a_gate_set_on_the_layer():
         ({"num_kv_heads": 2}, [0, 1, 2], r"whole groups of 2"),
         ({}, [0, 1, 2, 3], "keep at least one of the 4 heads"),
         ({}, [4], r"head indices must be in \[0, 4\), got \[4\]"),
-        ({"top_k_heads": 2}, [0], "a design that declares it; got head design 'mha4-moh-k2'"),
-        ({"kv_latent_dim": 8}, [0], "got head design 'mla4r8'"),
-        ({"head_mixing": "talking_heads", "backend": "math"}, [0], "talking_heads"),
+        (
+            {"design": "moh", "top_k_heads": 2},
+            [0],
+            "a design that declares it; got head design 'mha4-moh-k2'",
+        ),
+        ({"design": "mla", "kv_latent_dim": 8}, [0], "got head design 'mla4r8'"),
+        ({"design": "talking_heads", "backend": "math"}, [0], "talking_heads"),
     ],
 )
 def test_invalid_pruning_raises(options, heads, pattern):

@@ -28,6 +28,7 @@ DESIGNS = {
     # latent attention: the absorbed path against the expanded full pass, and expanded alone
     **{
         f"mla-{backend}-{'absorbed' if absorb else 'expanded'}": {
+            "design": "mla",
             "kv_latent_dim": 12,
             "backend": backend,
             "absorb": absorb,
@@ -40,15 +41,16 @@ DESIGNS = {
     "gated-mha": {"head_mask": GATE},
     "gated-gqa": {"num_kv_heads": 2, "head_mask": GATE},
     "gated-mqa": {"num_kv_heads": 1, "head_mask": GATE},
-    "gated-moh-k2": {"top_k_heads": 2, "head_mask": GATE},
+    "gated-moh-k2": {"design": "moh", "top_k_heads": 2, "head_mask": GATE},
     "gated-moh-k1s2-gqa": {
+        "design": "moh",
         "top_k_heads": 1,
         "num_shared_heads": 2,
         "num_kv_heads": 2,
         "head_mask": GATE,
     },
-    "gated-talking_heads": {"head_mixing": "talking_heads", "backend": "math", "head_mask": GATE},
-    "gated-mla": {"kv_latent_dim": 12, "head_mask": GATE},
+    "gated-talking_heads": {"design": "talking_heads", "backend": "math", "head_mask": GATE},
+    "gated-mla": {"design": "mla", "kv_latent_dim": 12, "head_mask": GATE},
 }
 
 
@@ -182,9 +184,9 @@ def test_cache_bytes_select_reset_and_overflow():
     [
         {"backend": "math"},
         {"backend": "sdpa"},
-        {"top_k_heads": 2, "num_shared_heads": 1},
-        {"head_mixing": "talking_heads", "backend": "math"},
-        {"head_mixing": "group_mlp"},
+        {"design": "moh", "top_k_heads": 2, "num_shared_heads": 1},
+        {"design": "talking_heads", "backend": "math"},
+        {"design": "group_mlp"},
     ],
 )
 def test_static_cache_decoding_equals_full_pass(design):

@@ -18,7 +18,7 @@ B, L, S = 2, 5, 7
 def mla(seed: int = 0, **options) -> MultiHeadAttention:
     """An MLA layer with random (non-zero) biases, in eval mode."""
     torch.manual_seed(seed)
-    layer = MultiHeadAttention(E, H, kv_latent_dim=R, **options)
+    layer = MultiHeadAttention(E, H, design="mla", kv_latent_dim=R, **options)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if name.endswith("bias"):
@@ -98,24 +98,24 @@ def test_names_and_options():
         "kind": "mla",
         "num_heads": H,
         "num_kv_heads": H,
+        "design": "mla",
         "kv_latent_dim": R,
     }
     assert layer.in_proj.weight.shape == (E, E)  # Q alone: K and V come from the latent
-    normed = MultiHeadAttention(E, H, kv_latent_dim=R, kv_latent_norm=True)
+    normed = MultiHeadAttention(E, H, design="mla", kv_latent_dim=R, kv_latent_norm=True)
     assert normed.head_tag == "mla4r12n" and isinstance(normed.design.norm, nn.RMSNorm)
 
 
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"kv_latent_dim": 0}, r"kv_latent_dim must be >= 1, got 0"),
+        ({"design": "mla", "kv_latent_dim": 0}, r"kv_latent_dim must be >= 1, got 0"),
         (
-            {"kv_latent_dim": 8, "num_kv_heads": 2},
+            {"design": "mla", "kv_latent_dim": 8, "num_kv_heads": 2},
             r"'mla' has one K/V head per query head; got num_kv_heads=2",
         ),
-        ({"kv_latent_dim": 8, "top_k_heads": 2}, r"select head designs \['mla', 'moh'\]"),
-        ({"kv_latent_dim": 8, "head_mixing": "group_mlp"}, r"'group_mlp' takes no option kv_lat"),
-        ({"kv_latent_norm": True}, r"\['kv_latent_norm'\] select no head design"),
+        ({"design": "mla", "top_k_heads": 2}, r"'mla' takes no option top_k_heads"),
+        ({"design": "group_mlp", "kv_latent_dim": 8}, r"'group_mlp' takes no option kv_latent_dim"),
     ],
 )
 def test_invalid_latent_options_raise(options, pattern):
@@ -157,7 +157,7 @@ def test_export_equivalent_and_refusals():
             rtol=1e-5,
         )
     with pytest.raises(ValueError, match="has kv_latent_norm, which no MHA layer computes"):
-        expand_latent(MultiHeadAttention(E, H, kv_latent_dim=R, kv_latent_norm=True))
+        expand_latent(MultiHeadAttention(E, H, design="mla", kv_latent_dim=R, kv_latent_norm=True))
     with pytest.raises(ValueError, match="with_kv_heads converts a plain MHA/GQA/MQA layer or a"):
         with_kv_heads(layer, 1)
     with pytest.raises(ValueError, match=r"plain MHA/GQA/MQA layer.*mla4r12"):
@@ -209,7 +209,7 @@ def test_a_latent_above_the_rank_of_the_kv_stack_is_refused(num_kv_heads, r, mes
 )  # fmt: skip
 def test_expand_latent_refuses_what_no_mha_layer_computes(options):
     """25fe9c2 returned a plain MHA layer: the rotary key gone, the scale wrong (0.036 off)."""
-    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, **options)
+    layer = MultiHeadAttention(24, 4, design="mla", kv_latent_dim=8, **options)
     with pytest.raises(ValueError, match=f"has {next(iter(options))}, which no MHA layer"):
         expand_latent(layer)
 
@@ -218,7 +218,7 @@ def test_expand_latent_refuses_what_no_mha_layer_computes(options):
 def test_a_cached_eval_mode_call_gives_the_full_pass_gradients(rotary_dim):
     """25fe9c2 folded the absorbed weights under no_grad: no gradient, and backward passed."""
     torch.manual_seed(0)
-    layer = MultiHeadAttention(24, 4, kv_latent_dim=8, rotary_dim=rotary_dim).eval()
+    layer = MultiHeadAttention(24, 4, design="mla", kv_latent_dim=8, rotary_dim=rotary_dim).eval()
     x = torch.randn(2, 5, 24)
 
     def grads(out):
@@ -241,7 +241,7 @@ def test_deepseek_widths_and_low_rank_query_decode_absorbed_as_the_full_pass():
     and a normalised low-rank query, which the absorbed query projection reads."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(
-        24, 4, kv_latent_dim=8, kv_latent_norm=True, rotary_dim=4, qk_head_dim=6,
+        24, 4, design="mla", kv_latent_dim=8, kv_latent_norm=True, rotary_dim=4, qk_head_dim=6,
         v_head_dim=10, q_latent_dim=5, rope_interleaved=True,
     ).eval()  # fmt: skip
     assert layer.in_proj.weight.shape == (4 * 6, 5) and layer.out_proj.weight.shape == (24, 40)
@@ -259,6 +259,8 @@ def test_deepseek_widths_and_low_rank_query_decode_absorbed_as_the_full_pass():
 
 def test_a_v_head_narrower_than_the_scores_is_padded_but_not_wider():
     with pytest.raises(ValueError, match=r"rotary_dim must be at least v_head_dim=12, got 6"):
-        MultiHeadAttention(24, 4, kv_latent_dim=8, qk_head_dim=6, rotary_dim=4, v_head_dim=12)
+        MultiHeadAttention(
+            24, 4, design="mla", kv_latent_dim=8, qk_head_dim=6, rotary_dim=4, v_head_dim=12
+        )
     with pytest.raises(ValueError, match="q_latent_dim must be >= 1, got 0"):
-        MultiHeadAttention(24, 4, kv_latent_dim=8, q_latent_dim=0)
+        MultiHeadAttention(24, 4, design="mla", kv_latent_dim=8, q_latent_dim=0)

@@ -46,9 +46,9 @@ def test_no_module_of_the_layer_calls_another_objects_private_method():
 
 def test_every_design_is_a_head_design_with_its_state_dict_name():
     designs = {
-        "head_gate": {"top_k_heads": 2},
-        "head_mix": {"head_mixing": "group_mlp"},
-        "kv_latent": {"kv_latent_dim": 8},
+        "head_gate": {"design": "moh", "top_k_heads": 2},
+        "head_mix": {"design": "group_mlp"},
+        "kv_latent": {"design": "mla", "kv_latent_dim": 8},
     }
     for attribute, options in designs.items():
         layer = MultiHeadAttention(16, 4, **options)
@@ -161,7 +161,7 @@ def test_a_backend_without_score_bias_refuses_it_by_name(backend):
 
 def test_a_design_refuses_a_positional_seam_it_does_not_declare():
     with pytest.raises(ValueError, match="'moh' takes no positional part with seam 'score_bias'"):
-        MultiHeadAttention(16, 4, top_k_heads=2, positions=KeyPositionBias())
+        MultiHeadAttention(16, 4, design="moh", top_k_heads=2, positions=KeyPositionBias())
 
 
 def test_the_separate_projection_layout_keeps_the_linears_and_computes_the_same():

@@ -87,8 +87,8 @@ DESIGNS = {
     "mha": {},
     "gqa": {"num_kv_heads": 2},
     "mqa": {"num_kv_heads": 1},
-    "moh": {"top_k_heads": 2, "num_shared_heads": 1},
-    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
+    "moh": {"design": "moh", "top_k_heads": 2, "num_shared_heads": 1},
+    "talking_heads": {"design": "talking_heads", "backend": "math"},
 }
 
 
@@ -152,12 +152,13 @@ def test_the_rotation_makes_scores_relative():
         ({"rotary_dim": 8, "rope_theta": 0.5}, "rope_theta must be a number > 1, got 0.5"),
         ({"rope_theta": 1e6}, "need rotary positions; set rotary_dim too"),
         ({"rope_interleaved": True}, "need rotary positions; set rotary_dim too"),
-        ({"rotary_dim": 3, "kv_latent_dim": 8}, "rotary_dim must be an even number"),
-        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_inv_freq": [1.0]},
+        ({"rotary_dim": 3, "design": "mla", "kv_latent_dim": 8},
+         "rotary_dim must be an even number"),
+        ({"rotary_dim": 4, "design": "mla", "kv_latent_dim": 8, "rope_inv_freq": [1.0]},
          "inv_freq must be positive, (2,) or (n, 2), got [1.0]"),
-        ({"rotary_dim": 4, "kv_latent_dim": 8, "rope_kv_heads": 3},
+        ({"rotary_dim": 4, "design": "mla", "kv_latent_dim": 8, "rope_kv_heads": 3},
          "rope_kv_heads=3 must divide num_heads=4"),
-        ({"kv_latent_dim": 8, "qk_head_dim": 4},
+        ({"design": "mla", "kv_latent_dim": 8, "qk_head_dim": 4},
          "qk_head_dim + rotary_dim must be at least head_dim=8, got 4"),
     ],
     ids=["odd", "wider_than_head", "theta", "theta_alone", "interleaved_alone", "latent_odd",
@@ -173,7 +174,7 @@ def test_position_ids_need_rotary_and_rotary_needs_self_attention():
     with pytest.raises(ValueError, match="position_ids are for a positional part"):
         MultiHeadAttention(32, 4)(x, position_ids=torch.arange(3))
     for layer in (MultiHeadAttention(32, 4, rotary_dim=8), MultiHeadAttention(32, 4,
-                  kv_latent_dim=8, rotary_dim=4)):  # fmt: skip
+                  design="mla", kv_latent_dim=8, rotary_dim=4)):  # fmt: skip
         with pytest.raises(ValueError, match="positions are for self-attention"):
             layer(x, torch.randn(1, 4, 32))
 
@@ -212,7 +213,7 @@ def decoupled_mla_reference(layer, x):
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_mla_with_decoupled_rope_follows_deepseek_v2_and_absorbs_exactly(backend):
     torch.manual_seed(0)
-    layer = MultiHeadAttention(32, 4, kv_latent_dim=12, rotary_dim=4, backend=backend)
+    layer = MultiHeadAttention(32, 4, design="mla", kv_latent_dim=12, rotary_dim=4, backend=backend)
     layer = layer.double().eval()
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -234,12 +235,14 @@ def test_mla_caches_its_latent_and_rotary_key_beside_mha_gqa_and_mqa():
     assert fp16_bytes() == 2 * 8 * 64 * 2  # MHA: K and V of 8 heads
     assert fp16_bytes(num_kv_heads=2) == 2 * 2 * 64 * 2  # GQA
     assert fp16_bytes(num_kv_heads=1) == 2 * 1 * 64 * 2  # MQA
-    assert fp16_bytes(kv_latent_dim=128, rotary_dim=32) == (128 + 32) * 2  # c and k_R once
-    layer = MultiHeadAttention(512, 8, kv_latent_dim=128, rotary_dim=32)
+    assert (
+        fp16_bytes(design="mla", kv_latent_dim=128, rotary_dim=32) == (128 + 32) * 2
+    )  # c and k_R once
+    layer = MultiHeadAttention(512, 8, design="mla", kv_latent_dim=128, rotary_dim=32)
     cache = layer.make_kv_cache(1, 5)
     layer(torch.randn(1, 5, 512), is_causal=True, kv_cache=cache)
     assert cache.nbytes() == 5 * (128 + 32) * 4  # what the cache really holds (fp32)
-    plain = MultiHeadAttention(512, 8, kv_latent_dim=128)
+    plain = MultiHeadAttention(512, 8, design="mla", kv_latent_dim=128)
     assert set(layer.state_dict()) - set(plain.state_dict()) == {
         "kv_latent.q_rope.weight", "kv_latent.q_rope.bias",
         "kv_latent.k_rope.weight", "kv_latent.k_rope.bias",

@@ -224,7 +224,8 @@ def test_latent_conversion_is_exact_at_full_rank_and_uptrains(trained, tmp_path)
     tgt = torch.randint(4, 100, (3, 6))
     with torch.no_grad():
         torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
-    assert "attention.decoder_self_attention.kv_latent_dim=32" in overrides
+    assert "attention.decoder_self_attention.design=mla" in overrides
+    assert "++attention.decoder_self_attention.design_options.kv_latent_dim=32" in overrides
     assert "attention.cross_attention.num_kv_heads=4" in overrides
     with pytest.raises(ValueError, match="set exactly one of num_kv_heads and kv_latent_dim"):
         convert_checkpoint(trained, 2, kv_latent_dim=8)
@@ -291,7 +292,8 @@ def test_a_rotary_checkpoint_converts_to_mla_loads_and_its_uptrain_command_rebui
     # rope_dim < 8: the 2 pairs kept are the fastest ("high"); the model differs (uptraining
     # recovers it), but every pair kept rotates at its frequency in the source's pairing.
     assert new.decoder_layers[0].self_attn.kv_latent.rope.inv_freq == ((1.0, 0.1),) * 4
-    assert any(o.startswith("++attention.decoder_self_attention.rope_inv_freq=") for o in overrides)
+    own = "++attention.decoder_self_attention.design_options."
+    assert any(o.startswith(f"{own}rope_inv_freq=") for o in overrides)
     composed = compose_config(
         "train",
         [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],

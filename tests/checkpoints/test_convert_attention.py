@@ -51,8 +51,9 @@ def test_a_rope_transformer_converts_exactly_at_full_rank_and_its_config_rebuild
     with torch.no_grad():
         torch.testing.assert_close(model(*batch), want, rtol=0, atol=1e-10)
     config = model.attention_config["decoder_self_attention"]
-    assert config["rotary_dim"] == 8 and config["rope_kv_heads"] == 2
-    assert config["qk_head_dim"] == 0
+    own = config["design_options"]
+    assert config["design"] == "mla" and config["rotary_dim"] == 8 and own["rope_kv_heads"] == 2
+    assert own["qk_head_dim"] == 0
     # The rewritten config builds the same architecture: the state_dict loads and computes.
     rebuilt = Transformer(**args, **{k: model.attention_config[k] for k in scope})
     rebuilt.double().eval().load_state_dict(model.state_dict())

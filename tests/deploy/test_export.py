@@ -39,7 +39,8 @@ VARIANTS = {
     ),
     # CTranslate2 has no MLA: written as the MHA layer of its weight products.
     "MLA decoder and cross-attention": dict(
-        decoder_self_attention={"kv_latent_dim": 16}, cross_attention={"kv_latent_dim": 12}
+        decoder_self_attention={"design": "mla", "design_options": {"kv_latent_dim": 16}},
+        cross_attention={"design": "mla", "design_options": {"kv_latent_dim": 12}},
     ),
 }
 
@@ -215,9 +216,12 @@ def test_unknown_head_design_is_refused(tok, tmp_path):
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"top_k_heads": 2}, r"head design 'mha4-moh-k2'; CTranslate2 runs plain"),
-        ({"head_mixing": "group_mlp"}, r"head design 'mha4-group_mlp2'"),
-        ({"kv_latent_dim": 8, "kv_latent_norm": True}, r"normalises its K/V latent"),
+        ({"design": "moh", "design_options": {"top_k_heads": 2}}, r"head design 'mha4-moh-k2';"),
+        ({"design": "group_mlp"}, r"head design 'mha4-group_mlp2'"),
+        (
+            {"design": "mla", "design_options": {"kv_latent_dim": 8, "kv_latent_norm": True}},
+            r"normalises its K/V latent",
+        ),
     ],
 )
 def test_head_designs_ctranslate2_cannot_run_are_refused(tok, tmp_path, options, pattern):

@@ -383,15 +383,15 @@ def kernel_stubs(calls: list[str] | None = None) -> Iterator[list[str]]:
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 48
 
-# The head designs, as the layer's keyword arguments (talking heads run on math only).
+# The head designs, as the model's attention config (talking heads run on math only).
 DESIGNS: dict[str, dict[str, Any]] = {
     "mha": {},
     "gqa": {"num_kv_heads": 2},
     "mqa": {"num_kv_heads": 1},
-    "moh": {"top_k_heads": 2, "num_shared_heads": 1},
-    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
-    "group_mlp": {"head_mixing": "group_mlp", "mixing_groups": 2},
-    "head_attention": {"head_mixing": "head_attention"},
+    "moh": {"design": "moh", "design_options": {"top_k_heads": 2, "num_shared_heads": 1}},
+    "talking_heads": {"design": "talking_heads", "backend": "math"},
+    "group_mlp": {"design": "group_mlp", "design_options": {"mixing_groups": 2}},
+    "head_attention": {"design": "head_attention"},
 }
 # Precisions as a GPU run has them: None = fp32 without autocast.
 AUTOCAST = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}

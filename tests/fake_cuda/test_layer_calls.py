@@ -190,9 +190,14 @@ ROPE = {**GQA, "rotary_dim": 8}
 LAYERS: dict[str, dict[str, Any]] = {
     **{call: ROPE for call in CALLS if call.startswith("rope_")},
     "rope_interleaved_left_padded": {**GQA, "rotary_dim": 16, "rope_interleaved": True},
-    **{call: {"kv_latent_dim": 16, "rotary_dim": 8} for call in CALLS if call.startswith("mla_")},
+    **{
+        call: {"design": "mla", "kv_latent_dim": 16, "rotary_dim": 8}
+        for call in CALLS
+        if call.startswith("mla_")
+    },
     **{
         call: {
+            "design": "mla",
             "kv_latent_dim": 16,
             "rotary_dim": 4,
             "qk_head_dim": 12,
@@ -203,7 +208,11 @@ LAYERS: dict[str, dict[str, Any]] = {
         for call in CALLS
         if call.startswith("mla_grouped_")
     },
-    **{call: {**ROPE, "top_k_heads": 2, "num_shared_heads": 1} for call in CALLS if "moh" in call},
+    **{
+        call: {**ROPE, "design": "moh", "top_k_heads": 2, "num_shared_heads": 1}
+        for call in CALLS
+        if "moh" in call
+    },
 }
 # Sparse heads read back how many rows the most-chosen head has (C): the fake device answers
 # 2, so the routed heads run packed rows (C > 1), whose causal mask is written out.

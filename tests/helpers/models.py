@@ -18,16 +18,16 @@ VOCAB = 40
 # The head designs beyond MHA/GQA/MQA, as MultiHeadAttention keyword arguments: sparse heads
 # (MoH) and the mixings, alone and with grouped K/V heads.
 HEAD_DESIGNS = {
-    "moh-k2": {"top_k_heads": 2},
-    "moh-k1s1": {"top_k_heads": 1, "num_shared_heads": 1},
-    "moh-k2s1-gqa": {"top_k_heads": 2, "num_shared_heads": 1, "num_kv_heads": 2},
-    "moh-k1s2-mqa": {"top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 1},
-    "talking_heads": {"head_mixing": "talking_heads", "backend": "math"},
-    "talking_heads-gqa": {"head_mixing": "talking_heads", "backend": "math", "num_kv_heads": 2},
-    "group_mlp": {"head_mixing": "group_mlp"},
-    "group_mlp4-mqa": {"head_mixing": "group_mlp", "mixing_groups": 4, "num_kv_heads": 1},
-    "head_attention": {"head_mixing": "head_attention"},
-    "head_attention-gqa": {"head_mixing": "head_attention", "num_kv_heads": 2},
+    "moh-k2": {"design": "moh", "top_k_heads": 2},
+    "moh-k1s1": {"design": "moh", "top_k_heads": 1, "num_shared_heads": 1},
+    "moh-k2s1-gqa": {"design": "moh", "top_k_heads": 2, "num_shared_heads": 1, "num_kv_heads": 2},
+    "moh-k1s2-mqa": {"design": "moh", "top_k_heads": 1, "num_shared_heads": 2, "num_kv_heads": 1},
+    "talking_heads": {"design": "talking_heads", "backend": "math"},
+    "talking_heads-gqa": {"design": "talking_heads", "backend": "math", "num_kv_heads": 2},
+    "group_mlp": {"design": "group_mlp"},
+    "group_mlp4-mqa": {"design": "group_mlp", "mixing_groups": 4, "num_kv_heads": 1},
+    "head_attention": {"design": "head_attention"},
+    "head_attention-gqa": {"design": "head_attention", "num_kv_heads": 2},
 }
 
 
@@ -84,21 +84,23 @@ def analysis_model(
     vocab_size: int,
     backend: str = "sdpa",
     layers: int = 2,
-    head_mixing: str | None = None,
+    design: str | None = None,
     kv_latent_dim: int | None = None,
 ) -> Transformer:
     """A tiny eval-mode Transformer for the analysis tests: 4 query heads, 2 K/V heads in the
-    decoder's self-attention and 1 in cross-attention; with ``kv_latent_dim``, latent
-    attention of that width in every sublayer instead."""
+    decoder's self-attention and 1 in cross-attention, and ``design`` (without options) in
+    every sublayer; with ``kv_latent_dim``, latent attention of that width in every sublayer
+    instead."""
     torch.manual_seed(0)
     if kv_latent_dim is None:
-        attention = {"num_heads": 4, "backend": backend, "head_mixing": head_mixing}
+        attention = {"num_heads": 4, "backend": backend, "design": design}
         per_sublayer = {
             "decoder_self_attention": {"num_kv_heads": 2},
             "cross_attention": {"num_kv_heads": 1},
         }
     else:
-        attention = {"num_heads": 4, "backend": backend, "kv_latent_dim": kv_latent_dim}
+        latent = {"kv_latent_dim": kv_latent_dim}
+        attention = {"num_heads": 4, "backend": backend, "design": "mla", "design_options": latent}
         per_sublayer = {}
     return Transformer(
         src_vocab_size=vocab_size,

@@ -236,7 +236,8 @@ def test_latent_attention_decodes_as_its_uncached_reference(absorb):
     re-expanded at each step), beams reordering the latent, equal the uncached search."""
     model = tiny_model(
         1, share_embeddings=False, tie_output=False,
-        decoder_self_attention={"kv_latent_dim": 12}, cross_attention={"kv_latent_dim": 6},
+        decoder_self_attention={"design": "mla", "design_options": {"kv_latent_dim": 12}},
+        cross_attention={"design": "mla", "design_options": {"kv_latent_dim": 6}},
     )  # fmt: skip
     with torch.no_grad():
         model.output_projection.weight.mul_(3.0)

@@ -108,10 +108,11 @@ def test_per_sublayer_attention_overrides_reach_their_layers():
 
 
 def test_head_designs_reach_their_layers_and_aux_losses_sum():
+    moh = {"design": "moh", "design_options": {"top_k_heads": 2, "num_shared_heads": 1}}
     model = tiny_model(
-        attention={"num_heads": 4, "top_k_heads": 2, "num_shared_heads": 1},
+        attention={"num_heads": 4, **moh},
         decoder_self_attention={"num_kv_heads": 2},
-        cross_attention={"top_k_heads": 1},
+        cross_attention={"design_options": {"top_k_heads": 1}},  # the shared head inherited
     )
     assert model.head_tag == "enc-mha4-moh-k2s1_dec-gqa4kv2-moh-k2s1_cross-mha4-moh-k1s1_sdpa"
     assert model.head_config["cross_attention"]["active_head_fraction"] == 0.5
@@ -123,10 +124,42 @@ def test_head_designs_reach_their_layers_and_aux_losses_sum():
     model.eval()(src, tgt_in)
     assert model.aux_loss() is None
     assert tiny_model().train().aux_loss() is None
-    mixed = tiny_model(
-        attention={"num_heads": 4, "head_mixing": "talking_heads", "backend": "math"}
-    )
+    mixed = tiny_model(attention={"num_heads": 4, "design": "talking_heads", "backend": "math"})
     assert mixed.head_config["encoder_self_attention"]["tag"] == "mha4-talking_heads"
+
+
+def test_a_sublayer_naming_another_design_takes_that_designs_options_alone():
+    """Its design_options are not merged with the top level's, which its design does not take."""
+    moh = {"design": "moh", "design_options": {"top_k_heads": 2, "num_shared_heads": 1}}
+    mixing = {"design": "group_mlp", "design_options": {"mixing_groups": 4}}
+    model = tiny_model(attention={"num_heads": 4, **moh}, decoder_self_attention=mixing)
+    tags = {kind: config["tag"] for kind, config in model.head_config.items()}
+    assert tags == {
+        "encoder_self_attention": "mha4-moh-k2s1",
+        "decoder_self_attention": "mha4-group_mlp4",
+        "cross_attention": "mha4-moh-k2s1",
+    }
+    assert model.decoder_layers[0].self_attn.design.groups == 4
+
+
+@pytest.mark.parametrize(
+    "attention, message",
+    [
+        (
+            {"top_k_heads": 2},
+            r"unknown key\(s\) \['top_k_heads'\] in attention;.*attention.design_o",
+        ),
+        ({"design": "moh", "design_options": 2}, r"attention.design_options must be a mapping"),
+        (
+            {"design": "moh", "design_options": {"top_k_heads": 2, "num_kv_heads": 1}},
+            r"attention.design_options has num_kv_heads, the layer's own: set attention.num_kv",
+        ),
+        ({"design_options": {"top_k_heads": 2}}, r"options top_k_heads are a head design's, an"),
+    ],
+)
+def test_design_options_that_do_not_fit_are_named(attention, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model(attention={"num_heads": 4, **attention})
 
 
 def test_parameter_and_cache_counts():
@@ -305,7 +338,9 @@ def test_differential_layers_get_the_papers_lambda_init_of_their_depth():
     for _, depth, _, attn in model.attention_sublayers():
         assert attn.design.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * depth))
     assert model.head_config["encoder_self_attention"]["tag"] == "mha4-diff"
-    fixed = tiny_model(attention={"num_heads": 4, "design": "diff", "lambda_init": 0.8})
+    fixed = tiny_model(
+        attention={"num_heads": 4, "design": "diff", "design_options": {"lambda_init": 0.8}}
+    )
     assert {attn.design.lambda_init for *_, attn in fixed.attention_sublayers()} == {0.8}
     x, y = random_src(2, 5), torch.randint(3, VOCAB, (2, 4))
     assert model(x, y).shape == (2, 4, VOCAB)

@@ -1,5 +1,6 @@
 """scripts/train.py: a bad config value ends the process with one line; a typo in an option is
-Hydra's own message, without a traceback.
+Hydra's own message, without a traceback; a head design written outside the package trains
+by its import path, and its checkpoint evaluates in another process.
 
 The other bad values are tested where they are raised, in this process
 (tests/training/test_bad_input.py and the tests of each part); training itself in
@@ -7,6 +8,11 @@ tests/training.
 """
 
 from __future__ import annotations
+
+import json
+import os
+
+from multihead.checkpoints import read_checkpoint
 
 from helpers.scripts import assert_one_error_line, run_script
 
@@ -34,3 +40,82 @@ def test_a_config_typo_is_hydras_message_without_a_traceback(tmp_path) -> None:
     assert "Could not find 'attention/gqx'" in result.stderr
     assert "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# Sigmoid attention (Ramapuram et al., 2024) written outside the package, as a researcher
+# would: sigmoid(Q K^T / sqrt(D) - log n) in place of the softmax, through the math kernel's
+# hooks; its option n is the number of keys ("length") or a number.
+SIGMOID = """
+import math
+
+import torch
+
+from multihead.attention import HeadDesign
+
+
+class Sigmoid(HeadDesign):
+    name, attribute = "sigmoid", "sigmoid"
+    backends = frozenset({"math"})
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None,
+                 sigmoid_n="length"):
+        super().__init__()
+        if sigmoid_n != "length" and not float(sigmoid_n) > 0:
+            raise ValueError(f"sigmoid_n must be 'length' or a positive number, got {sigmoid_n!r}")
+        self.sigmoid_n = sigmoid_n
+
+    @property
+    def options(self):
+        return {"sigmoid_n": self.sigmoid_n}
+
+    def attend(self, q, k, v, mask, kernel):
+        def on_logits(scores):  # (B, H, L, S)
+            n = scores.shape[-1] if self.sigmoid_n == "length" else float(self.sigmoid_n)
+            return scores - math.log(n)
+
+        # The masked scores are -inf where masked: sigmoid gives those keys no weight.
+        return kernel(q, k, v, mask, on_logits=on_logits, on_weights=lambda w, s: torch.sigmoid(s))
+"""
+
+
+def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
+    tmp_path, multi30k_dir, cache_dir
+) -> None:
+    """Its module is known to the two processes by its path alone (PYTHONPATH), its option
+    given on the command line; the checkpoint's config names the path."""
+    designs = tmp_path / "designs"
+    designs.mkdir()
+    (designs / "sigmoid_attention.py").write_text(SIGMOID)
+    path = os.pathsep.join(p for p in (str(designs), os.environ.get("PYTHONPATH")) if p)
+    run = tmp_path / "run"
+    trained = run_script(
+        "train.py", "experiment=smoke", "logger=csv", f"data.local_dir={multi30k_dir}",
+        f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}", "trainer.max_steps=2",
+        "trainer.val_check_interval=2", "test=false", "summary.decode_speed=false",
+        "attention.design=sigmoid_attention.Sigmoid", "attention.backend=math",
+        "++attention.design_options.sigmoid_n=length", env={"PYTHONPATH": path},
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["run_name"] == "enc-mha4-sigmoid_dec-mha4-sigmoid_cross-mha4-sigmoid_math"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    attention = read_checkpoint(ckpt)["multihead"]["config"]["attention"]
+    assert attention["design"] == "sigmoid_attention.Sigmoid"
+    assert attention["design_options"] == {"sigmoid_n": "length"}
+    scores = tmp_path / "evaluate"
+    evaluated = run_script(
+        "evaluate.py", f"ckpt={ckpt}", "limit=4", "beam_size=2", f"data.local_dir={multi30k_dir}",
+        f"hydra.run.dir={scores}", env={"PYTHONPATH": path},
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads((scores / "scores.json").read_text())
+    assert result["sentences"] == 4 and "bleu" in result
+
+
+def test_an_unimportable_design_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
+    result = run_script(
+        "train.py", "experiment=smoke", "logger=csv", f"data.local_dir={multi30k_dir}",
+        f"paths.log_dir={tmp_path}", f"paths.cache_dir={cache_dir}",
+        "attention.design=no_such_package_x.Sigmoid",
+    )  # fmt: skip
+    assert_one_error_line(result, "head design 'no_such_package_x.Sigmoid': no module 'no_such_")

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
+from multihead.attention.designs import design_class
 from multihead.model import build_model
 from multihead.training.precision import resolve_precision
 
@@ -31,24 +32,21 @@ def base(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("attention", options("attention"))
 @pytest.mark.parametrize("model", options("model"))
 def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> None:
+    """Every layer has the heads its preset names: H, G, the design and the design's options
+    (each design's tag and formula are tested in tests/attention, so a new preset needs
+    nothing here)."""
     cfg = compose_config("train", [f"model={model}", f"attention={attention}", *base(tmp_path)])
     net = build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
-    kinds = net.head_config
-    H, G = cfg.attention.num_heads, cfg.attention.num_kv_heads or cfg.attention.num_heads
+    heads = cfg.attention
+    H, G = heads.num_heads, heads.num_kv_heads or heads.num_heads
+    design = None if heads.design is None else design_class(heads.design)
     kind = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
-    r = cfg.attention.kv_latent_dim
-    kind = "mla" if r is not None else kind
-    tag = f"{kind}{H}" + (f"kv{G}" if kind == "gqa" else "") + (f"r{r}" if r else "")
-    tag += {
-        "moh": "-moh-k2s1",
-        "talking_heads": "-talking_heads",
-        "group_mlp": "-group_mlp2",
-        "head_attention": "-head_attention",
-        "diff_h8": "-diff",
-    }.get(attention, "")
-    assert {(k["kind"], k["num_heads"], k["num_kv_heads"], k["tag"]) for k in kinds.values()} == {
-        (kind, H, G, tag)
-    }
+    kind = kind if design is None or design.kind is None else design.kind
+    asked = {k: v for k, v in heads.design_options.items() if v is not None}
+    for *_, attn in net.attention_sublayers():
+        assert (attn.head_config["kind"], attn.num_heads, attn.num_kv_heads) == (kind, H, G)
+        assert type(attn.design) is (type(None) if design is None else design)
+        assert asked.items() <= (attn.design.options if design else {}).items()
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 

@@ -32,7 +32,8 @@ def test_compare_heads_composes_into_the_expected_jobs(tmp_path) -> None:
         for option in options:
             cfg = compose("train", ["experiment=compare_heads", f"attention={option}"])
             heads = cfg.attention.num_heads
-            jobs.add((heads, cfg.attention.num_kv_heads or heads, cfg.attention.kv_latent_dim))
+            latent = cfg.attention.design_options.get("kv_latent_dim")
+            jobs.add((heads, cfg.attention.num_kv_heads or heads, latent))
             assert cfg.trainer.max_steps == 600 and cfg.seed == 1234  # budget=cpu, fixed seed
     assert jobs == EXPECTED
 
@@ -86,13 +87,13 @@ def test_compare_designs_composes_the_recipe_for_every_design() -> None:
             assert cfg.trainer.max_time == "00:00:30:00" and cfg.test_ckpt == "avg10"
             assert cfg.module.optimizer.lr == 2e-3 and cfg.module.scheduler.cooldown_minutes == 10
             a = cfg.attention
-            designs.add((a.num_kv_heads, a.top_k_heads, a.head_mixing, a.backend))
+            designs.add((a.num_kv_heads, a.design, a.design_options.get("top_k_heads"), a.backend))
     assert designs == {
         (None, None, None, "sdpa"),
         (2, None, None, "sdpa"),
         (1, None, None, "sdpa"),
-        (None, 2, None, "sdpa"),
-        (None, None, "talking_heads", "math"),
-        (None, None, "group_mlp", "sdpa"),
-        (None, None, "head_attention", "sdpa"),
+        (None, "moh", 2, "sdpa"),
+        (None, "talking_heads", None, "math"),
+        (None, "group_mlp", None, "sdpa"),
+        (None, "head_attention", None, "sdpa"),
     }

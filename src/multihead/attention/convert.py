@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.designs import design_arguments
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
@@ -60,8 +61,7 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     _check_design(layer, "with_kv_heads")
     if num_kv_heads <= 0 or G % num_kv_heads != 0:  # no argument named: callers name it apart
         raise ValueError(f"cannot pool {G} K/V heads into {num_kv_heads}: it must divide {G}")
-    design = {} if layer.design is None else layer.design.options
-    new = rebuild(layer, num_kv_heads=num_kv_heads, **design)
+    new = rebuild(layer, num_kv_heads=num_kv_heads, **design_arguments(layer.design))
 
     def pool(t: Tensor) -> Tensor:  # (G*D, ...) -> (num_kv_heads*D, ...)
         grouped = t.reshape(num_kv_heads, G // num_kv_heads, -1, *t.shape[1:])
@@ -127,7 +127,7 @@ def with_kv_latent(
                   "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
                   "rope_inv_freq": tuple(map(tuple, freqs.tolist())),  # hashable, for configs
                   "softmax_scale": layer.scale}  # fmt: skip
-    new = rebuild(layer, num_kv_heads=H, kv_latent_dim=kv_latent_dim, **rotary)
+    new = rebuild(layer, num_kv_heads=H, design="mla", kv_latent_dim=kv_latent_dim, **rotary)
     new.positions = None  # a rotary key is the latent part's own
     # The SVD's rank: G(D - rope_dim) distinct K rows and G D V rows (GQA's repeats add none),
     # E columns. Above it the latent's last numbers are always zero; above G(2D - rope_dim)

@@ -1,5 +1,6 @@
 """Head designs by name, like backends: the interface (:class:`HeadDesign`), the registry
-(:data:`DESIGNS`, :func:`register_design`) and the steps that every design shares.
+(:data:`DESIGNS`, :func:`register_design`, :func:`design_class`) and the steps that every
+design shares.
 
 A design replaces steps of the layer's forward (:meth:`HeadDesign.attend`,
 :meth:`HeadDesign.mix`) or writes the whole of it (:meth:`HeadDesign.attention`) from the
@@ -10,8 +11,10 @@ with, which the layer checks when built. ``docs/reuse.md`` teaches writing one.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import ClassVar, Protocol
 
 import torch
@@ -49,8 +52,6 @@ class HeadDesign(nn.Module):
     name: ClassVar[str] = ""  # its registry name: "moh", "talking_heads", "mla", ...
     attribute: ClassVar[str] = ""  # where the layer holds it: its state_dict keys' prefix
     kind: ClassVar[str | None] = None  # head_config["kind"] if not mha/gqa/mqa: MLA's "mla"
-    # An option that selects it without design= (the layer's older keywords: top_k_heads).
-    selected_by: ClassVar[str | None] = None
     replaces_forward: ClassVar[bool] = False  # attention() is the layer's forward with it
     seams: ClassVar[frozenset[str]] = frozenset({"rotate", "score_bias"})  # positional seams
     backends: ClassVar[frozenset[str] | None] = None  # those it runs on; None: every one
@@ -67,7 +68,8 @@ class HeadDesign(nn.Module):
 
     @property
     def options(self) -> dict[str, object]:
-        """The layer's constructor arguments that build this design (besides its name)."""
+        """The options of its constructor that build it again (its keyword-only arguments;
+        not its name, which the layer's ``head_config`` adds: :func:`design_arguments`)."""
         return {}
 
     @property
@@ -117,6 +119,13 @@ class HeadDesign(nn.Module):
 
 
 DESIGNS: dict[str, type[HeadDesign]] = {}
+# The entry-point group in which an installed package declares its designs, each by name:
+# [project.entry-points."multihead.designs"] my_design = "my_pkg.module:MyDesign".
+ENTRY_POINT_GROUP = "multihead.designs"
+# The designs loaded from outside the registry, and the name that loaded them: an import
+# path or an entry point's, which a fresh process resolves again (a name the design's module
+# registers it under when imported does not).
+_LOADED_AS: dict[type[HeadDesign], str] = {}
 
 
 def register_design(name: str, cls: type[HeadDesign]) -> type[HeadDesign]:
@@ -142,64 +151,176 @@ def check_attribute(design: type[HeadDesign] | HeadDesign) -> None:
         )
 
 
+def check_design(design: HeadDesign) -> None:
+    """Refuse a built design that its layer's ``head_config`` would not build again (as
+    :func:`~multihead.attention.convert.rebuild` does): one without an ``attribute``, or whose
+    ``options`` name what its constructor does not take or leave out what it needs."""
+    check_attribute(design)
+    cls, options = type(design), design.options
+    takes = _options(cls)
+    unknown = sorted(set(options) - set(takes))
+    missing = [k for k in _required(cls) if k not in options]
+    if unknown or missing:
+        what = (
+            f"names {', '.join(unknown)}, which its constructor does not take"
+            if unknown
+            else f"leaves out {', '.join(missing)}, which its constructor needs"
+        )
+        raise ValueError(
+            f"head design {cls.name or cls.__name__!r} ({cls.__qualname__}): its options "
+            f"property {what}; it returns the keyword-only arguments that build it again "
+            f"(its constructor's: {', '.join(takes) or 'none'})"
+        )
+
+
 def _options(cls: type[HeadDesign]) -> dict[str, object]:
-    """A design's own options and their defaults (``None`` for a required one)."""
+    """A design's own options and their defaults (``inspect.Parameter.empty``: required)."""
     params = inspect.signature(cls.__init__).parameters.values()
     skip = ("bias", "device", "dtype")
-    return {
-        p.name: None if p.default is p.empty else p.default
-        for p in params
-        if p.kind is p.KEYWORD_ONLY and p.name not in skip
-    }
+    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in skip}
 
 
-def design_options() -> dict[str, object]:
-    """The keys a config may give the layer for its design, each ``None`` (unset)."""
-    return {"design": None, "head_mixing": None} | {
-        name: None for cls in DESIGNS.values() for name in _options(cls)
-    }
+def _required(cls: type[HeadDesign]) -> list[str]:
+    return [k for k, v in _options(cls).items() if v is inspect.Parameter.empty]
+
+
+def design_class(design: str) -> type[HeadDesign]:
+    """The design class that ``design`` names: a name in :data:`DESIGNS`, a name that an
+    installed package declares in the entry-point group :data:`ENTRY_POINT_GROUP` (loaded and
+    registered when first asked for), or an import path, ``"my_pkg.module.MyDesign"``.
+
+    Raises:
+        ValueError: nothing of that name, a path that cannot be imported, or one that names
+            something other than a :class:`HeadDesign` subclass.
+    """
+    if not isinstance(design, str):
+        raise ValueError(
+            f"design must be a name, an import path or a HeadDesign instance, got {design!r}"
+        )
+    if design in DESIGNS:
+        return DESIGNS[design]
+    loaded = [cls for cls, name in _LOADED_AS.items() if name == design]
+    if loaded:  # a path loaded before (an entry point's is registered): no metadata scan
+        return loaded[0]
+    found = entry_points(group=ENTRY_POINT_GROUP, name=design)
+    if found:
+        entry = next(iter(found))
+        try:
+            cls = entry.load()
+        except Exception as err:  # whatever the package raises while imported
+            where = f"entry point {entry.value!r} of group {ENTRY_POINT_GROUP!r}"
+            raise _import_error(design, where, err) from None
+        cls = register_design(design, _design_subclass(design, cls))
+        _LOADED_AS.setdefault(cls, design)
+        return cls
+    if "." in design and all(part.isidentifier() for part in design.split(".")):
+        known = list(DESIGNS.values())  # those registered before the import, the package's
+        cls = _design_subclass(design, _import_path(design))
+        check_attribute(cls)
+        if not any(cls is registered for registered in known):  # else its name rebuilds it
+            _LOADED_AS.setdefault(cls, design)
+        return cls
+    raise ValueError(
+        f"unknown head design {design!r}; registered: {', '.join(DESIGNS)}; or an import path "
+        f"(my_pkg.module.MyDesign), or a name that an installed package declares in "
+        f"entry-point group {ENTRY_POINT_GROUP!r}"
+    )
+
+
+def _import_path(path: str) -> object:
+    """The object at ``path``: its longest prefix that is a module, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
+                continue  # no such module: a shorter prefix may be one
+            raise _import_error(path, f"module {module}", err) from None
+        except Exception as err:  # whatever the user's module raises while imported
+            raise _import_error(path, f"module {module}", err) from None
+        for j, part in enumerate(parts[i:], start=i):
+            if not hasattr(found, part):
+                raise ValueError(
+                    f"head design {path!r}: {'.'.join(parts[:j])} has no attribute {part!r}"
+                )
+            found = getattr(found, part)
+        return found
+    raise ValueError(
+        f"head design {path!r}: no module {parts[0]!r} to import it from (is its directory "
+        "on PYTHONPATH, or its package installed?)"
+    )
+
+
+def _import_error(design: str, what: str, err: Exception) -> ValueError:
+    first = (str(err).splitlines() or [""])[0]
+    return ValueError(
+        f"head design {design!r}: importing {what} failed: {type(err).__name__}: {first}"
+    )
+
+
+def _design_subclass(design: str, found: object) -> type[HeadDesign]:
+    if not (isinstance(found, type) and issubclass(found, HeadDesign)):
+        raise ValueError(f"head design {design!r} is {found!r}, not a HeadDesign subclass")
+    return found
+
+
+def design_reference(cls: type[HeadDesign]) -> str:
+    """The string that builds ``cls`` again (:func:`design_class`): the import path or
+    entry point's name it was loaded by, else its name in :data:`DESIGNS`, else
+    ``"module.QualName"``."""
+    if cls in _LOADED_AS:
+        return _LOADED_AS[cls]
+    names = [name for name, registered in DESIGNS.items() if registered is cls]
+    return names[0] if names else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def design_arguments(design: HeadDesign | None) -> dict[str, object]:
+    """The layer's constructor arguments that build ``design`` again: ``design`` (its name,
+    or the import path it was loaded by) and its :attr:`~HeadDesign.options`; ``{}`` for
+    none."""
+    if design is None:
+        return {}
+    return {"design": design_reference(type(design)), **design.options}
 
 
 def resolve_design(
     design: str | HeadDesign | None, options: dict[str, object]
 ) -> tuple[type[HeadDesign] | HeadDesign | None, dict[str, object]]:
-    """The design class ``design`` names (or the instance it is) and its options. An option
-    that is ``None``, or off (its design's default of 0 or False: ``num_shared_heads=0``),
-    is left out, so a config may give every key to every layer; with no name, the design
-    that an option selects (``selected_by``), or ``None``.
+    """The design class ``design`` names (:func:`design_class`), or the instance it is, and
+    its ``options``: the keyword-only arguments of its constructor, given only with a name;
+    one given as ``None`` is left out (its default), as a config's ``null`` means unset.
 
     Raises:
-        ValueError: an unknown name, options of no design or of two, options the design
-            does not take.
+        ValueError: an unknown name or path, options without a design name, options the
+            design does not take, or leaves out.
     """
-    off = {k for c in DESIGNS.values() for k, v in _options(c).items() if v in (0, False)}
-    options = {k: v for k, v in options.items() if not (v is None or k in off and v in (0, False))}
-    if "head_mixing" in options:  # the layer's older keyword naming a mixing
-        if design is not None:
-            raise ValueError(f"head_mixing={options['head_mixing']!r} and design={design!r}")
-        design = options.pop("head_mixing")
-    if design is None and options:
-        chosen = sorted({n for n, c in DESIGNS.items() if c.selected_by in options})
-        if len(chosen) != 1:
-            which = f"select head designs {chosen}" if chosen else "select no head design"
-            raise ValueError(
-                f"options {sorted(options)} {which}; a layer has one, named by design= "
-                f"(registered: {', '.join(DESIGNS)})"
-            )
-        design = chosen[0]
+    options = {k: v for k, v in options.items() if v is not None}
     if design is None or isinstance(design, HeadDesign):
         if options:
-            raise ValueError(f"options {sorted(options)} need a design name, not an instance")
+            which = "an instance, built with its own" if design is not None else "no design"
+            raise ValueError(
+                f"options {', '.join(sorted(options))} are a head design's, and design= names "
+                f"{which}; give them with the design's name, e.g. design='moh', top_k_heads=2 "
+                f"(registered: {', '.join(DESIGNS)})"
+            )
         return design, {}
-    if design not in DESIGNS:
-        raise ValueError(f"unknown head design {design!r}; registered: {', '.join(DESIGNS)}")
-    unknown = sorted(set(options) - set(_options(DESIGNS[design])))
+    cls = design_class(design)
+    takes = _options(cls)
+    unknown = sorted(set(options) - set(takes))
     if unknown:
         raise ValueError(
             f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
-            + ", ".join(_options(DESIGNS[design]))
+            + (", ".join(takes) or "none")
         )
-    return DESIGNS[design], options
+    missing = [k for k in _required(cls) if k not in options]
+    if missing:
+        raise ValueError(
+            f"head design {design!r} needs option {', '.join(missing)}; its options: "
+            + ", ".join(takes)
+        )
+    return cls, options
 
 
 # --------------------------------------------------------------------------- shared steps

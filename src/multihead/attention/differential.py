@@ -70,8 +70,8 @@ class DifferentialHeads(HeadDesign):
             self.register_parameter(name, nn.Parameter(vector.normal_(0.0, 0.1)))
 
     @property
-    def options(self) -> dict[str, str | float]:
-        return {"design": self.name, "lambda_init": self.lambda_init, "norm_eps": self.norm_eps}
+    def options(self) -> dict[str, float]:
+        return {"lambda_init": self.lambda_init, "norm_eps": self.norm_eps}
 
     def extra_repr(self) -> str:
         return f"lambda_init={self.lambda_init:.4g}, norm_eps={self.norm_eps:g}"

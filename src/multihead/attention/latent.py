@@ -88,7 +88,6 @@ class LatentKV(HeadDesign):
 
     name = kind = "mla"
     attribute = "kv_latent"
-    selected_by = "kv_latent_dim"
     replaces_forward = True
     seams = frozenset()  # its rotary key is its own (rotary_dim)
     any_kv_heads = False

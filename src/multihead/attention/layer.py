@@ -29,7 +29,8 @@ from multihead.attention.backends import BACKENDS, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
     HeadDesign,
-    check_attribute,
+    check_design,
+    design_arguments,
     kernel_of,
     make_mask,
     new_positions,
@@ -59,19 +60,20 @@ class MultiHeadAttention(nn.Module):
         bias: add biases to the input and output projections.
         backend: the kernel, a name of :data:`~multihead.attention.backends.BACKENDS`
             (``math``: the written-out reference); if it cannot run, it says why.
-        design: a head design, a name of :data:`~multihead.attention.designs.DESIGNS` or a
-            :class:`~multihead.attention.designs.HeadDesign` instance; ``None``: the textbook
-            layer, or the design that one of ``design_options`` selects.
+        design: a head design: a name of :data:`~multihead.attention.designs.DESIGNS`, an
+            import path (``"my_pkg.module.MyDesign"``), a name an installed package declares
+            in entry-point group ``multihead.designs``
+            (:func:`~multihead.attention.designs.design_class`), or a
+            :class:`~multihead.attention.designs.HeadDesign` instance; ``None``: the
+            textbook layer.
         positions: a positional part (:mod:`~multihead.attention.positional`) for
             self-attention; ``None``: none, or rotary from ``rotary_dim``.
         rotary_dim: rotary embeddings (:mod:`~multihead.attention.rotary`) on the first
             ``rotary_dim`` features of each head of Q and K; with MLA, the width of its
             decoupled rotary key (DeepSeek-V2's ``qk_rope_head_dim``).
         rope_theta, rope_interleaved: the rotary base and pairing, with ``rotary_dim``.
-        design_options: the design's own options, as its class takes them. The older
-            keywords select their design: ``top_k_heads``, ``num_shared_heads`` (``"moh"``),
-            ``head_mixing`` (a mixing's name), ``mixing_groups``, ``kv_latent_dim``,
-            ``kv_latent_norm`` (``"mla"``).
+        design_options: the named design's own options, the keyword-only arguments of its
+            class (``design="moh", top_k_heads=2``); refused without a design name.
         device, dtype: for the parameters.
 
     Example:
@@ -171,7 +173,7 @@ class MultiHeadAttention(nn.Module):
             factory = {"bias": bias, "device": device, "dtype": dtype}
             design = design(embed_dim, num_heads, num_kv_heads, **factory, **design_options)
         if design is not None:
-            check_attribute(design)
+            check_design(design)
         self._design_name = None if design is None else design.attribute
         if design is not None:
             self.add_module(design.attribute, design)
@@ -214,13 +216,14 @@ class MultiHeadAttention(nn.Module):
     @property
     def head_config(self) -> dict[str, str | int]:
         """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"``, ``"mqa"``, or a
-        design's own, ``"mla"``), ``H``, ``G`` and the head design's constructor arguments."""
+        design's own, ``"mla"``), ``H``, ``G``, and the head design's constructor arguments
+        (``design``, its name or import path, and its options)."""
         H, G = self.num_heads, self.num_kv_heads
         kind = self._part.kind or ("mha" if G == H else "mqa" if G == 1 else "gqa")
         rotary = {} if self.positions is None else self.positions.options
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            **self._part.options, **rotary,
+            **design_arguments(self.design), **rotary,
         )  # fmt: skip
 
     @property

@@ -1,4 +1,4 @@
-"""Head mixings: parts of the layer that let its heads interact (``head_mixing=`` by name).
+"""Head mixings: parts of the layer that let its heads interact (``design=`` by name).
 
 Plain multi-head attention keeps the ``H`` heads apart until ``W^O`` sums them. A mixing adds
 one interaction by replacing :meth:`~HeadDesign.attend` or :meth:`~HeadDesign.mix`, and each
@@ -25,10 +25,6 @@ class HeadMixing(HeadDesign):
 
     attribute = "head_mix"
     conversions = frozenset({"with_kv_heads"})
-
-    @property
-    def options(self) -> dict[str, str | int]:
-        return {"head_mixing": self.name}
 
 
 class TalkingHeads(HeadMixing):
@@ -108,8 +104,8 @@ class GroupMLPMixing(HeadMixing):
     mix = nn.Module.__call__  # the mixing is the module's forward
 
     @property
-    def options(self) -> dict[str, str | int]:
-        return {**super().options, "mixing_groups": self.groups}
+    def options(self) -> dict[str, int]:
+        return {"mixing_groups": self.groups}
 
     @property
     def tag(self) -> str:

@@ -10,7 +10,7 @@ Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active
 
     >>> import torch
     >>> from multihead import MultiHeadAttention
-    >>> moh = MultiHeadAttention(embed_dim=64, num_heads=8, top_k_heads=2, num_shared_heads=2)
+    >>> moh = MultiHeadAttention(64, 8, design="moh", top_k_heads=2, num_shared_heads=2)
     >>> moh(torch.randn(2, 5, 64), is_causal=True).shape, moh.active_head_fraction
     (torch.Size([2, 5, 64]), 0.5)
     >>> moh.aux_loss is not None, moh.head_tag
@@ -127,7 +127,6 @@ class SparseHeads(HeadDesign, nn.Linear):
 
     name = "moh"
     attribute = "head_gate"
-    selected_by = "top_k_heads"
     replaces_forward = True
     seams = frozenset({"rotate"})
     conversions = frozenset({"with_kv_heads"})

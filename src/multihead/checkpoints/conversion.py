@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from multihead.attention import MultiHeadAttention
 from multihead.attention.convert import rotary_index, with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
-from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer
+from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer, sublayer_config
 
 # The GQA paper converts the decoder; "all" also converts the encoder self-attention.
 SCOPES = {
@@ -185,7 +185,7 @@ def _convert(
 def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, Any]:
     """The attention options of ``kind``'s converted ``layers``, which they must share (a
     config has one set per sublayer kind)."""
-    found = [{k: v for k, v in attn.head_config.items() if k != "kind"} for attn in layers]
+    found = [sublayer_config(attn) for attn in layers]
     if any(options != found[0] for options in found):
         raise ValueError(
             f"the {kind} layers would get different options (selection='norm' chose other "
@@ -339,11 +339,13 @@ def convert_checkpoint(
     changed: dict[str, list[str]] = {}
     for kind in kinds:
         now = model.attention_config[kind]  # the keys set, and those a rotary latent changed
-        kv = {
-            k: v for k, v in now.items() if k in ("num_kv_heads", *target) or v != options[kind][k]
-        }
+        kv = {k: v for k, v in now.items() if k == "num_kv_heads" or v != options[kind][k]}
         attention[kind] = {**(attention.get(kind) or {}), **kv}
-        changed[kind] = sorted(set(kv) - {"num_kv_heads", *target})
+        # Beyond the K/V heads or the latent asked for: the rotary key's options.
+        was = options[kind]["design_options"] if now["design"] == options[kind]["design"] else {}
+        own = {k for k, v in now["design_options"].items() if k not in was or v != was[k]}
+        layer = set(kv) - {"num_kv_heads", "design", "design_options"}
+        changed[kind] = sorted((layer | own) - set(target))
     if set(kinds) == set(ATTENTION_SUBLAYERS) and num_kv_heads is not None:
         attention["num_kv_heads"] = num_kv_heads
     extra["converted_from"] = {
@@ -370,17 +372,19 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
     if set(kinds) == set(ATTENTION_SUBLAYERS) and "num_kv_heads" in info:
         heads.append(f"attention.num_kv_heads={info['num_kv_heads']}")
     for kind in kinds:
+        sublayer = attention[kind]
+        own = sublayer.get("design_options") or {}
         heads += [
-            f"attention.{kind}.{key}={attention[kind][key]}"
-            for key in ("num_kv_heads", "kv_latent_dim")
-            if attention[kind].get(key) is not None
+            f"attention.{kind}.{key}={sublayer[key]}"
+            for key in ("num_kv_heads", "design")
+            if sublayer.get(key) is not None
         ]
+        if "kv_latent_dim" in info:  # the sublayer's section lists no design option: ++
+            heads.append(f"++attention.{kind}.design_options.kv_latent_dim={own['kv_latent_dim']}")
         # What a rotary latent adds (rotary_dim, frequencies, ...): keys the config may lack.
-        heads += [
-            f"++attention.{kind}.{key}={json.dumps(value)}"
-            for key, value in attention[kind].items()
-            if key in info.get("changed_keys", {}).get(kind, ())
-        ]
+        for key in info.get("changed_keys", {}).get(kind, ()):
+            where, value = ("design_options.", own[key]) if key in own else ("", sublayer[key])
+            heads.append(f"++attention.{kind}.{where}{key}={json.dumps(value)}")
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     return [*recorded_overrides(ckpt_path, ours), f"init_from={out}", *heads]
 

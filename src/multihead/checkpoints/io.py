@@ -23,7 +23,9 @@ from multihead.data import Tokenizer
 from multihead.model.factory import build_model
 
 # Bumped whenever what ``multihead`` holds, or how the config describes the model, changes.
-FORMAT_VERSION = 2
+# 3: a head design's own options under attention.design_options, the design named by design
+# alone; a version 2 checkpoint is read in this form (:func:`upgrade_config`).
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -40,7 +42,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a readable multihead checkpoint of this format version.
+        ValueError: ``path`` is not a readable multihead checkpoint of format 2 or 3 (2 is
+            read in the form of 3: :func:`upgrade_config`).
     """
     path = Path(path)
     if not path.is_file():
@@ -57,12 +60,70 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             "entries, as written by scripts/train.py"
         )
     version = ckpt["multihead"].get("format_version")
-    if version != FORMAT_VERSION:
+    if version == 2:
+        config = upgrade_config(ckpt["multihead"]["config"])
+        ckpt["multihead"] = {
+            **ckpt["multihead"],
+            "format_version": FORMAT_VERSION,
+            "config": config,
+        }
+    elif version != FORMAT_VERSION:
         raise ValueError(
-            f"{path} has checkpoint format version {version}; this multihead reads version "
-            f"{FORMAT_VERSION} (use the multihead release that wrote it)"
+            f"{path} has checkpoint format version {version}; this multihead reads versions 2 "
+            f"and {FORMAT_VERSION} (use the multihead release that wrote it)"
         )
     return ckpt
+
+
+# Format 2's attention config, as its layer read it: the layer's own keys; the keys that chose
+# a design without a name (head_mixing=NAME, top_k_heads, kv_latent_dim); the options that
+# were off at 0 or False (dropped, whichever design the layer had), with their design.
+_V2_LAYER_KEYS = frozenset(
+    {"num_heads", "num_kv_heads", "backend", "design", "positions", "rotary_dim", "rope_theta",
+     "rope_interleaved"}
+)  # fmt: skip
+_V2_SELECTED_BY = {"top_k_heads": "moh", "kv_latent_dim": "mla"}
+_V2_OFF = {"num_shared_heads": "moh", "kv_latent_norm": "mla"}
+
+
+def upgrade_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-2 run config in format 3's form: under ``attention`` and each sublayer's
+    section, the design by name (``design``) and its options under ``design_options``.
+
+    Format 2 listed every design's options beside the layer's keys; ``head_mixing=NAME``, a
+    ``top_k_heads`` or a ``kv_latent_dim`` chose a design without ``design``; ``None`` and an
+    option off (``num_shared_heads: 0``, ``kv_latent_norm: false``) were left out; a
+    sublayer's ``None`` was the top level's value. Each sublayer gets the design and options
+    format 2 built for it, where they differ from the top level's.
+    """
+    config = dict(config)
+    attention = dict(config["attention"])
+    sections = {k: v for k, v in attention.items() if isinstance(v, Mapping)}
+    base = {k: v for k, v in attention.items() if k not in sections}
+    design, own = _v2_design(base)
+    attention = {**{k: v for k, v in base.items() if k in _V2_LAYER_KEYS}, "design": design}
+    attention["design_options"] = own
+    for name, section in sections.items():
+        given = {k: v for k, v in section.items() if v is not None}
+        mine, options = _v2_design({**base, **given})
+        if mine == design:  # the top level's design: the options that differ from its
+            mine = None
+            options = {k: v for k, v in options.items() if k not in own or own[k] != v}
+        attention[name] = {k: v for k, v in section.items() if k in _V2_LAYER_KEYS} | {
+            "design": mine,
+            "design_options": options,
+        }
+    config["attention"] = attention
+    return config
+
+
+def _v2_design(section: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The design and options that format 2 built from one merged ``section``."""
+    own = {k: v for k, v in section.items() if k not in _V2_LAYER_KEYS and v is not None}
+    design = own.pop("head_mixing", None) or section.get("design")
+    design = design or next((d for k, d in _V2_SELECTED_BY.items() if k in own), None)
+    off = [k for k, d in _V2_OFF.items() if own.get(k, True) in (0, False) and d != design]
+    return design, {k: v for k, v in own.items() if k not in off}
 
 
 def model_state_dict(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:

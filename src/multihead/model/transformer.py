@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
-from multihead.attention.designs import design_options
 from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
@@ -32,12 +31,12 @@ ATTENTION_SUBLAYERS = ("encoder_self_attention", "decoder_self_attention", "cros
 
 def _attention_options() -> dict[str, Any]:
     """The layer's head options (not its sizes or dropout, which the model sets) and their
-    defaults, read from its signature and the designs registered now (one registered after
-    this module was imported included), so that a new option needs no second list here."""
-    return design_options() | {
-        name: param.default
+    defaults, read from its signature, so that a new option needs no second list here; its
+    design's own options are one of them, ``design_options`` (a mapping, ``{}`` by default)."""
+    return {
+        name: {} if param.kind is param.VAR_KEYWORD else param.default
         for name, param in inspect.signature(MultiHeadAttention).parameters.items()
-        if name not in ("embed_dim", "dropout", "bias", "device", "dtype", "design_options")
+        if name not in ("embed_dim", "dropout", "bias", "device", "dtype")
     }
 
 
@@ -235,7 +234,9 @@ def _attention_config(
     """The layer's defaults updated by ``base`` then by ``override`` (any Mapping).
 
     A ``None`` value in ``override`` means "as in ``base``", so a config can list every key
-    of a per-sublayer section and set only the ones it changes.
+    of a per-sublayer section and set only the ones it changes. Its ``design_options`` update
+    ``base``'s one by one, unless it names another design than ``base``: then they are that
+    design's alone.
     """
     options = _attention_options()
     config = {k: v for k, v in options.items() if v is not inspect.Parameter.empty}
@@ -247,22 +248,55 @@ def _attention_config(
         unknown = set(mapping) - set(options)
         if unknown:
             raise ValueError(
-                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(options)}"
+                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(options)} (a head "
+                f"design's own options go in {name}.design_options)"
             )
-        config.update(
-            mapping if mapping is base else {k: v for k, v in mapping.items() if v is not None}
+        own = mapping.get("design_options")
+        if own is not None and not isinstance(own, Mapping):
+            raise ValueError(
+                f"{name}.design_options must be a mapping of the design's options, got {own!r}"
+            )
+        layer_keys = sorted(set(own or {}) & set(options))
+        if layer_keys:
+            raise ValueError(
+                f"{name}.design_options has {', '.join(layer_keys)}, the layer's own: set "
+                f"{name}.{layer_keys[0]} instead"
+            )
+        given = (
+            dict(mapping)
+            if mapping is base
+            else {k: v for k, v in mapping.items() if v is not None}
         )
+        if mapping is not base and given.get("design", config["design"]) == config["design"]:
+            own = {**config["design_options"], **(own or {})}  # the same design: one by one
+        given["design_options"] = dict(own or {})
+        config.update(given)
     if "num_heads" not in config:
         raise ValueError(f"{sublayer}: num_heads is not set; give it in attention (e.g. 4)")
     return config
 
 
+def sublayer_config(attn: MultiHeadAttention) -> dict[str, Any]:
+    """``attn``'s :attr:`~multihead.attention.MultiHeadAttention.head_config` in the form of
+    a sublayer's config (:attr:`Transformer.attention_config`): the layer's own keys, and its
+    design's options under ``design_options``."""
+    layer_keys = _attention_options()
+    config = {k: v for k, v in attn.head_config.items() if k != "kind"}
+    own = {k: v for k, v in config.items() if k not in layer_keys}
+    return {"design": None, **{k: v for k, v in config.items() if k in layer_keys}} | {
+        "design_options": own
+    }
+
+
 def _at_depth(config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """A sublayer's options in the layer at ``depth`` of its stack (0 first): differential
-    attention's ``lambda_init``, unless set, is the paper's for that depth."""
-    if config.get("design") == "diff" and config.get("lambda_init") is None:
-        return {**config, "lambda_init": lambda_init_at(depth)}
-    return config
+    """The layer's arguments at ``depth`` of its stack (0 first) from its sublayer's config:
+    the design's options as keywords; differential attention's ``lambda_init``, unless set,
+    the paper's for that depth."""
+    layer = {k: v for k, v in config.items() if k != "design_options"}
+    own = config["design_options"]
+    if config["design"] == "diff" and own.get("lambda_init") is None:
+        own = {**own, "lambda_init": lambda_init_at(depth)}
+    return {**layer, **own}
 
 
 def _place_positions(
@@ -335,10 +369,13 @@ class Transformer(nn.Module):
         pad_id: the padding token id, in both vocabularies.
         attention: keyword arguments of :class:`~multihead.attention.MultiHeadAttention`
             for every attention sublayer: ``num_heads`` (required), ``num_kv_heads``,
-            ``backend`` and the other head options, with the layer's defaults.
+            ``backend``, ``design`` and the other head options, with the layer's defaults;
+            the design's own options in one mapping, ``design_options`` (e.g.
+            ``{"design": "moh", "design_options": {"top_k_heads": 2}}``).
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one sublayer, e.g. ``{"num_kv_heads": 1}`` for the
-            decoder self-attention only; ``None`` values inherit from ``attention``. Any
+            decoder self-attention only; ``None`` values inherit from ``attention``, and so do
+            the ``design_options`` it does not give, unless it names another design. Any
             ``Mapping`` (an omegaconf ``DictConfig`` too). A differential sublayer
             (``design="diff"``) without a ``lambda_init`` gets the paper's for its layer's depth
             in its stack (:func:`~multihead.attention.differential.lambda_init_at`).
