@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from multihead.analysis.conversion_study import check_study, run_study, uptrain_steps
 from multihead.checkpoints import load_trained_model
-from multihead.checkpoints.conversion import convert_kv_heads
+from multihead.checkpoints.conversion import convert_kv_heads, training_batches
 from multihead.model import build_model
 
 from helpers.scripts import fails_in_one_line, script_main
@@ -64,6 +64,44 @@ def test_rotary_mla_checkpoint_is_exact_at_full_rank_and_rebuilds(rope_run, tmp_
     rebuilt.load_state_dict(converted.model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(src, tgt), converted.model(src, tgt))
+
+
+def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
+    rope_run, tmp_path, multi30k_dir
+) -> None:
+    """Issue 67: the PCA of the outputs on the run's first 2 training batches and one shared
+    rotary key of 32 numbers (4 groups x 8 rotary features: nothing dropped) are exact at
+    full rank; the record and the printed overrides rebuild it; refusals in one line."""
+    ckpt = torch.load(rope_run, map_location="cpu", weights_only=False)
+    batches = training_batches(ckpt, 2, str(multi30k_dir))
+    assert len(batches) == 2 and all(src.dim() == tgt.dim() == 2 for src, tgt in batches)
+    full = {"decoder_self_attention": 32, "cross_attention": 32}  # 2GD - 32 = 32; E = 32
+    written, overrides = convert_kv_heads(
+        rope_run, None, tmp_path / "shared.ckpt", kv_latent_dim=full, rope_dim=32,
+        rotary_key="shared", calibration_batches=2, local_dir=str(multi30k_dir),
+    )  # fmt: skip
+    old, new = load_trained_model(rope_run).model, load_trained_model(written).model
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope32"
+    src, tgt = torch.randint(4, 100, (3, 9)), torch.randint(4, 100, (3, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
+    info = torch.load(written, map_location="cpu", weights_only=False)["multihead"]
+    assert {k: info["converted_from"][k] for k in ("rotary_key", "factorisation",
+            "calibration_batches", "balance_kv")} == {"rotary_key": "shared",
+            "factorisation": None, "calibration_batches": 2, "balance_kv": False}  # fmt: skip
+    composed = compose_config(
+        "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
+    )
+    tok = load_trained_model(written).tokenizer
+    rebuilt = build_model(
+        OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
+    )
+    assert rebuilt.head_config == new.head_config
+    with pytest.raises(ValueError, match=r"calibration_batches=2 would be ignored: num_kv_heads=2"):
+        convert_kv_heads(rope_run, 2, tmp_path / "x.ckpt", calibration_batches=2)
+    with pytest.raises(ValueError, match=r"calibration_batches must be >= 1, got -1"):
+        convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim=8,
+                         calibration_batches=-1)  # fmt: skip
 
 
 def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:
