@@ -121,6 +121,34 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
             assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
 
 
+def test_an_hf_llama_with_one_shared_rotary_key_is_exact_when_it_drops_nothing_and_generates():
+    """2 K/V groups of 8 rotated features: a shared key of 16 keeps every component, the
+    latent (V and nothing of K) its 16: the model's logits, and greedy decoding through HF's
+    cache equal to the argmax of full passes."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float64
+    ).eval()
+    model = hf.replace_hf_attention(source)
+    swapped = copy.deepcopy(model)
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    report = convert_attention(model, kv_latent=16, rope_dim=16, rotary_key="shared",
+                               calibration=ids)  # fmt: skip
+    assert [row["bytes_after"] for row in report] == [(16 + 16) * 4] * 2
+    assert all(row["out_error"] < 1e-10 for row in report)
+    assert model.model.layers[0].self_attn.attn.head_tag == "mla4r16rope16"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, swapped(ids).logits, rtol=0, atol=1e-10)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+        for t in range(8, 12):
+            assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
+
+
 # ---------------------------------------------------------------------- refusals, each named
 def swapped_encoder() -> nn.Module:
     """Two torch encoder layers swapped to MultiHeadAttention: MHA, E = 32, 4 heads of 8."""

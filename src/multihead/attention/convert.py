@@ -157,8 +157,9 @@ def with_kv_latent(
       ``k_gi``, rotate alike at frequency ``w_i``, so an orthogonal ``G x G`` mix of them
       (the same for both coordinates) commutes with RoPE and the queries absorb it. For
       each block of ``freqfold`` neighbouring pairs, the PCA of the ``G freqfold``
-      components (their second moment over tokens and both coordinates, as the latent's:
-      on ``calibration``, else the weights') gives the mix; its top
+      components (their second moment over tokens and both coordinates, weighed as the
+      latent's: by the calibration inputs with ``"pca"``, the weights alone with ``"svd"``)
+      gives the mix; its top
       ``k = rope_dim freqfold / R`` components form the key, rotated at the block's
       frequencies (component ``j`` at pair ``j freqfold // k`` of the block), and the rest
       go to the latent, position-free: the approximation. Exact at full rank where
