@@ -1,6 +1,8 @@
 """Convert a trained MHA checkpoint to GQA and MLA at 1/k of its KV cache, score, uptrain, score.
 
 python scripts/conversion_study.py ckpt=RUN/avg10.ckpt out=DIR [ratios=[2,4,8]] [beam_size=5]
+python scripts/conversion_study.py ckpt=RUN/avg10.ckpt out=DIR \
+    'methods=[mla_svd,mla_pca,mla_pca_bkv,mla_pca_bkv_shared]' [distill=true]
 
 Writes DIR/rows.jsonl (one record per row), DIR/rows.csv and DIR/bleu_vs_uptraining.png
 (see multihead.analysis.conversion_study).
@@ -26,13 +28,18 @@ def main(cfg: DictConfig) -> None:
         selection=cfg.selection,
         fractions=list(cfg.fractions),
         recipe=OmegaConf.to_object(cfg.recipe),
+        calibration_batches=cfg.calibration_batches,
+        distill=cfg.distill,
         beam_size=cfg.beam_size,
         local_dir=cfg.data.local_dir,
         limit=cfg.limit,
     )
     for row in rows:
         print(
-            " ".join(f"{k}={row[k]}" for k in ("method", "ratio", "uptrain_steps", "bleu_lc_tok"))
+            " ".join(
+                f"{k}={row[k]}"
+                for k in ("method", "ratio", "distill", "uptrain_steps", "bleu_lc_tok")
+            )
         )
     print(f"rows written to {cfg.out}/rows.csv")
 

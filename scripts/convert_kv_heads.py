@@ -2,10 +2,14 @@
 
 python scripts/convert_kv_heads.py ckpt=RUN/checkpoints/last.ckpt num_kv_heads=2 out=gqa2.ckpt
 python scripts/convert_kv_heads.py ckpt=RUN/checkpoints/last.ckpt kv_latent_dim=32 out=mla.ckpt
+python scripts/convert_kv_heads.py ckpt=RUN/avg10.ckpt kv_latent_dim=16 rope_dim=16 \
+    rotary_key=shared calibration_batches=8 out=mla.ckpt
 
 Each K/V head of the new layers is the mean of a group of the trained ones (GQA paper), or
-K/V come from a latent found by a truncated SVD of the trained K/V weights (MLA); the
-printed command uptrains the converted model.
+K/V come from a latent: a truncated SVD of the trained K/V weights, or with
+calibration_batches the PCA of their outputs on the run's first training batches (MLA);
+the printed command uptrains the converted model (add distill_from=CKPT to distil from
+the original).
 """
 
 import shlex
@@ -22,10 +26,15 @@ from multihead.checkpoints.conversion import convert_kv_heads
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     scope = OmegaConf.to_object(cfg.scope) if OmegaConf.is_list(cfg.scope) else cfg.scope
+    options = {
+        "rope_dim": cfg.rope_dim, "selection": cfg.selection, "rotary_key": cfg.rotary_key,
+        "freqfold": cfg.freqfold, "factorisation": cfg.factorisation,
+        "balance_kv": cfg.balance_kv, "calibration_batches": cfg.calibration_batches,
+        "local_dir": cfg.local_dir,
+    }  # fmt: skip
     out, overrides = convert_kv_heads(
-        cfg.ckpt, cfg.num_kv_heads, cfg.out, scope, kv_latent_dim=cfg.kv_latent_dim,
-        rope_dim=cfg.rope_dim, selection=cfg.selection,
-    )  # fmt: skip
+        cfg.ckpt, cfg.num_kv_heads, cfg.out, scope, kv_latent_dim=cfg.kv_latent_dim, **options
+    )
     target = (
         f"{cfg.num_kv_heads} K/V heads"
         if cfg.kv_latent_dim is None

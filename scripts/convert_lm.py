@@ -1,16 +1,23 @@
-"""Issue 56's LM study: a trained Llama-shaped LM converted to GQA and MLA, then uptrained.
+"""Issue 56's LM study: a trained Llama-shaped LM converted to GQA and MLA, then uptrained;
+with issue 67's ablation of the MLA conversion.
 
 python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05] [--lr 3e-4]
+    [--methods gqa mla_svd mla_pca mla_pca_bkv mla_pca_bkv_shared] [--distill]
 
 ``RUN_DIR`` is a ``scripts/train_lm.py`` run (``hf/``, ``tokenizer.json``, ``summary.json``,
 ``.hydra/config.yaml``). Every attention module is swapped for the layer
-(``replace_hf_attention``), then each layer is converted:
+(``replace_hf_attention``), then each layer is converted (``convert_attention``):
 
-* GQA: ``with_kv_heads`` (mean-pooled K/V heads), 4, 2 and 1 K/V heads;
-* MLA: ``with_kv_latent`` (partial RoPE + joint SVD), a latent of ``r`` and ``rope_dim``
-  rotated features per K/V group, ``r + G * rope_dim`` = 1/2, 1/4, 1/8 of MHA's cache; of the
-  ``rope_dim`` and pair selections tried, the one with the lowest loss on the calibration
-  batch (training blocks, not the validation split);
+* ``gqa``: ``with_kv_heads`` (mean-pooled K/V heads), 4, 2 and 1 K/V heads;
+* the MLA methods (``MLA_METHODS`` of ``multihead.analysis.conversion_study``, one ingredient
+  added at a time): ``mla_svd`` (partial RoPE + the weights' joint SVD: issue 56's MLA),
+  ``mla_pca`` (the latent from the PCA of the K/V outputs on the calibration batch),
+  ``mla_pca_bkv`` (+ K/V balancing), ``mla_pca_bkv_shared`` (+ one rotary key shared by all
+  heads instead of one per K/V group). A latent of ``r`` beside ``rope_dim`` rotated
+  features per K/V group (or a shared key of ``G * rope_dim``), ``r + G * rope_dim`` = 1/2,
+  1/4, 1/8 of MHA's cache; of the ``rope_dim`` (and, for per-group keys, pair selections)
+  tried, the one with the lowest loss on the calibration batch (16 training blocks, not the
+  validation split), per method;
 * MHA: the swapped model unchanged, the control.
 
 Each is scored (validation perplexity) right after conversion and while uptrained with one
@@ -19,7 +26,10 @@ largest fraction of the original steps; the smaller fractions are that run's sco
 their step counts (with a constant rate, the first n steps of the run are the n-step run).
 ``--anneal`` lets the rate fall linearly to zero over the largest fraction's steps instead
 (the trained model ends its own schedule annealed; a constant rate undoes some of that).
-Writes ``OUT_DIR/results.json`` and ``OUT_DIR/uptraining.png``.
+``--distill`` adds to every row's loss, the MHA control's too, the KL from the trained
+(swapped, unconverted) model's next-token distribution to the row's (weight 1). Writes
+``OUT_DIR/results.json`` and ``OUT_DIR/uptraining.png``; rows of another recipe (rate,
+schedule, steps, distillation) are refused: one recipe per ``OUT_DIR``.
 """
 
 import argparse
@@ -37,6 +47,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
+from multihead.analysis.conversion_study import MLA_METHODS
 from multihead.attention import MultiHeadAttention
 from multihead.checkpoints.conversion import convert_attention
 from multihead.data.lm import LanguageModelDataModule
@@ -47,9 +58,10 @@ from multihead.training.lm import LanguageModelModule
 register_resolvers()
 
 RATIOS = (8, 4, 2)  # MHA's cache over the converted one's; the hardest first
-ROPE_DIMS = (2, 4, 8)
+ROPE_DIMS = (2, 4, 8)  # per K/V group; a shared key has G times as many
 SELECTIONS = ("high", "uniform", "norm")
 UPTRAIN_LR = 3e-4
+METHODS = ("gqa", *MLA_METHODS)
 
 
 def cache_bytes(model) -> int:
@@ -59,13 +71,15 @@ def cache_bytes(model) -> int:
 
 
 def convert(model, kind: str, value: int | None, calibration: dict, **options):
-    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or mla) and
-    :func:`convert_attention`'s per-layer report (``[]`` for mha)."""
+    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or an MLA method)
+    and :func:`convert_attention`'s per-layer report (``[]`` for mha)."""
     model = copy.deepcopy(model)
     if kind == "mha":
         return model, []
-    target = {"kv_heads": value} if kind == "gqa" else {"kv_latent": value}
-    return model, convert_attention(model, **target, calibration=calibration, **options)
+    if kind == "gqa":
+        return model, convert_attention(model, kv_heads=value, calibration=calibration)
+    options = MLA_METHODS[kind] | options
+    return model, convert_attention(model, kv_latent=value, calibration=calibration, **options)
 
 
 def batch_loss(model, batch) -> float:
@@ -83,16 +97,19 @@ class Scores(pl.Callback):
         self.ppl[trainer.global_step] = trainer.callback_metrics["val/ppl"].item()
 
 
-def uptrain(model, datamodule, steps: int, every: int, anneal: bool, lr: float) -> dict[int, float]:
+def uptrain(
+    model, datamodule, steps: int, every: int, anneal: bool, lr: float, teacher=None
+) -> dict[int, float]:
     """Perplexity at step 0 and every ``every`` steps of ``steps`` of the one recipe at rate
-    ``lr``; ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays."""
+    ``lr``; ``anneal``: the rate falls linearly to zero over the ``steps``, else it stays;
+    ``teacher``: distil from it (its KL added to the loss)."""
     optimizer = functools.partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = None
     if anneal:
         scheduler = functools.partial(
             torch.optim.lr_scheduler.LinearLR, start_factor=1.0, end_factor=0.0, total_iters=steps
         )
-    module = LanguageModelModule(model.train(), optimizer, scheduler)
+    module = LanguageModelModule(model.train(), optimizer, scheduler, teacher=teacher)
     scores = Scores()
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=steps, val_check_interval=every,
@@ -123,17 +140,19 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     total = results["train_steps"]
+    styles = dict(zip(METHODS, ("--", "-", "-.", ":", (0, (5, 1, 1, 1, 1, 1))), strict=True))
     for row in results["rows"]:
         steps = sorted(int(s) for s in row["ppl"])
         frac = [100 * s / total for s in steps]
         color = {1.0: "black", 0.5: "C1", 0.25: "C2", 0.125: "C0"}.get(row["ratio_of_mha"])
-        style = "--" if row["method"] == "gqa" else "-"
+        style = styles.get(row["method"], "-")
         ppl = [row["ppl"][str(s)] for s in steps]
-        ax.plot(frac, ppl, style, color=color, marker="o", ms=3, label=row["name"])
+        ax.plot(frac, ppl, linestyle=style, color=color, marker="o", ms=3, label=row["name"])
     ax.set_xlabel("uptraining steps, % of the original training's")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title("Llama-shaped LM (5.2M), Multi30k en+de: converted, uptrained")
+    distilled = ", distilled" if results["uptrain"].get("distill") else ""
+    ax.set_title(f"Llama-shaped LM (5.2M), Multi30k en+de: converted, uptrained{distilled}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -149,12 +168,14 @@ def table(results: dict) -> str:
     head += [f"vs MHA at +{steps[-1]}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
-        how = {
-            "mha": "",
-            "gqa": f" (G={row['value']})",
-            "mla": f" (r={row['value']}, rope_dim={row.get('rope_dim')}, {row.get('selection')})",
-        }
-        cells = [row["name"] + how[row["method"]], str(row["kv_bytes_per_token"]),
+        if row["method"] == "mha":
+            how = ""
+        elif row["method"] == "gqa":
+            how = f" (G={row['value']})"
+        else:
+            keys = row.get("rotary_key") or row.get("selection")  # shared, or the pairs
+            how = f" (r={row['value']}, rope_dim={row.get('rope_dim')}, {keys})"
+        cells = [row["name"] + how, str(row["kv_bytes_per_token"]),
                  f"{row['ratio_of_mha']:g}", f"{row['ppl']['0']:.2f}"]  # fmt: skip
         cells += [f"{row['ppl'][str(s)]:.2f}" for s in steps]
         last = str(steps[-1])
@@ -181,6 +202,15 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="*", help="names of the rows to run (default: all)")
     parser.add_argument("--lr", type=float, default=UPTRAIN_LR, help="the uptraining rate")
+    parser.add_argument(
+        "--methods", nargs="+", default=["gqa", "mla_svd"], choices=METHODS,
+        help="the converted rows beside MHA (default: gqa mla_svd, issue 56's study)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--distill",
+        action="store_true",
+        help="every row, MHA too, adds the KL to the trained model's predictions to its loss",
+    )
     args = parser.parse_args()
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
@@ -211,50 +241,48 @@ def main() -> None:
     kv_heads = layers[0].num_kv_heads
     plan, grid, unreachable = [("MHA", "mha", None, {})], [], []
     for ratio in RATIOS:
-        if kv_heads % ratio == 0:
-            plan.append((f"GQA 1/{ratio}", "gqa", kv_heads // ratio, {}))
-        else:
-            why = f"{kv_heads} K/V heads do not pool into 1/{ratio} as many"
-            unreachable.append({"name": f"GQA 1/{ratio}", "why": why})
         budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
-        tried = []
-        for rope_dim in ROPE_DIMS:
-            r = budget - kv_heads * rope_dim
-            if r < 1:  # the rotary keys alone fill the budget
+        for method in args.methods:
+            name = f"{method} 1/{ratio}"
+            if method == "gqa":
+                if kv_heads % ratio == 0:
+                    plan.append((name, "gqa", kv_heads // ratio, {}))
+                else:
+                    why = f"{kv_heads} K/V heads do not pool into 1/{ratio} as many"
+                    unreachable.append({"name": name, "why": why})
                 continue
-            for selection in SELECTIONS:
-                m, _ = convert(model, "mla", r, calibration, rope_dim=rope_dim, selection=selection)
-                loss = batch_loss(m, calibration_batch)
-                tried.append(
-                    {
-                        "ratio": ratio,
-                        "r": r,
-                        "rope_dim": rope_dim,
-                        "selection": selection,
-                        "calibration_loss": loss,
-                    }
-                )
-        grid += tried
-        if not tried:
-            why = f"{budget} numbers per token and layer hold no latent beside the rotary keys"
-            unreachable.append({"name": f"MLA 1/{ratio}", "why": why})
-            continue
-        best = min(tried, key=lambda t: t["calibration_loss"])
-        plan.append(
-            (
-                f"MLA 1/{ratio}",
-                "mla",
-                best["r"],
-                {"rope_dim": best["rope_dim"], "selection": best["selection"]},
-            )
-        )
+            shared = MLA_METHODS[method].get("rotary_key") == "shared"
+            tried = []
+            for rope_dim in ROPE_DIMS:
+                r = budget - kv_heads * rope_dim  # a shared key: the groups' numbers in one
+                if r < 1:  # the rotary keys alone fill the budget
+                    continue
+                for selection in ("high",) if shared else SELECTIONS:
+                    options = (
+                        {"rope_dim": kv_heads * rope_dim}
+                        if shared
+                        else {"rope_dim": rope_dim, "selection": selection}
+                    )
+                    m, _ = convert(model, method, r, calibration, **options)
+                    loss = batch_loss(m, calibration_batch)
+                    tried.append({"method": method, "ratio": ratio, "r": r, **options,
+                                  "calibration_loss": loss})  # fmt: skip
+            grid += tried
+            if not tried:
+                why = f"{budget} numbers per token and layer hold no latent beside the rotary keys"
+                unreachable.append({"name": name, "why": why})
+                continue
+            best = min(tried, key=lambda t: t["calibration_loss"])
+            options = {k: best[k] for k in ("rope_dim", "selection") if k in best}
+            plan.append((name, method, best["r"], options))
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"rows": []}
     recipe = {"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
               "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
-              "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens"}  # fmt: skip
+              "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens",
+              "distill": args.distill}  # fmt: skip
     if results["rows"] and results["uptrain"] != recipe:
         # A row already there was uptrained otherwise: continuing would mix two recipes.
         raise ValueError(
@@ -268,15 +296,16 @@ def main() -> None:
         mha_bytes_per_token=mha_bytes, mla_selection_grid=grid, unreachable=unreachable,
     )  # fmt: skip
     done = {row["name"] for row in results["rows"]}
+    teacher = copy.deepcopy(model).eval() if args.distill else None  # the trained model
     for name, kind, value, options in plan:
         if (args.only and name not in args.only) or name in done:
             continue
         start = time.time()
         m, report = convert(model, kind, value, calibration, **options)
-        errors = {key: [row[key] for row in report] for key in ("k_error", "v_error")}
-        ppl = uptrain(m, datamodule, max(steps), every, args.anneal, args.lr)
+        errors = {key: [row[key] for row in report] for key in ("k_error", "v_error", "out_error")}
+        ppl = uptrain(m, datamodule, max(steps), every, args.anneal, args.lr, teacher)
         row = {
-            "name": name, "method": kind, "value": value, **options,
+            "name": name, "method": kind, "value": value, **MLA_METHODS.get(kind, {}), **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
             "ppl": {str(s): p for s, p in ppl.items()}, **errors,
             "seconds": round(time.time() - start),

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from multihead.analysis.conversion_study import check_study, run_study, uptrain_steps
 from multihead.checkpoints import load_trained_model
-from multihead.checkpoints.conversion import convert_kv_heads
+from multihead.checkpoints.conversion import convert_kv_heads, training_batches
 from multihead.model import build_model
 
 from helpers.scripts import fails_in_one_line, script_main
@@ -66,6 +66,44 @@ def test_rotary_mla_checkpoint_is_exact_at_full_rank_and_rebuilds(rope_run, tmp_
         torch.testing.assert_close(rebuilt(src, tgt), converted.model(src, tgt))
 
 
+def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
+    rope_run, tmp_path, multi30k_dir
+) -> None:
+    """Issue 67: the PCA of the outputs on the run's first 2 training batches and one shared
+    rotary key of 32 numbers (4 groups x 8 rotary features: nothing dropped) are exact at
+    full rank; the record and the printed overrides rebuild it; refusals in one line."""
+    ckpt = torch.load(rope_run, map_location="cpu", weights_only=False)
+    batches = training_batches(ckpt, 2, str(multi30k_dir))
+    assert len(batches) == 2 and all(src.dim() == tgt.dim() == 2 for src, tgt in batches)
+    full = {"decoder_self_attention": 32, "cross_attention": 32}  # 2GD - 32 = 32; E = 32
+    written, overrides = convert_kv_heads(
+        rope_run, None, tmp_path / "shared.ckpt", kv_latent_dim=full, rope_dim=32,
+        rotary_key="shared", calibration_batches=2, local_dir=str(multi30k_dir),
+    )  # fmt: skip
+    old, new = load_trained_model(rope_run).model, load_trained_model(written).model
+    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope32"
+    src, tgt = torch.randint(4, 100, (3, 9)), torch.randint(4, 100, (3, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
+    info = torch.load(written, map_location="cpu", weights_only=False)["multihead"]
+    assert {k: info["converted_from"][k] for k in ("rotary_key", "factorisation",
+            "calibration_batches", "balance_kv")} == {"rotary_key": "shared",
+            "factorisation": None, "calibration_batches": 2, "balance_kv": False}  # fmt: skip
+    composed = compose_config(
+        "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
+    )
+    tok = load_trained_model(written).tokenizer
+    rebuilt = build_model(
+        OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
+    )
+    assert rebuilt.head_config == new.head_config
+    with pytest.raises(ValueError, match=r"calibration_batches=2 would be ignored: num_kv_heads=2"):
+        convert_kv_heads(rope_run, 2, tmp_path / "x.ckpt", calibration_batches=2)
+    with pytest.raises(ValueError, match=r"calibration_batches must be >= 1, got -1"):
+        convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim=8,
+                         calibration_batches=-1)  # fmt: skip
+
+
 def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"kv_latent_dim=\{'cross_attention': 8\} must give one r"):
         convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim={"cross_attention": 8})
@@ -80,26 +118,37 @@ def test_uptrain_steps_are_multiples_of_the_smallest_fractions() -> None:
 def test_study_writes_every_row_and_marks_unreachable_ratios(
     rope_run, tmp_path, multi30k_dir
 ) -> None:
+    """Issue 56's MLA beside issue 67's last ablation row (PCA on 2 calibration batches, K/V
+    balancing, one shared rotary key), every row distilled from the trained checkpoint."""
     out = tmp_path / "study"
     rows = run_study(
-        rope_run, out, methods=["mla"], ratios=[4, 8], rope_dim=2, fractions=[0.25, 0.5],
-        beam_size=1, local_dir=str(multi30k_dir), limit=4,
+        rope_run, out, methods=["mla_svd", "mla_pca_bkv_shared"], ratios=[4, 8], rope_dim=2,
+        fractions=[0.25, 0.5], calibration_batches=2, distill=True, beam_size=1,
+        local_dir=str(multi30k_dir), limit=4,
     )  # fmt: skip
     # MHA: 2 * 4 heads * 8 * 4 bytes * 2 layers. MLA 1/8: 8 numbers, all taken by 4 x 2 rotary.
     assert [(r["method"], r["ratio"], r["uptrain_steps"]) for r in rows] == [
         ("mha", 1, 0), ("mha", 1, 1), ("mha", 1, 2),
-        ("mla", 8, None),
-        ("mla", 4, 0), ("mla", 4, 1), ("mla", 4, 2),
+        ("mla_svd", 8, None), ("mla_pca_bkv_shared", 8, None),
+        ("mla_svd", 4, 0), ("mla_svd", 4, 1), ("mla_svd", 4, 2),
+        ("mla_pca_bkv_shared", 4, 0), ("mla_pca_bkv_shared", 4, 1), ("mla_pca_bkv_shared", 4, 2),
     ]  # fmt: skip
+    assert all(r["distill"] is True for r in rows)
     assert rows[3]["target"] == "n/a" and rows[3]["bleu_lc_tok"] is None
     assert {r["kv_bytes_per_token"] for r in rows[:3]} == {512}
-    assert {r["kv_bytes_per_token"] for r in rows[4:]} == {128}
-    assert {r["cross_kv_bytes_per_source_token"] for r in rows[4:]} == {128}
-    for row in rows[1:3] + rows[5:]:
+    assert {r["kv_bytes_per_token"] for r in rows[5:]} == {128}  # per-group or shared keys alike
+    assert {r["cross_kv_bytes_per_source_token"] for r in rows[5:]} == {128}
+    for row in rows[1:3] + rows[6:8] + rows[9:]:
         assert Path(row["checkpoint"]).is_file()
         assert row["checkpoint"].endswith(f"uptrain/checkpoints/step{row['uptrain_steps']}.ckpt")
-    uptrained = load_trained_model(rows[6]["checkpoint"]).model
-    assert uptrained.head_config["decoder_self_attention"]["tag"] == "mla4r8rope2x4"
+    tags = [load_trained_model(rows[i]["checkpoint"]).model.head_config["decoder_self_attention"]
+            ["tag"] for i in (7, 10)]  # fmt: skip
+    assert tags == ["mla4r8rope2x4", "mla4r8rope8"]
+    for method in ("mha1", "mla_svd4", "mla_pca_bkv_shared4"):
+        command = json.loads((out / method / "uptrain_command.json").read_text())
+        assert f"distill_from={rope_run}" in command
+    converted = torch.load(out / "mla_pca_bkv_shared4" / "converted.ckpt", weights_only=False)
+    assert converted["multihead"]["converted_from"]["calibration_batches"] == 2
     for row in rows:
         if row["bleu_lc_tok"] is not None:
             where = out / f"{row['method']}{row['ratio']}" / f"score_step{row['uptrain_steps']}"
@@ -115,7 +164,7 @@ def test_study_writes_every_row_and_marks_unreachable_ratios(
 @pytest.mark.parametrize(
     ("methods", "ratios", "fractions", "message"),
     [
-        (["mqa"], [2], [0.01], r"methods=\['mqa'\]; expected a list of gqa, mla"),
+        (["mla"], [2], [0.01], r"methods=\['mla'\]; expected a list of gqa, mla_svd, mla_pca, "),
         (["gqa"], [1], [0.01], "ratios: 1 is not an integer >= 2"),
         (["gqa"], [2], [0.0], r"fractions=\[0.0\]; expected numbers in \(0, 1\]"),
     ],

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from multihead import replace_torch_attention
+from multihead import MultiHeadAttention, replace_torch_attention
+from multihead.attention import with_kv_latent
 from multihead.checkpoints.conversion import convert_attention
 from multihead.model import Transformer
 
@@ -121,6 +122,34 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
             assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
 
 
+def test_an_hf_llama_with_one_shared_rotary_key_is_exact_when_it_drops_nothing_and_generates():
+    """2 K/V groups of 8 rotated features: a shared key of 16 keeps every component, the
+    latent (V and nothing of K) its 16: the model's logits, and greedy decoding through HF's
+    cache equal to the argmax of full passes."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float64
+    ).eval()
+    model = hf.replace_hf_attention(source)
+    swapped = copy.deepcopy(model)
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    report = convert_attention(model, kv_latent=16, rope_dim=16, rotary_key="shared",
+                               calibration=ids)  # fmt: skip
+    assert [row["bytes_after"] for row in report] == [(16 + 16) * 4] * 2
+    assert all(row["out_error"] < 1e-10 for row in report)
+    assert model.model.layers[0].self_attn.attn.head_tag == "mla4r16rope16"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, swapped(ids).logits, rtol=0, atol=1e-10)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+        for t in range(8, 12):
+            assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
+
+
 # ---------------------------------------------------------------------- refusals, each named
 def swapped_encoder() -> nn.Module:
     """Two torch encoder layers swapped to MultiHeadAttention: MHA, E = 32, 4 heads of 8."""
@@ -159,9 +188,18 @@ def test_options_it_would_ignore_are_refused_by_name():
     rope, _ = rope_transformer()
     with pytest.raises(
         ValueError, match=r"^rope_dim=4 and selection='norm' would be ignored: kv_heads=1 pools "
-        r"K/V heads, and they choose the rotary features of a K/V latent$"
+        r"K/V heads, and they shape a K/V latent$"
     ):  # fmt: skip
         convert_attention(rope, kv_heads=1, rope_dim=4, selection="norm")
+    with pytest.raises(
+        ValueError, match=r"^rotary_key='shared' and factorisation='pca' and balance_kv=True would "
+        r"be ignored: kv_heads=1 pools"
+    ):  # fmt: skip
+        convert_attention(
+            rope, kv_heads=1, rotary_key="shared", factorisation="pca", balance_kv=True
+        )
+    with pytest.raises(ValueError, match=r"^freqfold=2 would be ignored: they choose rotary"):
+        convert_attention(swapped_encoder(), kv_latent=8, freqfold=2)
     with pytest.raises(
         ValueError, match=r"^selection='uniform' would be ignored: they choose rotary features, "
         r"and no layer in scope has positions$"
@@ -200,3 +238,114 @@ def test_keeping_every_rotary_feature_warns_nothing():
         warnings.simplefilter("error")
         convert_attention(model, kv_latent=16)  # rope_dim unset: all 8 rotated features kept
     assert model.decoder_layers[0].self_attn.in_proj.weight.shape == (0, 32)
+
+
+# ------------------------------------------------------------------ calibration (issue 67)
+class OneLayer(nn.Module):
+    """A rotary layer called causally, the smallest model convert_attention takes."""
+
+    def __init__(self, attn: MultiHeadAttention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        return self.attn(x, is_causal=True)
+
+
+def test_a_list_of_batches_calibrates_on_every_real_token_and_no_padding():
+    """Cross-attention's K/V source is the memory: its padded positions (key_padding_mask)
+    are left out. The reference: with_kv_latent on the real memory rows, gathered here."""
+    model, _ = rope_transformer()
+    pad = model.pad_id
+    batches = [(torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))),
+               (torch.randint(4, 50, (2, 4)), torch.randint(4, 50, (2, 6)))]  # fmt: skip
+    batches[0][0][0, 5:] = pad  # padding in the first batch's sources
+    memories = []
+    with torch.no_grad():
+        for src, _ in batches:
+            memory, src_pad = model.encode(src)
+            memories.append(memory[~src_pad])  # (real tokens, E)
+    reference = with_kv_latent(model.decoder_layers[0].cross_attn, 12,
+                               calibration=torch.cat(memories))  # fmt: skip
+    report = convert_attention(model, kv_latent=12, calibration=batches, scope=["cross_attention"])
+    converted = model.decoder_layers[0].cross_attn
+    torch.testing.assert_close(converted.kv_latent.down.weight, reference.kv_latent.down.weight)
+    torch.testing.assert_close(converted.kv_latent.up.weight, reference.kv_latent.up.weight)
+    assert [row["layer"] for row in report] == [f"decoder_layers.{i}.cross_attn" for i in (0, 1)]
+
+
+def test_the_shared_keys_errors_are_those_of_the_latent_and_of_the_output():
+    """k_error: the pre-RoPE K of the converted layer in the source's basis (the latent's
+    keys plus each pair's top component u_i u_i^T k_i, u_i written here from the outputs)
+    against the source's; out_error: the layer's output against the source's, both on
+    the calibration inputs."""
+    G, D = 4, 8
+    torch.manual_seed(3)
+    source = MultiHeadAttention(32, 4, G, rotary_dim=8, dtype=torch.float64).eval()
+    x = torch.randn(5, 9, 32, dtype=torch.float64)
+    model = OneLayer(copy.deepcopy(source))
+    (row,) = convert_attention(model, kv_latent=12, rope_dim=4 * 2, rotary_key="shared",
+                               calibration=x)  # fmt: skip
+    latent = model.attn.kv_latent
+    rows = x.reshape(-1, 32)
+    k = (rows @ source.in_proj.blocks()[1].detach().T).view(-1, G, D)  # (N, G, D)
+    d = 1e-2 * rows.square().sum() / rows.numel()
+    w_k = source.in_proj.blocks()[1].detach().view(G, D, 32)
+    kept = torch.zeros_like(k)
+    for i in range(4):  # "rotate half": pair i is features i and i + 4
+        comps = k[:, :, [i, i + 4]]  # (N, G, 2)
+        moment = torch.einsum("ngt,nht->gh", comps, comps) / len(rows)
+        moment += d * torch.einsum("gte,hte->gh", w_k[:, [i, i + 4]], w_k[:, [i, i + 4]])
+        u = torch.linalg.eigh(moment).eigenvectors[:, -1:]  # (G, 1)
+        kept[:, :, [i, i + 4]] = torch.einsum("gj,hj,nht->ngt", u, u, comps)
+    k_latent, v_latent = latent.expand(latent.latent(rows[None]))  # (1, H, N, D) each; H = G
+    k_converted = k_latent[0].transpose(0, 1) + kept  # (N, G, D)
+    want = ((k_converted - k).norm() / k.norm()).item()
+    assert row["k_error"] == pytest.approx(want, rel=1e-6) and 0.01 < want < 1
+    with torch.no_grad():
+        out = source(x, is_causal=True)
+        assert row["out_error"] == pytest.approx(
+            ((model(x) - out).norm() / out.norm()).item(), rel=1e-9
+        )
+
+
+@pytest.mark.parametrize(
+    ("calibration", "message"),
+    [
+        ({"input_id": "ids"}, r"^calibration \{'input_id': \(2, 8\) torch.int64\} does not run "
+         r"LlamaForCausalLM: .*input_id"),
+        ("floats", r"^calibration \(2, 8\) torch.float32 does not run LlamaForCausalLM: "),
+        ([], r"^calibration is an empty list; pass at least one batch$"),
+        ("empty", r"^calibration holds an empty tensor of shape \(0, 8\)$"),
+    ],
+    ids=["wrong_key", "float_ids", "empty_list", "empty_tensor"],
+)  # fmt: skip
+def test_bad_calibration_is_refused_in_one_line_before_any_layer_changes(calibration, message):
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )  # fmt: skip
+    model = hf.replace_hf_attention(
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    )
+    ids = torch.randint(2, 64, (2, 8))
+    if isinstance(calibration, dict):  # its values are the ids
+        calibration = {k: ids for k in calibration}
+    elif isinstance(calibration, str):
+        calibration = {"floats": ids.float(), "empty": ids[:0]}[calibration]
+    with pytest.raises(ValueError, match=message):
+        convert_attention(model, kv_latent=8, calibration=calibration)
+    assert model.model.layers[0].self_attn.attn.head_tag == "mha4-rope"
+
+
+def test_a_layer_the_calibration_never_reaches_is_refused_by_name():
+    class TwoLayers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = MultiHeadAttention(32, 4), MultiHeadAttention(32, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(ValueError, match=r"^calibration never reaches unused: pass the model's"):
+        convert_attention(TwoLayers(), kv_latent=8, calibration=torch.randn(2, 5, 32))

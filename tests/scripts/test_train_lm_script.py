@@ -2,8 +2,9 @@
 the perplexity it reports is the saved model's, recomputed here with plain cross-entropy; a
 bad model value ends the process with one line. scripts/convert_lm.py on that run: the
 swapped model scores the trained one's perplexity, the caches are the asked fractions, and a
-fraction a design cannot reach is n/a in the table; a bad uptraining rate is one line, and
-so is continuing a study with another rate, which leaves its results as they were."""
+fraction a design cannot reach is n/a in the table, the ablation's rows and distillation
+run; a bad uptraining rate is one line, and so is continuing a study with another rate,
+which leaves its results as they were."""
 
 from __future__ import annotations
 
@@ -75,27 +76,39 @@ def test_a_bad_uptraining_rate_fails_in_one_line(tmp_path) -> None:
 
 
 def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30k_dir) -> None:
-    """2 K/V heads of 8 features, 1 layer: MHA's cache is 2 * 2 * 8 * 4 = 128 bytes a token."""
+    """2 K/V heads of 8 features, 1 layer: MHA's cache is 2 * 2 * 8 * 4 = 128 bytes a token.
+    Issue 56's rows and issue 67's last ablation row, every row distilled."""
     out = tmp_path / "study"
     result = run_script(
         "convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
         "--fractions", "0.34", "0.67",  # 1 and 2 of the 3 steps
+        "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "--distill",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
+    assert results["uptrain"]["distill"] is True
     rows = {row["name"]: row for row in results["rows"]}
     trained = json.loads((tiny_run / "summary.json").read_text())["val/ppl"]
     assert math.isclose(rows["MHA"]["ppl"]["0"], trained, rel_tol=1e-5)  # the swap is exact
     assert rows["MHA"]["kv_bytes_per_token"] == 2 * 2 * 8 * 4
-    assert rows["GQA 1/2"]["kv_bytes_per_token"] == 1 * 2 * 8 * 4
+    assert rows["gqa 1/2"]["kv_bytes_per_token"] == 1 * 2 * 8 * 4
     # 32 numbers a token at MHA. MLA 1/2: r + 2 groups * rope_dim = 16, whichever rope_dim won
-    mla = rows["MLA 1/2"]
+    mla = rows["mla_svd 1/2"]
     assert mla["value"] + 2 * mla["rope_dim"] == 16 and mla["kv_bytes_per_token"] == 16 * 4
-    assert sorted(rows["MLA 1/2"]["ppl"]) == ["0", "1", "2"]
+    assert mla["factorisation"] == "svd" and sorted(mla["ppl"]) == ["0", "1", "2"]
+    # The shared key holds the groups' 2 * rope_dim numbers: r + its width = 16.
+    shared = rows["mla_pca_bkv_shared 1/2"]
+    assert shared["value"] + shared["rope_dim"] == 16 and shared["kv_bytes_per_token"] == 16 * 4
+    assert (shared["rotary_key"], shared["balance_kv"]) == ("shared", True)
+    assert len(shared["out_error"]) == 1 and 0 <= shared["out_error"][0] < 1
     # MLA 1/4: 8 numbers, only rope_dim 2 leaves a latent (r = 4); at 1/8 none does
-    assert (rows["MLA 1/4"]["value"], rows["MLA 1/4"]["rope_dim"]) == (4, 2)
+    assert (rows["mla_svd 1/4"]["value"], rows["mla_svd 1/4"]["rope_dim"]) == (4, 2)
+    assert (
+        rows["mla_pca_bkv_shared 1/4"]["value"],
+        rows["mla_pca_bkv_shared 1/4"]["rope_dim"],
+    ) == (4, 4)
     table = (out / "table.md").read_text()
-    for name in ("GQA 1/4", "GQA 1/8", "MLA 1/8"):
+    for name in ("gqa 1/4", "gqa 1/8", "mla_svd 1/8", "mla_pca_bkv_shared 1/8"):
         assert f"| {name}: n/a, " in table
     assert (out / "uptraining.png").stat().st_size > 0
 

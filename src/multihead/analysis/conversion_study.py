@@ -10,10 +10,15 @@ steps with the same recipe. A ratio a method cannot reach is a row marked ``n/a`
 
 GQA at ratio ``k`` mean-pools ``G/k`` K/V heads. MLA at ratio ``k`` caches ``2 G D / k``
 numbers per token in each sublayer: in a rotary one, ``G * rope_dim`` of them are the
-per-group rotary keys (partial RoPE) and the rest the latent; in cross-attention, all
-latent. The uptraining schedule does not depend on its length (no cooldown), so the
-checkpoint at step ``n`` of the longest run is what an ``n``-step run would give: one run
-per row serves every fraction.
+rotary key(s) and the rest the latent; in cross-attention, all latent. The MLA methods
+(:data:`MLA_METHODS`) add one ingredient at a time (issue 67's ablation): ``mla_svd`` the
+weights' SVD with per-group keys (partial RoPE; issue 56's method), ``mla_pca`` the PCA of
+the K/V outputs on the run's first ``calibration_batches`` training batches, ``mla_pca_bkv``
+K/V balancing, ``mla_pca_bkv_shared`` one rotary key shared by all heads, of the per-group
+keys' ``G * rope_dim`` numbers. ``distill`` uptrains every row, the MHA control too, with
+the KL to the trained checkpoint added to its loss (``distill_from``). The uptraining
+schedule does not depend on its length (no cooldown), so the checkpoint at step ``n`` of
+the longest run is what an ``n``-step run would give: one run per row serves every fraction.
 """
 
 from __future__ import annotations
@@ -34,10 +39,19 @@ from multihead.checkpoints.conversion import (
 from multihead.checkpoints.io import load_trained_model, read_checkpoint
 from multihead.evaluation import evaluate_checkpoint
 
-METHODS = ("gqa", "mla")
+# The MLA conversions of the ablation, one ingredient added at a time: convert_attention's
+# options (convert_lm.py's rows too). "shared" keys get the per-group keys' G * rope_dim.
+MLA_METHODS = {
+    "mla_svd": {"factorisation": "svd"},
+    "mla_pca": {"factorisation": "pca"},
+    "mla_pca_bkv": {"factorisation": "pca", "balance_kv": True},
+    "mla_pca_bkv_shared": {"factorisation": "pca", "balance_kv": True, "rotary_key": "shared"},
+}
+METHODS = ("gqa", *MLA_METHODS)
 FIELDS = (
-    "method", "ratio", "target", "kv_bytes_per_token", "cross_kv_bytes_per_source_token",
-    "uptrain_fraction", "uptrain_steps", "bleu_lc_tok", "bleu", "checkpoint",
+    "method", "ratio", "distill", "target", "kv_bytes_per_token",
+    "cross_kv_bytes_per_source_token", "uptrain_fraction", "uptrain_steps", "bleu_lc_tok",
+    "bleu", "checkpoint",
 )  # fmt: skip
 
 
@@ -73,7 +87,9 @@ def cache_bytes(ckpt: str | Path) -> tuple[int, int]:
 
 def conversion_target(ckpt: str | Path, method: str, ratio: int, rope_dim: int) -> dict | None:
     """The :func:`convert_kv_heads` keywords that cut each decoder sublayer's cache to
-    ``1/ratio``, or ``None`` when ``method`` cannot reach it."""
+    ``1/ratio``, or ``None`` when ``method`` cannot reach it; an MLA method's latent and
+    rotary options (``rope_dim`` per K/V group; a shared key of all ``G * rope_dim``) are
+    added by the caller."""
     model = load_trained_model(str(ckpt)).model
     layers = {kind: attn for kind, _, _, attn in model.attention_sublayers()}
     if method == "gqa":
@@ -120,6 +136,8 @@ def run_study(
     selection: str = "high",
     fractions: Sequence[float] = (0.01, 0.02, 0.05),
     recipe: Sequence[str] = (),
+    calibration_batches: int = 8,
+    distill: bool = False,
     beam_size: int = 5,
     local_dir: str | None = None,
     limit: int | None = None,
@@ -132,11 +150,19 @@ def run_study(
 
     Args:
         ckpt: the trained MHA checkpoint; ``ckpt["global_step"]`` is the original steps.
+        methods: ``gqa`` and :data:`MLA_METHODS`; MHA, the control, always runs.
+        rope_dim, selection: the per-group rotary keys' features and pairs (a shared key
+            has ``G * rope_dim``, the same cache).
         recipe: ``scripts/train.py`` overrides of the uptraining, applied to every row
             over the original run's own (e.g. the learning rate and schedule).
+        calibration_batches: the run's first training batches the ``mla_pca*`` methods
+            calibrate on.
+        distill: uptrain every row with ``distill_from=ckpt`` (the KL to the trained model).
         local_dir, limit: the data directory and the number of test sentences to score.
     """
     check_study(methods, ratios, fractions)
+    if not isinstance(distill, bool):
+        raise ValueError(f"distill={distill!r}; expected true or false")
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new out= directory")
@@ -168,20 +194,22 @@ def run_study(
     for method, ratio, target in plan:
         row_dir = out / f"{method}{ratio}"
         if target is None:
-            record(method=method, ratio=ratio, target="n/a")
+            record(method=method, ratio=ratio, distill=distill, target="n/a")
             continue
         if method == "mha":
             start, overrides = Path(ckpt), [*recorded_overrides(ckpt), f"init_from={ckpt}"]
         else:
             written, overrides = convert_kv_heads(
                 ckpt, target.get("num_kv_heads"), row_dir / "converted.ckpt",
-                kv_latent_dim=target.get("kv_latent_dim"), rope_dim=target.get("rope_dim"),
-                selection=selection if method == "mla" else "high",  # GQA would refuse it
+                kv_latent_dim=target.get("kv_latent_dim"),
+                **mla_options(ckpt, method, rope_dim, selection, calibration_batches, local_dir),
             )  # fmt: skip
             start = written
+        if distill:  # the teacher: the trained checkpoint, for the MHA control too
+            overrides = [*overrides, f"distill_from={ckpt}"]
         self_bytes, cross_bytes = cache_bytes(start)
         common = dict(
-            method=method, ratio=ratio, target=json.dumps(target or "mha"),
+            method=method, ratio=ratio, distill=distill, target=json.dumps(target or "mha"),
             kv_bytes_per_token=self_bytes, cross_kv_bytes_per_source_token=cross_bytes,
         )  # fmt: skip
         run_dir = row_dir / "uptrain"
@@ -200,6 +228,24 @@ def run_study(
     write_table(rows, out / "rows.csv")
     plot_study(rows, out / "bleu_vs_uptraining.png")
     return rows
+
+
+def mla_options(
+    ckpt: str | Path, method: str, rope_dim: int, selection: str, calibration_batches: int,
+    local_dir: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`convert_kv_heads`'s latent options for ``method`` (none for ``gqa``)."""
+    if method not in MLA_METHODS:
+        return {}
+    options = dict(MLA_METHODS[method])
+    if options["factorisation"] == "pca":
+        options |= {"calibration_batches": calibration_batches, "local_dir": local_dir}
+    if options.get("rotary_key") == "shared":  # the per-group keys' numbers, in one key
+        model = load_trained_model(str(ckpt)).model
+        groups = {a.num_kv_heads for k, _, _, a in model.attention_sublayers()
+                  if k == "decoder_self_attention"}  # fmt: skip
+        return options | {"rope_dim": groups.pop() * rope_dim}
+    return options | {"rope_dim": rope_dim, "selection": selection}
 
 
 def write_table(rows: list[dict[str, Any]], path: Path) -> None:
@@ -223,12 +269,17 @@ def plot_study(rows: list[dict[str, Any]], path: Path) -> None:
             lines.setdefault((row["method"], row["ratio"]), []).append(
                 (100 * row["uptrain_fraction"], row["bleu_lc_tok"])
             )
+    colours = {method: f"C{i}" for i, method in enumerate(("mha", *METHODS))}
+    styles = {8: "-", 4: "--", 2: "-."}  # the cache ratio; others dotted
     for (method, ratio), points in lines.items():
-        label = "MHA (control)" if method == "mha" else f"{method.upper()} 1/{ratio} cache"
-        style = "-" if method == "mla" else "--" if method == "gqa" else ":"
-        ax.plot(*zip(*sorted(points), strict=True), style, marker="o", label=label)
+        label = "MHA (control)" if method == "mha" else f"{method} 1/{ratio} cache"
+        style = ":" if method == "mha" else styles.get(ratio, ":")
+        ax.plot(*zip(*sorted(points), strict=True), style, color=colours[method], marker="o",
+                label=label)  # fmt: skip
     ax.set_xlabel("uptraining steps, % of the original training's")
     ax.set_ylabel("test2016 BLEU (lc-tok)")
+    if any(row["distill"] for row in rows):
+        ax.set_title("uptrained with distillation from the trained model", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -7,6 +7,8 @@ conversion (``HeadDesign.conversions``), else refused by name.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -80,26 +82,93 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     return new
 
 
+ROTARY_KEYS = ("per_group", "shared")
+FACTORISATIONS = ("svd", "pca")
+# Added to the calibration inputs' second moment before the PCA, times its mean eigenvalue:
+# directions of the input space the calibration batch barely visits keep the weights' own
+# ranking (the SVD's), so the latent stays exact at full rank for every input, not only for
+# the batch's, and a small batch is not overfitted (docs/log.md, issue 67: the value).
+PCA_DAMPING = 1e-2
+
+
+class _Split(NamedTuple):
+    """A rotary layer's weights split into what rotates and what goes through the latent.
+
+    ``q`` ``(H qk, E)`` the queries scored against the latent's keys, ``k`` ``(G qk, E)``
+    the keys the latent carries (one set per source K/V group), ``q_rope`` ``(H d_R, E)``
+    and ``k_rope`` ``(G_R d_R, E)`` the rotary query and key(s); each with its bias (or
+    ``None``); ``options`` the latent's constructor arguments for them.
+    """
+
+    q: Tensor
+    q_bias: Tensor | None
+    k: Tensor
+    q_rope: Tensor | None
+    q_rope_bias: Tensor | None
+    k_rope: Tensor | None
+    k_rope_bias: Tensor | None
+    options: dict
+
+
 def with_kv_latent(
     layer: MultiHeadAttention, kv_latent_dim: int, *, rope_dim: int | None = None,
-    selection: str = "high", calibration: Tensor | None = None,
+    selection: str = "high", rotary_key: str = "per_group", freqfold: int | None = None,
+    calibration: Tensor | None = None, factorisation: str | None = None,
+    balance_kv: bool = False,
 ) -> MultiHeadAttention:  # fmt: skip
     """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
 
-    The joint truncated SVD of the stacked K and V weights (TransMLA, MHA2MLA; 2025):
-    ``[W_K; W_V] = U S V^T`` (GQA's K/V heads repeated per query head first), ``W_DKV`` the
-    top ``r`` rows of ``V^T`` and ``[W_UK; W_UV] = U_r S_r``. It is exact when ``r`` is the
-    rank of the stack (at most ``min(G (2D - rope_dim), E)``); a larger ``r`` is refused, its
-    last numbers always zero. Biases: the K bias adds the same ``q . b_K`` to every score of
-    a query, which softmax ignores, so it is dropped; the V bias adds ``b_V`` to every head
-    output (weights sum to 1), which moves into the output projection's bias (a query with no
-    key left, zeroed by the layer, then differs).
+    **The latent** (``factorisation``): a rank-``r`` factorisation of the stacked K and V
+    rows ``W = [W_K; W_V]`` (per K/V group; GQA's heads repeat them), ``W_DKV`` ``(r, E)``
+    and ``[W_UK; W_UV]`` ``(., r)`` with ``W_UKV W_DKV = P W`` for a rank-``r`` projection
+    ``P`` of the rows:
 
-    A rotary ``layer`` (MHA2MLA's partial RoPE, ``docs/reuse.md``): each K/V group keeps
-    ``rope_dim`` rotated features (whole pairs; ``None``: all ``R``; chosen by ``selection``,
-    ``"norm"`` on ``calibration``, the layer's inputs ``(B, S, E)``) as its rotary key
-    (``rope_kv_heads = G``, their frequencies, the source's scale); the other ``D - rope_dim``
-    go through the SVD. Exact at full rank with ``rope_dim = R``.
+    * ``"svd"``, the weights alone (MHA2MLA's joint SVD): ``P`` keeps the top ``r`` left
+      singular vectors of ``W``;
+    * ``"pca"``, activation-aware (TransMLA): ``P`` keeps the top ``r`` principal
+      directions of the K/V outputs ``y = W x`` on ``calibration`` (``x`` the layer's K/V
+      source inputs ``(..., E)``, every row a sample), the eigenvectors of
+      ``W (Sigma + d I) W^T`` with ``Sigma`` the inputs' second moment and ``d`` =
+      :data:`PCA_DAMPING` times its mean eigenvalue;
+    * ``None``: ``"pca"`` with ``calibration``, else ``"svd"``.
+
+    Either way ``W_DKV`` has unit rows and the up-projection carries the scale (``W_UKV =
+    U S`` and ``W_DKV = V^T`` for the SVD). ``balance_kv`` (TransMLA's BKV): K's rows are
+    divided by ``s`` = RMS(K outputs) / RMS(V outputs) (weights alone: their row norms)
+    before the factorisation and ``W_UK`` multiplied by it after, so that trained K, often
+    2-3 times V's norm, does not take V's share of the latent. It is exact when ``r`` is
+    the rank of the stack (at most ``min(E, G (2D - rope_dim))``, ``2GD - rope_dim`` with
+    a shared key); a larger ``r`` is refused, its last numbers always zero. Biases: the K
+    bias adds the same ``q . b_K`` to every score of a query, which softmax ignores, so it
+    is dropped; the V bias adds ``b_V`` to every head output (weights sum to 1), which
+    moves into the output projection's bias (a query with no key left, zeroed by the
+    layer, then differs).
+
+    **A rotary layer** keeps ``rope_dim`` rotated features (``None``: all ``R``) in a
+    decoupled rotary key (``docs/reuse.md``), as ``rotary_key`` says:
+
+    * ``"per_group"`` (MHA2MLA's partial RoPE): each K/V group keeps ``rope_dim`` of its
+      rotated features (whole pairs, chosen by ``selection``: ``"high"`` the fastest,
+      ``"uniform"`` evenly spaced, ``"norm"`` the largest mean ``|q_i| |k_i|`` on
+      ``calibration``) as its own rotary key (``rope_kv_heads = G``); the cache holds
+      ``r + G rope_dim``. Exact at full rank with ``rope_dim = R``.
+    * ``"shared"`` (TransMLA's RoRoPE with FreqFold): one rotary key of ``rope_dim`` for
+      every head, as DeepSeek-V2's. Pair ``i``'s 2-D components in the ``G`` groups,
+      ``k_gi``, rotate alike at frequency ``w_i``, so an orthogonal ``G x G`` mix of them
+      (the same for both coordinates) commutes with RoPE and the queries absorb it. For
+      each block of ``freqfold`` neighbouring pairs, the PCA of the ``G freqfold``
+      components (their second moment over tokens and both coordinates, weighed as the
+      latent's: by the calibration inputs with ``"pca"``, the weights alone with ``"svd"``)
+      gives the mix; its top
+      ``k = rope_dim freqfold / R`` components form the key, rotated at the block's
+      frequencies (component ``j`` at pair ``j freqfold // k`` of the block), and the rest
+      go to the latent, position-free: the approximation. Exact at full rank where
+      nothing is dropped (``freqfold = 1`` and ``rope_dim = G R``) and for ``G = 1`` with
+      ``rope_dim = R``; else its error is the layer's to measure. The cache holds
+      ``r + rope_dim``. ``freqfold`` ``None``: the smallest that makes ``k`` whole.
+
+    ``selection`` is the per-group keys' and ``freqfold`` the shared key's; either with the
+    other is refused.
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
@@ -108,60 +177,86 @@ def with_kv_latent(
     if rope is not None and not isinstance(rope, RotaryPositions):
         raise ValueError(f"with_kv_latent keeps rotary positions only, got {type(rope).__name__}")
     R = 0 if rope is None else rope.rotary_dim
+    if rotary_key not in ROTARY_KEYS:
+        raise ValueError(f"rotary_key must be 'per_group' or 'shared', got {rotary_key!r}")
+    shared = rotary_key == "shared"
+    if shared and not R:
+        raise ValueError(f"rotary_key='shared' needs a rotary layer; {layer.head_tag!r} has none")
     rope_dim = R if rope_dim is None else rope_dim
-    if rope_dim != R and not (type(rope_dim) is int and 0 < rope_dim <= R and rope_dim % 2 == 0):
-        where = f"an even number in [2, {R}], whole pairs" if R else "None: it has no rotary"
+    widest = G * R if shared else R  # a shared key may keep every group's components
+    if rope_dim != R and not (
+        type(rope_dim) is int and 0 < rope_dim <= widest and rope_dim % 2 == 0
+    ):
+        where = f"an even number in [2, {widest}], whole pairs" if R else "None: it has no rotary"
         raise ValueError(f"rope_dim of {layer.head_tag!r} must be {where}, got {rope_dim!r}")
     if selection not in ("high", "uniform", "norm"):
         raise ValueError(f"selection must be 'high', 'uniform' or 'norm', got {selection!r}")
-    if selection == "norm" and calibration is None and rope_dim:
+    if shared and selection != "high":
+        raise ValueError(
+            f"selection={selection!r} chooses per-group keys' pairs; a shared key keeps the "
+            "top components of every pair (leave selection unset)"
+        )
+    if freqfold is not None and not shared:
+        raise ValueError(f"freqfold={freqfold!r} folds the frequencies of rotary_key='shared'")
+    if shared:
+        freqfold = _freqfold(layer, rope_dim, freqfold)
+    x = _calibration_rows(layer, calibration)  # (N, E) fp64, or None
+    if factorisation is None:
+        factorisation = "svd" if x is None else "pca"
+    if factorisation not in FACTORISATIONS:
+        raise ValueError(f"factorisation must be 'svd' or 'pca', got {factorisation!r}")
+    if factorisation == "pca" and x is None:
+        raise ValueError("factorisation='pca' needs calibration, the layer's inputs (B, S, E)")
+    if not isinstance(balance_kv, bool):
+        raise TypeError(f"balance_kv must be a bool, got {balance_kv!r}")
+    if selection == "norm" and x is None and rope_dim:
         raise ValueError("selection='norm' needs calibration, the layer's inputs (B, S, E)")
-    (w_q, w_k, w_v), (b_q, b_k, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-    rotary, heads = {}, torch.arange(H, device=w_q.device)[:, None]
-    rope_index = torch.empty(G, 0, dtype=torch.long, device=w_q.device)  # (G, rope_dim)
-    if rope_dim:
-        pairs = _rotary_pairs(layer, rope_dim, selection, calibration)  # (G, rope_dim/2)
-        rope_index = rotary_index(rope, pairs)  # (G, rope_dim): source features, new order
-        freqs = rope.frequencies(w_q.device, torch.float64).expand(G, -1).gather(1, pairs)
-        rotary = {"rotary_dim": rope_dim, "rope_theta": rope.theta, "rope_kv_heads": G,
-                  "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
-                  "rope_inv_freq": tuple(map(tuple, freqs.tolist())),  # hashable, for configs
-                  "softmax_scale": layer.scale}  # fmt: skip
-    new = rebuild(layer, num_kv_heads=H, design="mla", kv_latent_dim=kv_latent_dim, **rotary)
-    new.positions = None  # a rotary key is the latent part's own
-    # The SVD's rank: G(D - rope_dim) distinct K rows and G D V rows (GQA's repeats add none),
-    # E columns. Above it the latent's last numbers are always zero; above G(2D - rope_dim)
-    # it also caches more than the layer it replaces.
-    kv_rows = G * (2 * D - rope_dim)
+    # The stack's rank: G(D - rope_dim) K rows and G D V rows per group (GQA's repeats add
+    # none), or with a shared key G D K rows less the rope_dim it takes out; E columns. Above
+    # it the latent's last numbers are always zero, and the cache may outgrow the layer's.
+    kv_rows = 2 * G * D - rope_dim if shared else G * (2 * D - rope_dim)
     if kv_latent_dim > min(kv_rows, E):
         rank = min(kv_rows, E)
+        rows = "2GD - rope_dim" if shared else "G(2D - rope_dim)"
         raise ValueError(
             f"a K/V latent of {kv_latent_dim} is more than the rank {rank} of the K/V stack of "
-            f"{layer.head_tag!r} (E = {E}, G(2D - rope_dim) = {kv_rows}): "
+            f"{layer.head_tag!r} (E = {E}, {rows} = {kv_rows}): "
             f"{kv_latent_dim - rank} of its numbers would always be zero"
         )
-    kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
-    kept[heads[:G], rope_index] = False
-    kept_q = kept.repeat_interleave(H // G, dim=0).flatten()  # (H*D,)
-    rows_k = (rope_index + D * heads[:G]).flatten()  # (G*rope_dim,): each group's rotary K
-    rows_q = (rope_index.repeat_interleave(H // G, 0) + D * heads).flatten()  # its heads' Q
+    (w_q, w_k, w_v), (b_q, _, b_v) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+    with torch.no_grad():
+        # The inputs' second moment, (E, E), damped; None: the weights alone (as for I).
+        sigma = None if factorisation == "svd" else _second_moment(x)
+        if not rope_dim:
+            split = _Split(w_q, b_q, w_k, None, None, None, None, {})
+        elif shared:
+            split = _shared_key(layer, rope_dim, freqfold, sigma)
+        else:
+            split = _per_group_keys(layer, rope_dim, selection, x)
+        down, up_k, up_v = _factorise(split.k.double(), w_v.double(), sigma, kv_latent_dim,
+                                      balance_kv)  # fmt: skip
+    new = rebuild(
+        layer, num_kv_heads=H, design="mla", kv_latent_dim=kv_latent_dim, **split.options
+    )
+    new.positions = None  # a rotary key is the latent part's own
 
-    def per_query_head(t: Tensor) -> Tensor:  # (G*D, ...) -> (H*D, ...): repeated per group
-        return t.view(G, D, -1).repeat_interleave(H // G, dim=0).reshape(H * D, *t.shape[1:])
+    def per_query_head(t: Tensor) -> Tensor:  # (G*w, ...) -> (H*w, ...): repeated per group
+        w = len(t) // G  # 0 for a per-group key that keeps every feature of K
+        return t.unflatten(0, (G, w)).repeat_interleave(H // G, dim=0).flatten(0, 1)
 
     with torch.no_grad():
-        stacked = torch.cat([per_query_head(w_k)[kept_q], per_query_head(w_v)]).double()
-        U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)  # stacked: (H(2D - d_R), E)
-        r = kv_latent_dim  # at most the rank, checked above
         latent = new.design
-        latent.up.weight.copy_(U[:, :r] * S[:r])
-        latent.down.weight.copy_(Vh[:r])
-        for name, q, k in (("weight", w_q, w_k), ("bias", b_q, b_k)):
-            if q is not None:
-                getattr(new.in_proj, name).copy_(q[kept_q])
-                if rope_dim:
-                    getattr(latent.q_rope, name).copy_(q[rows_q])
-                    getattr(latent.k_rope, name).copy_(k[rows_k])
+        latent.down.weight.copy_(down)
+        latent.up.weight.copy_(torch.cat((per_query_head(up_k), per_query_head(up_v))))
+        new.in_proj.weight.copy_(split.q)
+        if split.q_bias is not None:
+            new.in_proj.bias.copy_(split.q_bias)
+        if split.k_rope is not None:
+            latent.q_rope.weight.copy_(split.q_rope)
+            latent.k_rope.weight.copy_(split.k_rope)
+            if split.q_rope_bias is not None:
+                latent.q_rope.bias.copy_(split.q_rope_bias)
+                latent.k_rope.bias.copy_(split.k_rope_bias)
         new.out_proj.weight.copy_(layer.out_proj.weight)
         if b_v is not None:
             latent.down.bias.zero_()
@@ -170,6 +265,191 @@ def with_kv_latent(
             )
     new.head_mask = layer.head_mask  # per query head: the query heads stay
     return new
+
+
+def _calibration_rows(layer: MultiHeadAttention, calibration: Tensor | None) -> Tensor | None:
+    """``calibration`` ``(..., E)`` as ``(N, E)`` fp64 rows, one sample each; bad input
+    refused in one line."""
+    if calibration is None:
+        return None
+    E = layer.embed_dim
+    if not isinstance(calibration, Tensor):
+        raise TypeError(
+            f"calibration must be the layer's inputs, a tensor (B, S, {E}); got "
+            f"{type(calibration).__name__}"
+        )
+    if not calibration.is_floating_point():
+        raise TypeError(
+            f"calibration must be the layer's inputs, floats (B, S, {E}); got "
+            f"{calibration.dtype} (token ids go to convert_attention, which runs the model)"
+        )
+    if calibration.dim() < 2 or calibration.shape[-1] != E:
+        raise ValueError(
+            f"calibration of {layer.head_tag!r} must be (B, S, {E}), its inputs; got shape "
+            f"{tuple(calibration.shape)}"
+        )
+    if calibration.numel() == 0:
+        raise ValueError(f"calibration is empty (shape {tuple(calibration.shape)})")
+    x = calibration.detach().reshape(-1, E).double()
+    if not torch.isfinite(x).all():
+        raise ValueError("calibration holds NaN or infinite values")
+    return x
+
+
+def _second_moment(x: Tensor) -> Tensor:
+    """``x^T x / N + d I`` ``(E, E)``, ``d`` = :data:`PCA_DAMPING` times its mean eigenvalue."""
+    sigma = x.T @ x / len(x)  # (E, E)
+    damping = PCA_DAMPING * sigma.diagonal().mean()
+    return sigma + damping * torch.eye(len(sigma), dtype=sigma.dtype, device=sigma.device)
+
+
+def _gram(w: Tensor, sigma: Tensor | None) -> Tensor:
+    """The rows' second moment ``w Sigma w^T`` over the inputs (``w w^T`` without them)."""
+    return w @ w.transpose(-2, -1) if sigma is None else w @ sigma @ w.transpose(-2, -1)
+
+
+def _factorise(
+    w_k: Tensor, w_v: Tensor, sigma: Tensor | None, r: int, balance: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``W_DKV`` ``(r, E)``, ``W_UK`` ``(m_K, r)``, ``W_UV`` ``(m_V, r)`` of the K rows
+    ``w_k`` ``(m_K, E)`` and V rows ``w_v`` ``(m_V, E)`` (see :func:`with_kv_latent`)."""
+    scale = torch.ones((), dtype=w_k.dtype, device=w_k.device)
+    if balance and len(w_k):  # BKV: K and V with the same mean square output
+        k_ms, v_ms = (_gram(w, sigma).diagonal().mean() for w in (w_k, w_v))
+        if k_ms > torch.finfo(k_ms.dtype).eps * v_ms:  # else the rotary keys took all of K
+            scale = (k_ms / v_ms).sqrt()
+    stacked = torch.cat((w_k / scale, w_v))  # (m_K + m_V, E)
+    if sigma is None:  # the weights alone: the SVD itself, U S and V^T
+        U, S, Vh = torch.linalg.svd(stacked, full_matrices=False)
+        up, down = U[:, :r] * S[:r], Vh[:r]
+    else:
+        _, vectors = torch.linalg.eigh(_gram(stacked, sigma))  # ascending eigenvalues
+        top = vectors.flip(-1)[:, :r]  # (m, r): the outputs' top principal directions
+        rows = top.T @ stacked  # (r, E)
+        norms = rows.norm(dim=1)
+        norms = norms.where(norms > 0, torch.ones_like(norms))
+        up, down = top * norms, rows / norms[:, None]  # unit rows in W_DKV, as the SVD's
+    up_k, up_v = up.split([len(w_k), len(w_v)])
+    return down, up_k * scale, up_v
+
+
+def _per_group_keys(
+    layer: MultiHeadAttention, rope_dim: int, selection: str, x: Tensor | None
+) -> _Split:
+    """MHA2MLA's partial RoPE: each K/V group's ``rope_dim`` kept features as its key."""
+    H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    rope = layer.positions
+    (w_q, w_k, _), (b_q, b_k, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+    heads = torch.arange(H, device=w_q.device)[:, None]
+    calibration = None if x is None else x.to(w_q)[None]  # (1, N, E)
+    pairs = _rotary_pairs(layer, rope_dim, selection, calibration)  # (G, rope_dim/2)
+    rope_index = rotary_index(rope, pairs)  # (G, rope_dim): source features, new order
+    freqs = rope.frequencies(w_q.device, torch.float64).expand(G, -1).gather(1, pairs)
+    kept = torch.ones(G, D, dtype=torch.bool, device=w_q.device)  # (G, D): not rotated now
+    kept[heads[:G], rope_index] = False
+    kept_q = kept.repeat_interleave(H // G, dim=0).flatten()  # (H*D,)
+    rows_k = (rope_index + D * heads[:G]).flatten()  # (G*rope_dim,): each group's rotary K
+    rows_q = (rope_index.repeat_interleave(H // G, 0) + D * heads).flatten()  # its heads' Q
+    options = {"rotary_dim": rope_dim, "rope_theta": rope.theta, "rope_kv_heads": G,
+               "rope_interleaved": rope.interleaved, "qk_head_dim": D - rope_dim,
+               "rope_inv_freq": tuple(map(tuple, freqs.tolist())),  # hashable, for configs
+               "softmax_scale": layer.scale}  # fmt: skip
+    b = b_q is not None
+    return _Split(
+        w_q[kept_q], b_q[kept_q] if b else None, w_k[kept.flatten()], w_q[rows_q],
+        b_q[rows_q] if b else None, w_k[rows_k], b_k[rows_k] if b else None, options,
+    )  # fmt: skip
+
+
+def _freqfold(layer: MultiHeadAttention, rope_dim: int, freqfold: int | None) -> int:
+    """The shared key's fold: ``freqfold`` checked, or the smallest that fits ``rope_dim``."""
+    G, half = layer.num_kv_heads, layer.positions.rotary_dim // 2
+
+    def fits(ff: int) -> bool:  # whole blocks, each keeping a whole number k of components
+        return (
+            half % ff == 0
+            and (rope_dim * ff) % (2 * half) == 0
+            and rope_dim * ff // (2 * half) <= G * ff
+        )
+
+    if freqfold is None:
+        return next(ff for ff in range(1, half + 1) if fits(ff))  # ff = R/2 always fits
+    if (
+        isinstance(freqfold, bool)
+        or not isinstance(freqfold, int)
+        or freqfold < 1
+        or not fits(freqfold)
+    ):
+        raise ValueError(
+            f"freqfold must divide the {half} rotary pairs of {layer.head_tag!r} into blocks "
+            f"that each keep a whole number of the shared key's {rope_dim // 2} pairs, got "
+            f"{freqfold!r}"
+        )
+    return freqfold
+
+
+def _shared_key(
+    layer: MultiHeadAttention, rope_dim: int, freqfold: int, sigma: Tensor | None
+) -> _Split:
+    """TransMLA's RoRoPE with FreqFold: one rotary key of ``rope_dim``, the top principal
+    components of each block of ``freqfold`` pairs across the K/V groups."""
+    H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    rope = layer.positions
+    half, ff = rope.rotary_dim // 2, freqfold
+    blocks, k = half // ff, rope_dim * ff // rope.rotary_dim  # k components kept per block
+    (w_q, w_k, _), (b_q, b_k, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
+    pair = torch.arange(half, device=w_q.device)
+    # Feature of pair i's coordinate t (t = 0: a, 1: b) in a head, (2, R/2).
+    ab = torch.stack((2 * pair, 2 * pair + 1) if rope.interleaved else (pair, pair + half))
+
+    def components(t: Tensor, heads: int) -> Tensor:  # (heads*D, ..) -> (blocks, 2, heads*ff, ..)
+        t = t.double().unflatten(0, (heads, D))[:, ab]  # (heads, 2, R/2, ...)
+        t = t.unflatten(2, (blocks, ff)).movedim(2, 0)  # (blocks, heads, 2, ff, ...)
+        return t.transpose(1, 2).flatten(2, 3)  # (blocks, 2, heads*ff, ...): rows (g, f)
+
+    wk = components(w_k, G)  # (blocks, 2, G*ff, E)
+    # The components' second moment over tokens and both coordinates (RoPE turns one into
+    # the other, so the PCA must not tell them apart): (blocks, G*ff, G*ff).
+    moment = _gram(wk, sigma).sum(1)
+    _, vectors = torch.linalg.eigh(moment)  # ascending
+    mix = vectors.flip(-1)[..., :k]  # (blocks, G*ff, k): the top components' mixes
+
+    def key_layout(t: Tensor) -> Tensor:  # (blocks, 2, k, ..) -> (rope_dim, ..), rope's pairing
+        t = t.movedim(1, 0).flatten(1, 2)  # (2, blocks*k, ...): pair b*k + j, coordinate t
+        return (t.transpose(0, 1) if rope.interleaved else t).flatten(0, 1)
+
+    # The key: k_j = sum_(g,f) mix[(g,f), j] k_(g,f), (blocks, 2, k, E) -> (rope_dim, E).
+    k_rope = key_layout(torch.einsum("bmj,btme->btje", mix, wk))
+    # What the key leaves of K, (I - mix mix^T) K, back at its features: the latent's.
+    rest = wk - torch.einsum("bmj,bnj,btne->btme", mix, mix, wk)  # (blocks, 2, G*ff, E)
+    k_rest = w_k.double().unflatten(0, (G, D)).clone()  # (G, D, E)
+    k_rest[:, ab] = rest.unflatten(2, (G, ff)).movedim(2, 0).transpose(1, 2).flatten(2, 3)
+    # Each query head scores the key through its own group's rows of the mix:
+    # q_hj = sum_f mix[(g(h), f), j] q_hf, (H, blocks, ff, k).
+    group_mix = mix.unflatten(1, (G, ff)).movedim(1, 0).repeat_interleave(H // G, dim=0)
+
+    def rotary_queries(t: Tensor) -> Tensor:  # (H*D, ...) -> (H*rope_dim, ...)
+        q = t.double().unflatten(0, (H, D))[:, ab]  # (H, 2, R/2, ...)
+        q = q.unflatten(2, (blocks, ff))  # (H, 2, blocks, ff, ...)
+        q = torch.einsum("hbfj,htbf...->hbtj...", group_mix, q)  # (H, blocks, 2, k, ...)
+        return torch.stack([key_layout(q_h) for q_h in q]).flatten(0, 1)
+
+    # Component j of block b turns at pair b*ff + j*ff//k of the source (TransMLA: the
+    # block's first pair when k = 1).
+    source = rope.frequencies(w_q.device, torch.float64).reshape(-1, half)
+    if (source != source[0]).any():
+        raise ValueError(f"{layer.head_tag!r} turns its heads at other frequencies: no shared key")
+    chosen = (pair.view(blocks, ff)[:, torch.arange(k, device=pair.device) * ff // k]).flatten()
+    options = {"rotary_dim": rope_dim, "rope_theta": rope.theta,
+               "rope_interleaved": rope.interleaved,
+               "rope_inv_freq": (tuple(source[0, chosen].tolist()),),  # hashable, for configs
+               "softmax_scale": layer.scale}  # fmt: skip
+    b = b_q is not None
+    key_bias = key_layout(torch.einsum("bmj,btm->btj", mix, components(b_k, G))) if b else None
+    return _Split(
+        w_q, b_q, k_rest.flatten(0, 1), rotary_queries(w_q), rotary_queries(b_q) if b else None,
+        k_rope, key_bias, options,
+    )  # fmt: skip
 
 
 def rotary_index(rope: RotaryPositions, pairs: Tensor) -> Tensor:

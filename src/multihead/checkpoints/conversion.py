@@ -3,14 +3,18 @@
 Each attention sublayer in scope keeps its query heads and gets either ``num_kv_heads`` K/V
 heads, each the mean of a group of the trained K/V projection heads, as in the GQA paper
 (Ainslie et al., 2023; :func:`~multihead.attention.convert.with_kv_heads`), or a
-K/V latent of ``kv_latent_dim`` numbers per token from a joint truncated SVD of its K/V
-weights (TransMLA, MHA2MLA; :func:`~multihead.attention.convert.with_kv_latent`).
-The converted checkpoint is then uptrained for a small fraction of the original steps.
+K/V latent of ``kv_latent_dim`` numbers per token, a truncated factorisation of its K/V
+weights, by their SVD or by the PCA of their outputs on calibration batches (MHA2MLA,
+TransMLA; :func:`~multihead.attention.convert.with_kv_latent`). The converted checkpoint
+is then uptrained for a small fraction of the original steps (``scripts/train.py
+init_from=...``, optionally distilling from the checkpoint it was converted from:
+``distill_from=...``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +25,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.checks import check_positive_int
 from multihead.attention.convert import rotary_index, with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer, sublayer_config
@@ -72,15 +77,24 @@ def _target(
     return asked
 
 
+# What a latent's options are when not passed: an option set otherwise is refused where it
+# would be ignored (pooled K/V heads; no rotary layer in scope), not dropped without a word.
+LATENT_DEFAULTS = {"factorisation": None, "balance_kv": False}
+ROTARY_DEFAULTS = {"rope_dim": None, "selection": "high", "rotary_key": "per_group",
+                   "freqfold": None}  # fmt: skip
+
+
 def convert_attention(
     model: nn.Module, *, kv_heads: int | None = None, kv_latent: int | None = None,
-    rope_dim: int | None = None, selection: str = "high", calibration: Any = None,
-    scope: str | Sequence[str] | None = None,
+    rope_dim: int | None = None, selection: str = "high", rotary_key: str = "per_group",
+    freqfold: int | None = None, factorisation: str | None = None, balance_kv: bool = False,
+    calibration: Any = None, scope: str | Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Convert every attention layer of ``model`` in place: to ``kv_heads`` pooled K/V heads
     (:func:`~multihead.attention.convert.with_kv_heads`) or to a ``kv_latent`` K/V latent
-    (:func:`~multihead.attention.convert.with_kv_latent`, rotary layers keeping ``rope_dim``
-    rotated features per K/V group, chosen by ``selection``).
+    (:func:`~multihead.attention.convert.with_kv_latent`: ``factorisation``, ``balance_kv``;
+    rotary layers keep ``rope_dim`` rotated features, ``rotary_key`` one key per K/V group
+    chosen by ``selection``, or one shared key of ``freqfold``-folded components).
 
     ``model``: our :class:`Transformer` (the sublayers of ``scope``, default ``"decoder"``, see
     :func:`resolve_scope`; its ``attention_config`` rewritten so that it rebuilds the result),
@@ -88,28 +102,41 @@ def convert_attention(
     ``replace_torch_attention`` or ``replace_hf_attention``: all of them; an HF model keeps
     generating, its cache holding each layer's latent). ``calibration``: the model's inputs,
     called as ``model(*calibration)`` (a tuple), ``model(**calibration)`` (a mapping) or
-    ``model(calibration)``; each layer's inputs on it choose ``selection="norm"``'s pairs and
-    measure the errors below.
+    ``model(calibration)``, or a list of such batches (each called in turn): our
+    Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` or
+    ``{"input_ids": ..}``. Each layer's K/V source inputs on them, padding left out where
+    the call has a ``key_padding_mask``, are the latent's calibration (``factorisation``
+    ``"pca"`` by default with them), choose ``selection="norm"``'s pairs and measure the
+    errors below. Bad calibration (a batch the model refuses, an empty one, a layer it
+    never reaches) is refused in one line, before any layer changes.
 
     Returns:
         Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
-        per token, fp32), and with ``calibration``, ``k_error`` and ``v_error``: the relative
+        per token, fp32), and with ``calibration``: ``k_error`` and ``v_error``, the relative
         Frobenius error of K and V (per query head, before RoPE and without biases, which
-        move exactly) on the layer's calibration inputs.
+        move exactly; a rotary key's part counted exact, being moved, not approximated), and
+        ``out_error``, the relative error of the layer's output; each on the layer's own
+        calibration inputs (not the converted model's), right after the conversion.
     """
+    options = {"rope_dim": rope_dim, "selection": selection, "rotary_key": rotary_key,
+               "freqfold": freqfold, "factorisation": factorisation,
+               "balance_kv": balance_kv}  # fmt: skip
     return _convert(
-        model, kv_heads, kv_latent, rope_dim=rope_dim, selection=selection,
-        calibration=calibration, scope=scope, names=("kv_heads", "kv_latent"),
+        model, kv_heads, kv_latent, calibration=calibration, scope=scope,
+        names=("kv_heads", "kv_latent"), **options,
     )  # fmt: skip
 
 
 def _convert(
-    model: nn.Module, kv_heads: int | None, kv_latent: int | None, *, rope_dim: int | None,
-    selection: str, calibration: Any, scope: str | Sequence[str] | None, names: tuple[str, str],
+    model: nn.Module, kv_heads: int | None, kv_latent: int | Mapping[str, int] | None, *,
+    calibration: Any, scope: str | Sequence[str] | None, names: tuple[str, str], **options,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """:func:`convert_attention`, its refusals naming the arguments ``names`` (the public
-    function's ``kv_heads``, ``kv_latent``; :func:`convert_checkpoint`'s own)."""
-    _target(kv_heads, kv_latent, names)
+    function's ``kv_heads``, ``kv_latent``; :func:`convert_checkpoint`'s own); ``kv_latent``
+    may give each sublayer kind of our Transformer its own ``r`` (checked by the caller)."""
+    per_kind = isinstance(kv_latent, Mapping)
+    if not per_kind:
+        _target(kv_heads, kv_latent, names)
     asked = f"{names[0]}={kv_heads}" if kv_heads is not None else f"{names[1]}={kv_latent}"
     if isinstance(model, Transformer):
         kinds = resolve_scope("decoder" if scope is None else scope)
@@ -141,40 +168,42 @@ def _convert(
                 f"{path} {has} ({attn.head_tag!r}), which {asked} does not convert; "
                 "it converts MHA/GQA/MQA layers"
             )
-    # The options that choose a latent's rotary features, else dropped without a word
-    # (selection's default, "high", cannot be told from one not passed).
-    ignored = [f"rope_dim={rope_dim}"] if rope_dim is not None else []
-    ignored += [f"selection={selection!r}"] if selection != "high" else []
+    # The options a conversion would drop, refused by name (an option at its default
+    # cannot be told from one not passed).
+    rotary = {k: options[k] for k in ROTARY_DEFAULTS}
+    latent = {k: options[k] for k in LATENT_DEFAULTS}
+    defaults = ROTARY_DEFAULTS | LATENT_DEFAULTS
     if kv_heads is not None:
-        why = f"{asked} pools K/V heads, and they choose the rotary features of a K/V latent"
+        ignored, why = {**rotary, **latent}, f"{asked} pools K/V heads, and they shape a K/V latent"
     elif all(attn.positions is None for _, attn, _ in layers):
-        why = "they choose rotary features, and no layer in scope has positions"
+        ignored, why = rotary, "they choose rotary features, and no layer in scope has positions"
     else:
-        why = ""
-    if ignored and why:
+        ignored, why = {}, ""
+    ignored = [f"{k}={v!r}" for k, v in ignored.items() if v != defaults[k]]
+    if ignored:
         raise ValueError(f"{' and '.join(ignored)} would be ignored: {why}")
-    inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
+    calls = {} if calibration is None else _layer_calls(model, layers, calibration)
+    sources = {path: _source_rows(found) for path, found in calls.items()}  # (1, N, E) each
     converted = {}  # every layer first, so that a refusal leaves the model as it was
-    for path, attn, _ in layers:
+    for path, attn, kind in layers:
         if kv_heads is not None:
             converted[path] = with_kv_heads(attn, kv_heads)
         else:
-            rope = None if attn.positions is None else rope_dim  # cross-attention has none
-            x = inputs.get(path, (None,))[0]
-            converted[path] = with_kv_latent(
-                attn, kv_latent, rope_dim=rope, selection=selection, calibration=x
-            )
+            own = latent | (rotary if attn.positions is not None else {})  # cross-attention: none
+            r = kv_latent[kind] if per_kind else kv_latent
+            converted[path] = with_kv_latent(attn, r, calibration=sources.get(path), **own)
     if isinstance(model, Transformer):  # one set of options per sublayer kind in its config
         options = {kind: _shared_options(kind, [converted[p] for p, _, k in layers if k == kind])
                    for kind in kinds}  # fmt: skip
     report = []
     for path, attn, _ in layers:
         new = converted[path]
-        model.set_submodule(path, new)
         row = {"layer": path, "bytes_before": attn.kv_cache_bytes_per_token(),
                "bytes_after": new.kv_cache_bytes_per_token()}  # fmt: skip
-        if path in inputs:
-            row |= _kv_errors(attn, new, inputs[path][1])
+        if path in calls:
+            row |= _kv_errors(attn, new, sources[path])
+            row["out_error"] = _out_error(attn, new, calls[path])
+        model.set_submodule(path, new)
         report.append(row)
     if isinstance(model, Transformer):
         for kind in kinds:
@@ -195,11 +224,21 @@ def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, An
     return found[0]
 
 
-def _layer_inputs(
+def _layer_calls(
     model: nn.Module, layers: list[tuple[str, MultiHeadAttention, Any]], calibration: Any
-) -> dict[str, tuple[Tensor, Tensor]]:
-    """``{path: (query, K/V source)}`` of each layer's first call on ``calibration``."""
-    seen: dict[str, tuple[Tensor, Tensor]] = {}
+) -> dict[str, list[tuple[tuple, dict]]]:
+    """``{path: [(args, kwargs), ...]}``: every call of each layer on ``calibration`` (one
+    batch or a list of them); bad calibration refused in one line."""
+    batches = calibration if isinstance(calibration, list) else [calibration]
+    if not batches:
+        raise ValueError("calibration is an empty list; pass at least one batch")
+    for batch in batches:
+        parts = batch.values() if isinstance(batch, Mapping) else (
+            batch if isinstance(batch, tuple) else (batch,))  # fmt: skip
+        for part in parts:
+            if isinstance(part, Tensor) and part.numel() == 0:
+                raise ValueError(f"calibration holds an empty tensor of shape {tuple(part.shape)}")
+    seen: dict[str, list[tuple[tuple, dict]]] = {p: [] for p, _, _ in layers}
 
     def hook(path: str):
         def record(module, args, kwargs):
@@ -208,62 +247,166 @@ def _layer_inputs(
             # Refused here, named, before the layer fails on it with a bare matmul error.
             for x in (query, key_value):
                 if x is not None and (x.dim() != 3 or x.shape[-1] != module.embed_dim):
-                    raise ValueError(
+                    raise _Refused(
                         f"calibration gives {path} an input of shape {tuple(x.shape)}, where it "
                         f"reads (B, S, {module.embed_dim}): pass the model's own inputs"
                     )
-            seen.setdefault(path, (query, query if key_value is None else key_value))
+            seen[path].append((args, kwargs))
 
         return record
 
     handles = [a.register_forward_pre_hook(hook(p), with_kwargs=True) for p, a, _ in layers]
     try:
         with torch.no_grad():
-            if isinstance(calibration, tuple):
-                model(*calibration)
-            elif isinstance(calibration, Mapping):
-                model(**calibration)
-            else:
-                model(calibration)
+            for batch in batches:
+                try:
+                    if isinstance(batch, tuple):
+                        model(*batch)
+                    elif isinstance(batch, Mapping):
+                        model(**batch)
+                    else:
+                        model(batch)
+                except _Refused:
+                    raise
+                except (TypeError, ValueError, RuntimeError, IndexError) as error:  # the model's
+                    raise ValueError(
+                        f"calibration {_describe(batch)} does not run {type(model).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                    ) from error
     finally:
         for handle in handles:
             handle.remove()
+    missed = [path for path, found in seen.items() if not found]
+    if missed:
+        raise ValueError(f"calibration never reaches {', '.join(missed)}: pass the model's inputs")
     return seen
+
+
+class _Refused(ValueError):
+    """A calibration input refused by the hook, passed on as it is."""
+
+
+def _describe(batch: Any) -> str:
+    """A calibration batch in a few words: its tensors' shapes and dtypes."""
+
+    def one(x: Any) -> str:
+        return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k!r}: {one(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, tuple):
+        return "(" + ", ".join(one(x) for x in batch) + ")"
+    return one(batch)
+
+
+def _source_rows(calls: list[tuple[tuple, dict]]) -> Tensor:
+    """The K/V source inputs of ``calls``, one row per token, padding (``key_padding_mask``,
+    True = padding) left out: ``(1, N, E)``."""
+    rows = []
+    for args, kwargs in calls:
+        query = args[0] if args else kwargs["query"]
+        key_value = args[1] if len(args) > 1 else kwargs.get("key_value")
+        source = query if key_value is None else key_value  # (B, S, E)
+        pad = kwargs.get("key_padding_mask")
+        if isinstance(pad, Tensor) and pad.dtype == torch.bool and pad.shape == source.shape[:2]:
+            rows.append(source[~pad])  # (real tokens, E)
+        else:
+            rows.append(source.reshape(-1, source.shape[-1]))
+    return torch.cat(rows)[None]
 
 
 def _kv_errors(old: MultiHeadAttention, new: MultiHeadAttention, x: Tensor) -> dict[str, float]:
     """The relative Frobenius error of ``new``'s K and V against ``old``'s on ``x``, per query
-    head ``(B, H, S, D)``, before RoPE and without biases; an MLA layer's K in ``old``'s
-    feature order (its rotary key's features back at theirs)."""
-    H, D = old.num_heads, old.head_dim
+    head ``(B, H, S, D)``, before RoPE and without biases, right after the conversion.
+
+    A rotary key is exact (moved, not approximated), so K's error is the latent's. Per-group
+    keys take their features out of the latent's (``qk_head_dim < D``, placed back by their
+    frequencies): the error is on the other features. A shared key leaves the latent every
+    feature and moves a mix of them, orthogonal to what the latent carries:
+    ``|K - K_lat|^2 - |kept|^2``, with ``|kept|^2`` the key's energy, ``H / G`` times its
+    output's (exact to about 1e-8 of ``|K|``, the rounding of that difference)."""
+    H, D, G = old.num_heads, old.head_dim, old.num_kv_heads
 
     def per_head(t: Tensor, heads: int) -> Tensor:  # (B, S, heads*w) -> (B, H, S, w)
         return t.unflatten(-1, (heads, -1)).transpose(1, 2).repeat_interleave(H // heads, 1)
 
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     with torch.no_grad():
+        x = x.to(old.out_proj.weight)
         _, w_k, w_v = old.in_proj.blocks()
-        k, v = per_head(x @ w_k.T, old.num_kv_heads), per_head(x @ w_v.T, old.num_kv_heads)
+        k, v = per_head(x @ w_k.T, G), per_head(x @ w_v.T, G)  # (B, H, S, D)
         latent = new.design
         if latent is None:  # pooled K/V heads
             _, w_k2, w_v2 = new.in_proj.blocks()
             k2, v2 = per_head(x @ w_k2.T, new.num_kv_heads), per_head(x @ w_v2.T, new.num_kv_heads)
-        else:
-            k2, v2 = latent.expand(x @ latent.down.weight.T)  # (B, H, S, Dq), (B, H, S, D)
-            if latent.rope is not None:
-                G = latent.rope_kv_heads
-                k_rope = per_head(x @ latent.k_rope.weight.T, G)  # (B, H, S, d_R)
-                # The kept pairs, found by their frequencies among the source's (all differ).
-                source = old.positions.frequencies(x.device, torch.float64)  # (R/2,)
-                kept_freqs = torch.tensor(latent.rope.inv_freq, dtype=source.dtype, device=x.device)
-                pairs = (kept_freqs[..., None] == source).int().argmax(-1)  # (G, d_R/2)
-                rope_index = rotary_index(old.positions, pairs)  # (G, d_R)
-                kept = torch.ones(G, D, dtype=torch.bool, device=x.device)
-                kept[torch.arange(G, device=x.device)[:, None], rope_index] = False
-                order = torch.cat((kept.nonzero()[:, 1].view(G, -1), rope_index), 1)  # (G, D)
-                order = order.repeat_interleave(H // G, 0)[None, :, None].expand_as(k)
-                k2 = torch.empty_like(k).scatter_(-1, order, torch.cat((k2, k_rope), -1))
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    return {"k_error": rel(k2, k), "v_error": rel(v2, v)}
+            return {"k_error": rel(k2, k), "v_error": rel(v2, v)}
+        k2, v2 = latent.expand(x @ latent.down.weight.T)  # (B, H, S, Dq), (B, H, S, D)
+        total, kept = k.square().sum(), torch.zeros((), dtype=k.dtype, device=k.device)
+        if latent.qk_head_dim < D:  # per-group keys: the latent's features among old's
+            groups = latent.rope_kv_heads
+            # The kept pairs, found by their frequencies among the source's (all differ).
+            source = old.positions.frequencies(x.device, torch.float64)  # (R/2,)
+            kept_freqs = torch.tensor(latent.rope.inv_freq, dtype=source.dtype, device=x.device)
+            pairs = (kept_freqs[..., None] == source).int().argmax(-1)  # (G, d_R/2)
+            rope_index = rotary_index(old.positions, pairs)  # (G, d_R)
+            rest = torch.ones(groups, D, dtype=torch.bool, device=x.device)
+            rest[torch.arange(groups, device=x.device)[:, None], rope_index] = False
+            order = rest.nonzero()[:, 1].view(groups, -1).repeat_interleave(H // groups, 0)
+            order = order[None, :, None].expand_as(k2)  # (B, H, S, Dq): each feature's place
+            k = k.gather(-1, order)  # (B, H, S, Dq): the features the latent carries
+        elif latent.rope is not None:  # a shared key
+            kept = (x @ latent.k_rope.weight.T).square().sum() * H / G
+        error = ((k2 - k).square().sum() - kept).clamp_min(0).sqrt()
+        k_error = (error / total.sqrt()).item()
+    return {"k_error": k_error, "v_error": rel(v2, v)}
+
+
+def _out_error(
+    old: MultiHeadAttention, new: MultiHeadAttention, calls: list[tuple[tuple, dict]]
+) -> float:
+    """The relative Frobenius error of ``new``'s outputs against ``old``'s on the recorded
+    ``calls``, both in eval mode (no dropout), without a KV cache (a full pass)."""
+    modes = old.training, new.training
+    old.eval(), new.eval()
+    diff = ref = 0.0
+    try:
+        with torch.no_grad():
+            for args, kwargs in calls:
+                kwargs = {**kwargs, "kv_cache": None}
+                want = old(*args, **kwargs)
+                diff += (new(*args, **kwargs) - want).double().square().sum().item()
+                ref += want.double().square().sum().item()
+    finally:
+        old.train(modes[0]), new.train(modes[1])
+    return (diff / ref) ** 0.5 if ref else float("nan")
+
+
+def training_batches(
+    ckpt: Mapping[str, Any], num_batches: int, local_dir: str | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """The first ``num_batches`` training batches of the run that wrote ``ckpt`` (its data
+    settings, tokenizer and seed: the batches its first steps trained on), as ``(src,
+    tgt_in)``, for a conversion's calibration; ``local_dir``: the data's directory here."""
+    from multihead.data.datamodule import TranslationDataModule  # Lightning: only when asked
+
+    check_positive_int("calibration_batches", num_batches)
+    data = dict(ckpt["multihead"]["config"]["data"])
+    target = str(data.pop("_target_", ""))
+    if not target.endswith("TranslationDataModule"):
+        raise ValueError(
+            f"calibration batches come from translation data; this run's is {target!r}"
+        )
+    if local_dir is not None:
+        data["local_dir"] = local_dir
+    datamodule = TranslationDataModule(**data)
+    datamodule.setup("fit")
+    if datamodule.tokenizer.to_str() != ckpt["multihead"]["tokenizer"]:
+        raise ValueError(
+            "the data settings give another tokenizer than the checkpoint's; calibration "
+            "batches must be the run's own (same data, languages and vocab_size)"
+        )
+    batches = list(itertools.islice(datamodule.train_dataloader(), num_batches))
+    return [(batch["src"], batch["tgt"][:, :-1]) for batch in batches]  # teacher forcing
 
 
 def convert_checkpoint(
@@ -274,6 +417,12 @@ def convert_checkpoint(
     kv_latent_dim: int | Mapping[str, int] | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
+    rotary_key: str = "per_group",
+    freqfold: int | None = None,
+    factorisation: str | None = None,
+    balance_kv: bool = False,
+    calibration_batches: int = 0,
+    local_dir: str | None = None,
 ) -> dict[str, Any]:
     """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
     or a ``kv_latent_dim`` K/V latent.
@@ -289,8 +438,11 @@ def convert_checkpoint(
         kv_latent_dim: ``r``, instead of ``num_kv_heads``, or ``{kind: r}`` for every kind
             in ``scope`` (e.g. a rotary self-attention's latent beside its rotary keys, and
             a wider one in cross-attention, for the same cache).
-        rope_dim, selection: for a rotary model, see :func:`convert_attention`; with
-            ``{kind: r}``, for the kinds with rotary layers only.
+        rope_dim, selection, rotary_key, freqfold, factorisation, balance_kv: see
+            :func:`convert_attention` (the rotary ones for the kinds with rotary layers).
+        calibration_batches: calibrate on this many of the run's own first training
+            batches (:func:`training_batches`; ``0``: none, the weights alone).
+        local_dir: the data's directory here, for the calibration batches.
     """
     kinds = resolve_scope(scope)
     per_kind = dict(kv_latent_dim) if isinstance(kv_latent_dim, Mapping) else None
@@ -303,25 +455,27 @@ def convert_checkpoint(
         )
     else:
         target = {"kv_latent_dim": per_kind}
+    if calibration_batches != 0:
+        check_positive_int("calibration_batches", calibration_batches)
+        if num_kv_heads is not None:  # it would only measure errors, which are not reported here
+            raise ValueError(
+                f"calibration_batches={calibration_batches} would be ignored: num_kv_heads="
+                f"{num_kv_heads} pools K/V heads, and calibration shapes a K/V latent"
+            )
     ckpt = read_checkpoint(path)
     model = load_trained_model(path).model
     before = {kind: cfg["num_kv_heads"] for kind, cfg in model.head_config.items()}
     options = copy.deepcopy(model.attention_config)
-    names = ("num_kv_heads", "kv_latent_dim")  # this function's, for the refusals
-    if per_kind is None:
-        _convert(
-            model, num_kv_heads, kv_latent_dim, rope_dim=rope_dim, selection=selection,
-            calibration=None, scope=kinds, names=names,
-        )  # fmt: skip
-    else:  # one call per kind: its own r, rope_dim and selection only where it has rotary layers
-        rotary = {kind for kind, _, _, a in model.attention_sublayers() if a.positions is not None}
-        for kind, r in per_kind.items():
-            turns = kind in rotary
-            _convert(
-                model, None, r, rope_dim=rope_dim if turns else None,
-                selection=selection if turns else "high", calibration=None, scope=[kind],
-                names=names,
-            )  # fmt: skip
+    latent = {"rope_dim": rope_dim, "selection": selection, "rotary_key": rotary_key,
+              "freqfold": freqfold, "factorisation": factorisation,
+              "balance_kv": balance_kv}  # fmt: skip
+    calibration = None
+    if calibration_batches:
+        calibration = training_batches(ckpt, calibration_batches, local_dir)
+    _convert(
+        model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind,
+        calibration=calibration, scope=kinds, names=("num_kv_heads", "kv_latent_dim"), **latent,
+    )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     old_keys = {k for k in ckpt["state_dict"] if k.startswith("model.")}
@@ -353,7 +507,14 @@ def convert_checkpoint(
         **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
-        **({"rope_dim": rope_dim, "selection": selection} if any(changed.values()) else {}),
+        # The options that shaped the result: the rotary ones where a rotary latent changed
+        # keys, the latent's (and its calibration) for a latent.
+        **({k: latent[k] for k in ROTARY_DEFAULTS} if any(changed.values()) else {}),
+        **(
+            {**{k: latent[k] for k in LATENT_DEFAULTS}, "calibration_batches": calibration_batches}
+            if num_kv_heads is None
+            else {}
+        ),
         **({"changed_keys": changed} if any(changed.values()) else {}),
     }
     converted["multihead"] = extra
@@ -414,10 +575,10 @@ def convert_kv_heads(
     scope: str | Sequence[str] = "decoder",
     *,
     kv_latent_dim: int | Mapping[str, int] | None = None,
-    rope_dim: int | None = None,
-    selection: str = "high",
+    **options: Any,
 ) -> tuple[Path, list[str]]:
-    """Convert ``ckpt`` and save it to ``out`` (never overwritten).
+    """Convert ``ckpt`` and save it to ``out`` (never overwritten); ``options``: those of
+    :func:`convert_checkpoint` (``rope_dim``, ``rotary_key``, ``calibration_batches``, ...).
 
     Returns:
         ``(out, overrides)``: the path written and the ``scripts/train.py`` overrides
@@ -429,8 +590,7 @@ def convert_kv_heads(
     if Path(out).exists():  # before the work; save_new checks again when writing
         raise FileExistsError(f"{out} already exists; choose a new out= path")
     converted = convert_checkpoint(
-        ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim, rope_dim=rope_dim,
-        selection=selection,
-    )  # fmt: skip
+        ckpt, num_kv_heads, scope, kv_latent_dim=kv_latent_dim, **options
+    )
     written = save_new(converted, out)
     return written, uptrain_overrides(ckpt, written, converted)

@@ -12,6 +12,9 @@ positions are dropped before the projection, so they cost nothing.
 The loss and gradients equal ``F.cross_entropy(hidden @ weight.T, targets,
 ignore_index=ignore_index, label_smoothing=label_smoothing)`` (mean over the real tokens)
 up to float rounding; ``tests/training/test_loss.py`` checks that.
+
+:func:`distillation_kl` is the term a distilled uptraining adds: the KL divergence from a
+frozen teacher's next-token distribution to the student's.
 """
 
 from __future__ import annotations
@@ -190,3 +193,31 @@ def linear_cross_entropy(
         )
     count = real.numel()
     return loss_sum / count, nll_sum / count
+
+
+def distillation_kl(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """``KL(teacher || student)`` per row, averaged: ``mean_i sum_v p_t log(p_t / p_s)``.
+
+    Uptraining a converted model from the one it was converted from (X-EcoMLA's
+    distillation, at temperature 1): the loss adds this, weighted, to the cross-entropy.
+    Both ``(N, V)``, the rows the cross-entropy counts; computed in fp32 (or wider) whatever
+    the autocast, its gradient reaching the student only.
+
+    Raises:
+        ValueError: the shapes differ or are not ``(N, V)``.
+    """
+    if student_logits.shape != teacher_logits.shape or student_logits.dim() != 2:
+        raise ValueError(
+            f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} "
+            "logits must both be (N, V)"
+        )
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    device_type = student_logits.device.type
+    no_autocast = _autocast_dtype(device_type) is not None
+    with torch.autocast(device_type, enabled=False) if no_autocast else nullcontext():
+        log_p_student = torch.log_softmax(student_logits.to(dtype), dim=-1)
+        log_p_teacher = torch.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
+        kl = torch.nn.functional.kl_div(
+            log_p_student, log_p_teacher, reduction="sum", log_target=True
+        )
+    return kl / len(student_logits)

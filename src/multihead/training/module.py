@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from multihead.checkpoints import FORMAT_VERSION
 from multihead.evaluation import corpus_scores
 from multihead.model import decode
-from multihead.training.loss import linear_cross_entropy
+from multihead.training.loss import distillation_kl, linear_cross_entropy
 
 # With on_non_finite_loss=skip, this many bad batches in a row stop the run all the same.
 MAX_SKIPPED_IN_A_ROW = 10
@@ -52,6 +52,13 @@ class TranslationModule(pl.LightningModule):
             only; more than 10 in a row stop the run).
         aux_loss_weight: weight of the model's auxiliary loss (the load-balancing loss of
             sparse heads, :meth:`~multihead.model.Transformer.aux_loss`) in the training loss.
+        teacher: a frozen network to distil from (``scripts/train.py distill_from=CKPT``:
+            uptraining a converted checkpoint from the one it was converted from). The
+            training loss becomes ``CE + distill_weight * KL(teacher || student)``, the KL of
+            the next-token distributions (temperature 1, X-EcoMLA) averaged over the real
+            target tokens, logged as ``train/kl``. The teacher stays in eval mode, takes no
+            gradient, and is no part of the module: not optimised, not in its checkpoints.
+        distill_weight: the KL's weight (with a teacher only).
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
@@ -80,6 +87,8 @@ class TranslationModule(pl.LightningModule):
         seed: int = 0,
         aux_loss_weight: float = 0.0,
         on_non_finite_loss: str = "stop",
+        teacher: nn.Module | None = None,
+        distill_weight: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -103,6 +112,12 @@ class TranslationModule(pl.LightningModule):
                 f"module.on_non_finite_loss={on_non_finite_loss!r}; expected 'stop' or 'skip'"
             )
         self.on_non_finite_loss = on_non_finite_loss
+        if not distill_weight > 0:
+            raise ValueError(f"module.distill_weight must be > 0, got {distill_weight}")
+        self.distill_weight = distill_weight
+        # A tuple, not a submodule: the teacher's parameters are neither optimised nor saved
+        # with the student's, and Lightning's train() leaves it in eval mode.
+        self._teacher = () if teacher is None else (teacher.eval().requires_grad_(False),)
         self.skipped_batches = 0
         self._skipped_in_a_row = 0
         self.bleu_every_n_val = bleu_every_n_val
@@ -131,8 +146,9 @@ class TranslationModule(pl.LightningModule):
         """Real tokens of a ``(B, T)`` target batch that are predicted (all but bos)."""
         return int(tgt[:, 1:].ne(self.pad_id).sum())
 
-    def _losses(self, batch: dict) -> tuple[Tensor, Tensor, int]:
-        """Teacher-forced label-smoothed loss and NLL per real target token, and that count.
+    def _losses(self, batch: dict, states: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
+        """Teacher-forced label-smoothed loss and NLL per real target token, and that count;
+        ``states``: the decoder's ``(B, T, E)`` on the batch, when already computed.
 
         The output projection runs inside the loss, chunk by chunk (see
         :func:`~multihead.training.loss.linear_cross_entropy`): the same numbers as
@@ -143,7 +159,8 @@ class TranslationModule(pl.LightningModule):
         if ntokens is None:  # a batch that did not come through the trainer
             ntokens = self._count_targets(tgt)
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # teacher forcing: predict the next token
-        states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
+        if states is None:
+            states = self.model.decoder_states(src, tgt_in)  # (B, T, E)
         loss, nll = linear_cross_entropy(
             states,
             self.model.output_projection.weight,  # (V, E), bias-free
@@ -166,9 +183,32 @@ class TranslationModule(pl.LightningModule):
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         torch.manual_seed(self.seed * 1_000_003 + self.global_step)
 
+    def distillation(self, batch: dict, states: Tensor) -> Tensor:
+        """``KL(teacher || student)`` of the next-token distributions, averaged over the
+        batch's real target tokens; ``states``: the student decoder's ``(B, T, E)``.
+
+        Unlike the cross-entropy this needs the ``(N, V)`` logits of both models (N real
+        target tokens): about 2 x 120 MB in fp32 for a 4,096-token batch of 8,000 types.
+        """
+        (teacher,) = self._teacher
+        src, tgt_in = batch["src"], batch["tgt"][:, :-1]
+        real = batch["tgt"][:, 1:].ne(self.pad_id)  # (B, T): the tokens the loss counts
+        student = states[real] @ self.model.output_projection.weight.T  # (N, V)
+        with torch.no_grad():
+            taught = teacher.decoder_states(src, tgt_in)[real]  # (N, E)
+            taught = taught @ teacher.output_projection.weight.T  # (N, V)
+        return distillation_kl(student, taught)
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor | None:
-        loss, ntokens = self.loss(batch)
-        cross_entropy = loss
+        if self._teacher:
+            states = self.model.decoder_states(batch["src"], batch["tgt"][:, :-1])  # (B, T, E)
+            loss, _, ntokens = self._losses(batch, states)
+            kl = self.distillation(batch, states)
+            self.log("train/kl", kl, batch_size=ntokens)
+            cross_entropy, loss = loss, loss + self.distill_weight * kl
+        else:
+            loss, ntokens = self.loss(batch)
+            cross_entropy = loss
         aux = self.model.aux_loss()
         if aux is not None:  # sparse heads: keep the router's load balanced
             self.log("train/aux_loss", aux, batch_size=ntokens)
@@ -220,6 +260,8 @@ class TranslationModule(pl.LightningModule):
             self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads, norm_type=2.0))
 
     def on_fit_start(self) -> None:
+        for teacher in self._teacher:  # not a submodule: moved here, beside the student
+            teacher.to(self.device)
         if self.on_non_finite_loss == "skip" and self.trainer.world_size > 1:
             # A skipped step returns no loss, which DDP's gradient all-reduce cannot take.
             raise ValueError(

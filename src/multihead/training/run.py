@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from multihead.checkpoints import (
+    load_trained_model,
     model_state_dict,
     read_checkpoint,
     write_atomically,
@@ -66,6 +67,22 @@ def initialise_from(model, path: str, tokenizer) -> None:
             f"unexpected {sorted(unexpected)[:3]}; match the model settings to the checkpoint's"
         )
     log.info("initialised the model from %s", path)
+
+
+def load_teacher(path: str, tokenizer) -> torch.nn.Module:
+    """The network of checkpoint ``path``, to distil from (``distill_from``), eval mode.
+
+    Raises:
+        ValueError: the checkpoint was trained with another tokenizer (its outputs would be
+            over other token ids).
+    """
+    if read_checkpoint(path)["multihead"]["tokenizer"] != tokenizer.to_str():
+        raise ValueError(
+            f"distill_from={path} was trained with another tokenizer than this run's data "
+            "settings produce: its next-token distributions are over other ids"
+        )
+    log.info("distilling from %s", path)
+    return load_trained_model(path).model.eval()
 
 
 def model_summary(model) -> dict[str, Any]:
@@ -228,7 +245,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = build_model(config, datamodule.vocab_size, datamodule.pad_id)
     if cfg.get("init_from"):
         initialise_from(model, cfg.init_from, datamodule.tokenizer)
-    module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
+    teacher = {}
+    if cfg.get("distill_from"):  # uptraining a conversion from the checkpoint before it
+        teacher = {"teacher": load_teacher(cfg.distill_from, datamodule.tokenizer)}
+    module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer, **teacher)
     # Set after instantiate: Hydra would try to instantiate the _target_s inside it.
     module.run_config = config
     summary = {**model_summary(model), "seed": cfg.seed}  # compare.py pairs runs by seed
