@@ -235,9 +235,7 @@ def with_kv_latent(
             split = _per_group_keys(layer, rope_dim, selection, x)
         down, up_k, up_v = _factorise(split.k.double(), w_v.double(), sigma, kv_latent_dim,
                                       balance_kv)  # fmt: skip
-    new = rebuild(
-        layer, num_kv_heads=H, design="mla", kv_latent_dim=kv_latent_dim, **split.options
-    )
+    new = rebuild(layer, num_kv_heads=H, design="mla", kv_latent_dim=kv_latent_dim, **split.options)
     new.positions = None  # a rotary key is the latent part's own
 
     def per_query_head(t: Tensor) -> Tensor:  # (G*w, ...) -> (H*w, ...): repeated per group
