@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.checks import check_positive_int
+from multihead.attention.checks import check_int_in, check_positive_int
 from multihead.attention.designs import (
     AttentionLayer,
     HeadDesign,
@@ -109,7 +109,7 @@ class LatentKV(HeadDesign):
             raise ValueError(f"rope_kv_heads={rope_kv_heads} must divide num_heads={num_heads}")
         D = embed_dim // num_heads
         qk = D if qk_head_dim is None else qk_head_dim
-        check_positive_int("qk_head_dim", qk, minimum=0 if rotary_dim else 1)  # 0: all rotary
+        check_int_in("qk_head_dim", qk, 0 if rotary_dim else 1)  # 0: every Q/K feature rotary
         Dv = D if v_head_dim is None else v_head_dim
         check_positive_int("v_head_dim", Dv)
         if qk + (rotary_dim or 0) < Dv:  # V is padded to the Q/K width for the kernels

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.attention.backends import softmax
-from multihead.attention.checks import check_positive_int
+from multihead.attention.checks import check_int_in
 from multihead.attention.designs import (
     AttentionLayer,
     HeadDesign,
@@ -136,13 +136,13 @@ class SparseHeads(HeadDesign, nn.Linear):
         self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = True,
         device=None, dtype=None, top_k_heads: int, num_shared_heads: int = 0,
     ) -> None:  # fmt: skip
-        check_positive_int(
-            "num_shared_heads", num_shared_heads, minimum=0, maximum=num_heads - 1,
+        check_int_in(
+            "num_shared_heads", num_shared_heads, 0, num_heads - 1,
             why=f" (fewer than num_heads={num_heads})",
         )  # fmt: skip
         routed = num_heads - num_shared_heads
-        check_positive_int(
-            "top_k_heads", top_k_heads, maximum=routed,
+        check_int_in(
+            "top_k_heads", top_k_heads, 1, routed,
             why=f" (num_heads={num_heads} minus num_shared_heads={num_shared_heads})",
         )  # fmt: skip
         super().__init__(embed_dim, routed, bias=False, device=device, dtype=dtype)
