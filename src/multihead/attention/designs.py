@@ -14,7 +14,6 @@ import inspect
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
-import torch
 from torch import Tensor, nn
 
 from multihead.attention.backends import attend
@@ -203,17 +202,6 @@ def resolve_design(
 
 
 # --------------------------------------------------------------------------- shared steps
-def new_positions(
-    kv_cache: KVCache | None, length: int, device: torch.device, position_ids: Tensor | None
-) -> Tensor:
-    """The positions of ``length`` new tokens: ``position_ids`` ``(L,)`` or ``(B, L)`` if
-    given (a left-padded batch), else those after the positions in ``kv_cache``."""
-    if position_ids is not None:
-        return position_ids
-    start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
-    return start + torch.arange(length, device=device)  # (L,)
-
-
 def make_mask(
     q: Tensor, k: Tensor, kv_cache: KVCache | None = None, *, num_heads: int,
     score_bias: Tensor | None = None, key_padding_mask: Tensor | None = None,

@@ -48,11 +48,10 @@ from multihead.attention.designs import (
     kernel_of,
     make_mask,
     merge_heads,
-    new_positions,
     register_design,
     scale_heads,
 )
-from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.kv_cache import CacheLayout, KVCache, new_positions
 from multihead.attention.rotary import RotaryPositions
 
 

@@ -32,11 +32,10 @@ from multihead.attention.designs import (
     check_attribute,
     kernel_of,
     make_mask,
-    new_positions,
     resolve_design,
     scale_heads,
 )
-from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.kv_cache import CacheLayout, KVCache, new_positions
 from multihead.attention.positional import PositionalPart
 from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions

@@ -32,12 +32,11 @@ from multihead.attention.designs import (
     kernel_of,
     make_mask,
     merge_heads,
-    new_positions,
     register_design,
     scale_heads,
     weights_times_values,
 )
-from multihead.attention.kv_cache import KVCache
+from multihead.attention.kv_cache import KVCache, new_positions
 from multihead.attention.masks import AttentionMask, causal_keep
 
 
