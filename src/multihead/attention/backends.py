@@ -41,14 +41,14 @@ class BackendUnavailableError(RuntimeError):
 def math_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float, *,
     on_logits: Callable[[Tensor], Tensor] | None = None,
-    on_weights: Callable[[Tensor, Tensor], Tensor] | None = None,
+    on_weights: Callable[[Tensor, Tensor, AttentionMask], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The textbook formula, softmax(Q K^T * scale + mask) V, written out, and its weights
     ``(B, H, L, S)`` (the ``math`` backend keeps the first).
 
     Two hooks let a design change the formula without copying it (talking heads):
     ``on_logits(scores)`` on the unmasked scores ``(B, H, L, S)``, and
-    ``on_weights(weights, masked_scores)`` on the weights before dropout.
+    ``on_weights(weights, masked_scores, mask)`` on the weights before dropout.
     """
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
@@ -60,7 +60,7 @@ def math_attention(
     scores = apply_mask(scores, mask)
     weights = softmax(scores).to(q.dtype)  # (B, H, L, S)
     if on_weights is not None:
-        weights = on_weights(weights, scores)
+        weights = on_weights(weights, scores, mask)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
