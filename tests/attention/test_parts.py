@@ -396,3 +396,38 @@ def test_an_mla_instance_tells_the_layer_its_widths():
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         torch.testing.assert_close(instance(x, is_causal=True), by_name(x, is_causal=True))
+
+
+def test_no_file_compares_a_designs_name_or_checks_its_class_outside_its_own():
+    """A design's name and class stay home: elsewhere the code asks the design (its hooks,
+    options, conversions) or its positional part (its seam). analysis/ is not searched: its
+    "diff" is a table column's kind, its "mla" a conversion method."""
+    import sys
+
+    from multihead.attention import DESIGNS, ALiBi
+
+    owners = {name: Path(sys.modules[cls.__module__].__file__) for name, cls in DESIGNS.items()}
+    classes = {cls.__name__: path for cls, path in ((c, owners[n]) for n, c in DESIGNS.items())}
+    classes["ALiBi"] = Path(sys.modules[ALiBi.__module__].__file__)
+
+    def strings(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        for element in getattr(node, "elts", ()):
+            yield from strings(element)
+
+    found = []
+    package = ATTENTION.parent
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "analysis":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                names = {s for part in (node.left, *node.comparators) for s in strings(part)}
+                found += [f"{path.name}:{node.lineno} == {n!r}" for n in names & set(owners)
+                          if owners[n] != path]  # fmt: skip
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                found += [f"{path.name}:{node.lineno} isinstance {n}" for n in names & set(classes)
+                          if classes[n] != path]  # fmt: skip
+    assert found == []

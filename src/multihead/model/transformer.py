@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
 from multihead.attention.designs import design_options
-from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
@@ -257,14 +256,6 @@ def _attention_config(
     return config
 
 
-def _at_depth(config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """A sublayer's options in the layer at ``depth`` of its stack (0 first): differential
-    attention's ``lambda_init``, unless set, is the paper's for that depth."""
-    if config.get("design") == "diff" and config.get("lambda_init") is None:
-        return {**config, "lambda_init": lambda_init_at(depth)}
-    return config
-
-
 def _place_positions(
     configs: dict[str, dict[str, Any]], positional: str, d_model: int, cross: Mapping | None
 ) -> None:
@@ -339,9 +330,9 @@ class Transformer(nn.Module):
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one sublayer, e.g. ``{"num_kv_heads": 1}`` for the
             decoder self-attention only; ``None`` values inherit from ``attention``. Any
-            ``Mapping`` (an omegaconf ``DictConfig`` too). A differential sublayer
-            (``design="diff"``) without a ``lambda_init`` gets the paper's for its layer's depth
-            in its stack (:func:`~multihead.attention.differential.lambda_init_at`).
+            ``Mapping`` (an omegaconf ``DictConfig`` too). A head design with an
+            ``at_depth`` hook is given its layer's depth in its stack (0 first): e.g. a
+            differential sublayer without a ``lambda_init`` gets the paper's for that depth.
 
     Shapes:
         src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.
@@ -447,15 +438,18 @@ class Transformer(nn.Module):
         )
         enc_cfg, dec_cfg, cross_cfg = self.attention_config.values()
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d_model, ffn_dim, _at_depth(enc_cfg, i), **layer_args)
-            for i in range(num_encoder_layers)
+            EncoderLayer(d_model, ffn_dim, enc_cfg, **layer_args) for _ in range(num_encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(
-                d_model, ffn_dim, _at_depth(dec_cfg, i), _at_depth(cross_cfg, i), **layer_args
-            )
-            for i in range(num_decoder_layers)
+            DecoderLayer(d_model, ffn_dim, dec_cfg, cross_cfg, **layer_args)
+            for _ in range(num_decoder_layers)
         )
+        # A head design that depends on its layer's depth in the stack (differential
+        # attention's lambda_init) is told it; a design without such a hook has no at_depth.
+        for _, depth, _, attn in self.attention_sublayers():
+            at_depth = getattr(attn.design, "at_depth", None)
+            if at_depth is not None:
+                at_depth(depth)
         # Pre-LN leaves the residual stream unnormalised; post-LN already ends with a norm.
         self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
