@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from multihead import MultiHeadAttention
 from multihead.attention import HeadDesign, register_design
+from multihead.attention.designs import weights_times_values
 from multihead.model import Transformer
 
 
@@ -34,7 +35,6 @@ class HeadTemperature(HeadDesign):
 
     name = "head_temperature"
     attribute = "head_temp"  # its state_dict prefix: head_temp.log_temperature
-    weights_are_final = True  # the kernel's weights multiply V: head analysis may use them
 
     def __init__(
         self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool,
@@ -52,10 +52,15 @@ class HeadTemperature(HeadDesign):
     def options(self) -> dict[str, object]:
         return {"start": self.start}  # what builds it again; the layer adds its name
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask, kernel):
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask, call):
         # Scaling Q_h by 1 / t_h scales head h's scores by it, on any backend: the kernel
-        # keeps its own 1 / sqrt(D). q: (B, H, L, D)
-        return kernel(q / self.log_temperature.exp(), k, v, mask)
+        # (the layer's, call.attend) keeps its own 1 / sqrt(D). q: (B, H, L, D)
+        return call.attend(q / self.log_temperature.exp(), k, v, mask)
+
+    def head_outputs(self, layer, weights: Tensor, source: Tensor) -> Tensor:
+        # The kernel's weights are the final ones, those that multiply V: head analysis may
+        # rebuild each head's output from them (a design with its own attend must say so).
+        return weights_times_values(layer, weights, source)
 
 
 register_design(HeadTemperature.name, HeadTemperature)

@@ -128,11 +128,80 @@ def test_a_backend_that_takes_no_score_bias_refuses_it_by_name(backend: str) -> 
         alibi_layer(backend=backend)
 
 
-def test_alibi_is_for_self_attention_and_refused_by_sparse_heads() -> None:
+def test_alibi_is_for_self_attention() -> None:
     with pytest.raises(ValueError, match="positions are for self-attention; got a key_value"):
         alibi_layer()(torch.randn(1, 3, 32), torch.randn(1, 4, 32))
-    with pytest.raises(ValueError, match="takes no positional part with seam 'score_bias'"):
-        alibi_layer(design="moh", top_k_heads=2)
+
+
+def _moh_written_out(layer, x, pad, causal: bool) -> torch.Tensor:
+    """Mixture-of-Head attention with ALiBi, from the layer's weights: every head's
+    ``softmax(Q K^T / sqrt(D) - m_h |i - j|, masked) V`` densely, then each token's output
+    ``sum_h g_h head_h W^O_h + b``, ``g`` 1 for a shared head, the softmax of the token's top-k
+    router logits for a routed head it selected, 0 otherwise."""
+    B, L, E = x.shape
+    H, G, D = layer.num_heads, layer.num_kv_heads, E // layer.num_heads
+    q, k, v = F.linear(x, layer.in_proj.weight, layer.in_proj.bias).split([E, G * D, G * D], -1)
+    q = q.view(B, L, H, D).transpose(1, 2)
+    k, v = (t.view(B, L, G, D).transpose(1, 2).repeat_interleave(H // G, 1) for t in (k, v))
+    i = torch.arange(L)
+    slopes = torch.tensor(_paper_slopes(H))
+    scores = q @ k.transpose(-2, -1) / D**0.5 - slopes[:, None, None] * (i[:, None] - i).abs()
+    hidden = pad[:, None, None, :] | ((i[None, :] > i[:, None]) if causal else False)
+    heads = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v  # (B, H, L, D)
+    router, Hs = layer.head_gate, layer.head_gate.num_shared
+    top, chosen = (x @ router.weight.T).topk(router.top_k, dim=-1)  # (B, L, k)
+    routed = torch.zeros(B, L, H - Hs).scatter(-1, chosen, top.softmax(-1))
+    gates = torch.cat((torch.ones(B, L, Hs), routed), dim=-1)  # (B, L, H)
+    w_o = layer.out_proj.weight.view(E, H, D)
+    return torch.einsum("bhld,blh,ehd->ble", heads, gates, w_o) + layer.out_proj.bias
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_sparse_heads_take_alibi_as_the_formula(backend: str, causal: bool) -> None:
+    """Sparse heads run on the layer's steps: its mask carries the score bias (they refused
+    ALiBi when they wrote their own forward)."""
+    layer = alibi_layer(backend=backend, design="moh", top_k_heads=2, num_shared_heads=2)
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(3))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    with torch.no_grad():
+        got = layer(x, key_padding_mask=pad, is_causal=causal)
+        want = _moh_written_out(layer, x, pad, causal)
+        torch.testing.assert_close(got[~pad], want[~pad], rtol=0, atol=1e-5)
+        if causal:  # cached decoding, each key's position stored in the cache
+            for static in (False, True):
+                cache = layer.make_kv_cache(2, 9, static=static)
+                steps = [layer(x[:, :3], is_causal=True, kv_cache=cache)]  # a prompt, then 1 by 1
+                steps += [layer(x[:, [t]], is_causal=True, kv_cache=cache) for t in range(3, 7)]
+                full = layer(x, is_causal=True)
+                torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_mla_takes_alibi_as_its_expanded_mha_layer_does(backend: str) -> None:
+    """ALiBi is a bias on the scores, which MLA's latent K/V leave as they are: an MLA layer
+    with it equals its MHA equivalent (expand_latent, which keeps the positions) with it,
+    in a full pass and in absorbed cached decoding."""
+    from multihead.attention import expand_latent
+
+    layer = alibi_layer(G=None, backend=backend, design="mla", kv_latent_dim=16)
+    mha = expand_latent(layer)
+    assert mha.design is None and mha.positions is layer.positions
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(5))
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    with torch.no_grad():
+        for causal in (False, True):
+            got = layer(x, key_padding_mask=pad, is_causal=causal)
+            torch.testing.assert_close(got, mha(x, key_padding_mask=pad, is_causal=causal))
+            want = _written_out(mha, x, pad, causal)
+            torch.testing.assert_close(got[~pad], want[~pad], rtol=0, atol=1e-5)
+        full = mha(x, is_causal=True)
+        for static in (False, True):
+            cache = layer.make_kv_cache(2, 9, static=static)
+            steps = [layer(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(7)]
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
 
 
 def test_conversions_keep_alibi_or_refuse_it() -> None:

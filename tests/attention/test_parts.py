@@ -4,6 +4,7 @@ import graph of ``attention/``."""
 
 import ast
 import importlib
+import math
 from pathlib import Path
 
 import pytest
@@ -159,9 +160,16 @@ def test_a_backend_without_score_bias_refuses_it_by_name(backend):
         MultiHeadAttention(16, 4, backend=backend, positions=KeyPositionBias())
 
 
-def test_a_design_refuses_a_positional_seam_it_does_not_declare():
-    with pytest.raises(ValueError, match="'moh' takes no positional part with seam 'score_bias'"):
-        MultiHeadAttention(16, 4, design="moh", top_k_heads=2, positions=KeyPositionBias())
+def test_a_design_refuses_what_it_cannot_work_with_by_name_when_built():
+    """HeadDesign.check: MLA's absorbed decoding cannot take keys turned by their positions
+    (its own rotary_dim is the decoupled key), nor K/V heads shared by query heads."""
+    from multihead.attention import RotaryPositions
+    from multihead.attention.latent import LatentKV
+
+    with pytest.raises(ValueError, match=r"'mla' takes no rotary positions in the layer \(Rot"):
+        MultiHeadAttention(16, 4, design="mla", kv_latent_dim=8, positions=RotaryPositions(4))
+    with pytest.raises(ValueError, match="'mla' has one K/V head per query head; got num_kv_h"):
+        MultiHeadAttention(16, 4, 2, design=LatentKV(16, 4, 4, kv_latent_dim=8))
 
 
 def test_the_separate_projection_layout_keeps_the_linears_and_computes_the_same():
@@ -218,17 +226,19 @@ def test_the_import_graph_of_attention_has_no_cycle():
     assert importlib.import_module("multihead.attention.layer")
 
 
-class OwnForward(HeadDesign):
-    """A design that writes its own forward and gives no per-head outputs."""
+class OwnAttend(HeadDesign):
+    """A design with its own attention of the heads, and no per-head outputs."""
 
-    name = attribute = "own_forward"
-    replaces_forward = True
+    name = attribute = "own_attend"
+
+    def attend(self, q, k, v, mask, call):
+        return call.attend(2 * q, k, v, mask)
 
 
 def test_head_analysis_refuses_a_design_without_per_head_outputs_by_name():
-    layer = MultiHeadAttention(16, 4, design=OwnForward())
+    layer = MultiHeadAttention(16, 4, design=OwnAttend())
     weights, source = torch.rand(1, 4, 3, 3), torch.randn(1, 3, 16)
-    with pytest.raises(ValueError, match="'own_forward' gives no per-head outputs"):
+    with pytest.raises(ValueError, match="'own_attend' gives no per-head outputs"):
         layer.head_outputs(weights, source)
 
 
@@ -243,24 +253,24 @@ def test_a_positional_part_names_itself_in_the_head_tag() -> None:
 
 
 class _Hooked(HeadDesign):
-    """A design that changes the formula through the math kernel's hooks (sigmoid weights)
-    and, as a user first wrote one, does not declare ``backends``."""
+    """A design that changes the formula through the math kernel's hooks (sigmoid weights)."""
 
     name = attribute = "hooked"
 
     def __init__(self, e, h, g, *, bias, device=None, dtype=None):
         super().__init__()
 
-    def attend(self, q, k, v, mask, kernel):
-        return kernel(q, k, v, mask, on_weights=lambda w, s: torch.sigmoid(s))
+    def on_weights(self, weights, scores, mask):
+        return torch.sigmoid(scores)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_the_math_kernels_hooks_are_refused_on_another_backend(backend):
-    """It ran the math path while the layer reported ``sdpa`` or ``flex``."""
-    layer = MultiHeadAttention(16, 4, backend=backend, design=_Hooked(16, 4, 4, bias=True))
-    with pytest.raises(ValueError, match=rf"'hooked' changes the formula.*on_weights.*{backend!r}"):
-        layer(torch.randn(2, 3, 16))
+def test_the_math_kernels_hooks_are_refused_on_another_backend_when_built(backend):
+    """It ran the math path while the layer reported ``sdpa`` or ``flex``; then it raised at
+    the first call. A design with a hook says so by having it: refused when built."""
+    with pytest.raises(ValueError, match=rf"'hooked' runs on backend math only; got backend="
+                       rf"{backend!r}: .*hooks \(on_weights\)"):  # fmt: skip
+        MultiHeadAttention(16, 4, backend=backend, design=_Hooked(16, 4, 4, bias=True))
     math = MultiHeadAttention(16, 4, backend="math", design=_Hooked(16, 4, 4, bias=True))
     x = torch.randn(2, 3, 16)
     q, k, v = math.in_proj.qkv(x)  # (B, H, L, D): sigmoid(scores) V, by hand
@@ -279,3 +289,145 @@ def test_a_design_without_attribute_is_named():
         register_design("nameless", Nameless)
     with pytest.raises(ValueError, match=r"head design 'nameless' .* got ''"):
         MultiHeadAttention(16, 4, backend="math", design=Nameless(16, 4, 4, bias=True))
+
+
+# --------------------------------------------------------------------------- the interface
+class SigmoidAttention(HeadDesign):
+    """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(Q K^T / sqrt(D) - log n) V``, ``n``
+    the key length. Cached decoding would give each step its own ``n`` (0.13 to 0.46 off the
+    full pass, issue 65): the design sees the cache and refuses it, naming itself."""
+
+    name = attribute = "sigmoid"
+
+    def on_weights(self, weights, scores, mask):
+        return torch.sigmoid(scores - math.log(scores.shape[-1]))
+
+    def attend(self, q, k, v, mask, call):
+        if call.kv_cache is not None:
+            raise ValueError(
+                f"head design {self.name!r} takes the key length n of the whole sentence, "
+                "which cached decoding does not see; decode without a KV cache"
+            )
+        return call.attend(q, k, v, mask)
+
+
+def test_a_design_sees_the_cache_and_may_refuse_cached_decoding():
+    layer = MultiHeadAttention(16, 4, backend="math", design=SigmoidAttention()).eval()
+    x = torch.randn(2, 5, 16)
+    q, k, v = layer.in_proj.qkv(x)  # (B, H, L, D): the formula by hand
+    scores = q @ k.transpose(-1, -2) * layer.scale - math.log(5)
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    heads = torch.sigmoid(scores) @ v
+    want = layer.out_proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, is_causal=True), want)
+        with pytest.raises(ValueError, match="'sigmoid' takes the key length n of the whole"):
+            layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(2, 5))
+
+
+class SeesTheCall(HeadDesign):
+    """Records what each call shows a design: the queries' positions, the keys, the cache."""
+
+    name = attribute = "sees_the_call"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def attend(self, q, k, v, mask, call):
+        positions = None if call.positions is None else call.positions.tolist()
+        self.seen.append((positions, k.shape[2], call.kv_cache is not None))
+        return call.attend(q, k, v, mask)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_design_sees_the_queries_positions_and_the_keys(static):
+    layer = MultiHeadAttention(16, 4, design=SeesTheCall()).eval()
+    x, memory = torch.randn(1, 4, 16), torch.randn(1, 3, 16)
+    with torch.no_grad():
+        layer(x, is_causal=True)
+        cache = layer.make_kv_cache(1, 4, static=static)
+        layer(x[:, :2], is_causal=True, kv_cache=cache)
+        layer(x[:, 2:3], is_causal=True, kv_cache=cache)
+        layer(x, memory)  # cross-attention: the queries' and keys' positions are unrelated
+    S = 4 if static else None  # a static cache's keys are its whole buffers
+    assert layer.design.seen == [
+        ([0, 1, 2, 3], 4, False), ([0, 1], S or 2, True), ([2], S or 3, True), (None, 3, False)
+    ]  # fmt: skip
+
+
+class OwnRotary(HeadDesign):
+    """A design with a rotary key of its own that takes ``rotary_dim`` and nothing else."""
+
+    name = attribute = "own_rotary"
+
+    def __init__(self, e, h, g, *, bias, device=None, dtype=None, rotary_dim=None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+
+
+def test_a_design_that_takes_rotary_dim_gets_only_the_rotary_keywords_it_takes():
+    """The layer handed rope_theta and rope_interleaved to any design taking rotary_dim:
+    TypeError for one without them."""
+    from multihead.attention import DESIGNS, register_design
+
+    register_design(OwnRotary.name, OwnRotary)
+    try:
+        layer = MultiHeadAttention(16, 4, design="own_rotary", rotary_dim=4)
+        assert layer.design.rotary_dim == 4 and layer.positions is None
+        with pytest.raises(ValueError, match="'own_rotary' takes rotary_dim but no rope_theta; "
+                           "got rope_theta=500000.0"):  # fmt: skip
+            MultiHeadAttention(16, 4, design="own_rotary", rotary_dim=4, rope_theta=500000.0)
+    finally:
+        del DESIGNS[OwnRotary.name]
+
+
+def test_an_mla_instance_tells_the_layer_its_widths():
+    """qk_head_dim, v_head_dim and q_latent_dim were read from the keywords alone: an instance
+    got a Q projection E / H wide per head and failed at the first call (a shape error)."""
+    from multihead.attention.latent import LatentKV
+
+    options = dict(kv_latent_dim=8, qk_head_dim=2, v_head_dim=6, q_latent_dim=12, rotary_dim=4)
+    torch.manual_seed(0)
+    by_name = MultiHeadAttention(16, 4, design="mla", **options).eval()
+    instance = MultiHeadAttention(16, 4, design=LatentKV(16, 4, 4, **options)).eval()
+    assert instance.in_proj.weight.shape == (4 * 2, 12) and instance.out_proj.in_features == 24
+    instance.load_state_dict(by_name.state_dict())
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(instance(x, is_causal=True), by_name(x, is_causal=True))
+
+
+def test_no_file_compares_a_designs_name_or_checks_its_class_outside_its_own():
+    """A design's name and class stay home: elsewhere the code asks the design (its hooks,
+    options, conversions) or its positional part (its seam). analysis/ is not searched: its
+    "diff" is a table column's kind, its "mla" a conversion method."""
+    import sys
+
+    from multihead.attention import DESIGNS, ALiBi
+
+    owners = {name: Path(sys.modules[cls.__module__].__file__) for name, cls in DESIGNS.items()}
+    classes = {cls.__name__: path for cls, path in ((c, owners[n]) for n, c in DESIGNS.items())}
+    classes["ALiBi"] = Path(sys.modules[ALiBi.__module__].__file__)
+
+    def strings(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        for element in getattr(node, "elts", ()):
+            yield from strings(element)
+
+    found = []
+    package = ATTENTION.parent
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "analysis":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                names = {s for part in (node.left, *node.comparators) for s in strings(part)}
+                found += [f"{path.name}:{node.lineno} == {n!r}" for n in names & set(owners)
+                          if owners[n] != path]  # fmt: skip
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                found += [f"{path.name}:{node.lineno} isinstance {n}" for n in names & set(classes)
+                          if classes[n] != path]  # fmt: skip
+    assert found == []

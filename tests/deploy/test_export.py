@@ -216,11 +216,15 @@ def test_unknown_head_design_is_refused(tok, tmp_path):
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"design": "moh", "design_options": {"top_k_heads": 2}}, r"head design 'mha4-moh-k2';"),
+        (
+            {"design": "moh", "design_options": {"top_k_heads": 2}},
+            r"head design 'mha4-moh-k2'; CTranslate2 runs plain",
+        ),
         ({"design": "group_mlp"}, r"head design 'mha4-group_mlp2'"),
         (
             {"design": "mla", "design_options": {"kv_latent_dim": 8, "kv_latent_norm": True}},
-            r"normalises its K/V latent",
+            r"'mla' \(r8n\) has kv_latent_norm, "
+            "which no MHA layer computes: it has no MHA equivalent; CTranslate2 runs MLA as",
         ),
     ],
 )
@@ -232,8 +236,8 @@ def test_head_designs_ctranslate2_cannot_run_are_refused(tok, tmp_path, options,
 
 @pytest.mark.parametrize(
     ("positional", "pattern"),
-    [("alibi", r"positional='alibi' cannot be exported: CTranslate2 \(4.8\) has ALiBi in its "
-      "decoder spec only"), ("rope", "positional='rope' cannot be exported yet")],
+    [("alibi", r"\(ALiBi: positional='alibi'\) cannot be exported: CTranslate2 \(4.8\) has "
+      "ALiBi in its decoder spec only"), ("rope", "positional='rope' cannot be exported yet")],
 )  # fmt: skip
 def test_positions_in_the_attention_are_refused_by_name(tok, tmp_path, positional, pattern):
     model = save_checkpoint(tmp_path / "m.ckpt", tok, positional=positional)

@@ -41,14 +41,14 @@ class BackendUnavailableError(RuntimeError):
 def math_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float, scale: float, *,
     on_logits: Callable[[Tensor], Tensor] | None = None,
-    on_weights: Callable[[Tensor, Tensor], Tensor] | None = None,
+    on_weights: Callable[[Tensor, Tensor, AttentionMask], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The textbook formula, softmax(Q K^T * scale + mask) V, written out, and its weights
     ``(B, H, L, S)`` (the ``math`` backend keeps the first).
 
     Two hooks let a design change the formula without copying it (talking heads):
     ``on_logits(scores)`` on the unmasked scores ``(B, H, L, S)``, and
-    ``on_weights(weights, masked_scores)`` on the weights before dropout.
+    ``on_weights(weights, masked_scores, mask)`` on the weights before dropout.
     """
     B, H, L, D = q.shape
     G, S = k.shape[1], k.shape[2]
@@ -60,7 +60,7 @@ def math_attention(
     scores = apply_mask(scores, mask)
     weights = softmax(scores).to(q.dtype)  # (B, H, L, S)
     if on_weights is not None:
-        weights = on_weights(weights, scores)
+        weights = on_weights(weights, scores, mask)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, G, H // G, L, S) @ v.unsqueeze(2)  # (B, G, H/G, L, D)
     return out.view(B, H, L, D), weights
@@ -321,10 +321,9 @@ class Backend:
     reroute: Reroute | None = None
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float, scale: float) -> Tensor:
-        # Checked at every call, not only by attend: a kernel without dropout (flex) would
-        # otherwise ignore it when called from the registry directly.
-        reason = self.dropout_rule(dropout_p)
-        if reason is not None:
+        # Checked at every call with dropout, not only by attend: a kernel without dropout
+        # (flex) would otherwise ignore it when called from the registry directly.
+        if dropout_p and (reason := self.dropout_rule(dropout_p)) is not None:
             raise BackendUnavailableError(reason)
         if self.reroute is not None and self.reroute.when(q, k):
             return BACKENDS[self.reroute.to](q, k, v, mask, dropout_p, scale)
@@ -496,33 +495,33 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-# Where each backend was checked, (name, device, dtype, dropout, head_dim): once per kind of
-# input (check_backend lists the backends that can run, for its message: 0.2 ms).
-_checked: set[tuple[str, torch.device, torch.dtype, float, int]] = set()
+@functools.cache
+def _check_once(
+    name: str, device: torch.device, dtype: torch.dtype, dropout: float, head_dim: int
+) -> None:
+    """:func:`check_backend`, once per kind of input (it lists the backends that can run,
+    for its message: 0.2 ms); one that raises is checked again. While tracing, torch.compile
+    ignores the cache and checks each time (Python only): a cache read there would become a
+    guard of the compiled code, and a later addition to it a recompilation."""
+    check_backend(name, device, dtype, dropout=dropout, head_dim=head_dim)
 
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, *, backend: str, dropout_p: float,
-    scale: float, need_weights: bool = False, **hooks,
+    scale: float, need_weights: bool = False, on_logits: Callable | None = None,
+    on_weights: Callable | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """softmax(Q K^T * scale + mask) V ``(B, H, L, D)`` by ``backend``, or by the math path
-    with the weights ``(B, H, L, S)`` when they are asked for or ``hooks`` (``on_logits``,
-    ``on_weights`` of :func:`math_attention`) are given: the one call every
+    with the weights ``(B, H, L, S)`` when they are asked for or a hook (``on_logits``,
+    ``on_weights`` of :func:`math_attention`) is given: the one call every
     head design makes (HF's attention-function arguments: q, k, v, mask, scale, dropout).
     Query rows with no key to attend to come out as zeros."""
-    weights = None
-    if need_weights or hooks:
+    if need_weights or on_logits is not None or on_weights is not None:
+        hooks = dict(on_logits=on_logits, on_weights=on_weights)
         out, weights = math_attention(q, k, v, mask, dropout_p, scale, **hooks)
     else:
-        key = (backend, q.device, q.dtype, dropout_p, q.shape[-1])
-        # While tracing it is checked each time (Python only), the set left unread: adding to
-        # it would fail the compiled code's guard on it and recompile the next call.
-        compiling = torch.compiler.is_compiling()
-        if compiling or key not in _checked:
-            check_backend(backend, q.device, q.dtype, dropout=dropout_p, head_dim=q.shape[-1])
-            if not compiling:
-                _checked.add(key)
-        out = BACKENDS[backend](q, k, v, mask, dropout_p, scale)
+        _check_once(backend, q.device, q.dtype, dropout_p, q.shape[-1])
+        out, weights = BACKENDS[backend](q, k, v, mask, dropout_p, scale), None
     if mask.empty_rows is not None:
         # Rows with no key to attend to: zeros, not the mean of unmasked values.
         out = out.masked_fill(mask.empty_rows, 0.0)

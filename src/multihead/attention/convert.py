@@ -481,7 +481,8 @@ def _rotary_pairs(
 
 
 def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
-    """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``.
+    """The MHA layer equal to an MLA ``layer``: K/V weights ``W_UK W_DKV``, ``W_UV W_DKV``
+    (its design's ``mha_kv``).
 
     For engines without latent attention (CTranslate2). A layer with a latent norm (not
     linear), a decoupled rotary key, its own Q/K or V width, a low-rank (normalised) query or
@@ -490,22 +491,13 @@ def expand_latent(layer: MultiHeadAttention) -> MultiHeadAttention:
     latent = layer.design
     if latent is None or "expand_latent" not in latent.conversions:
         raise ValueError(f"expand_latent needs an MLA layer, got {layer.head_tag!r}")
-    own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "v_head_dim", "q_latent_dim",
-           "softmax_scale")  # fmt: skip
-    own = [name for name in own if name in latent.options]  # each set only when it is not MHA's
-    if own:
-        raise ValueError(
-            f"{layer.head_tag!r} has {', '.join(own)}, which no MHA layer computes: it has no "
-            "MHA equivalent"
-        )
-    new = rebuild(layer)
-    w_uk, w_uv = latent.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
     with torch.no_grad():
-        for name in ("weight", "bias"):
+        kv = {name: latent.mha_kv(name) for name in ("weight", "bias")}  # raises if none
+        new = rebuild(layer)
+        for name, (k, v) in kv.items():
             (q, _, _), (new_q, new_k, new_v) = layer.in_proj.blocks(name), new.in_proj.blocks(name)
             if q is not None:
-                down = getattr(latent.down, name)
-                new_q.copy_(q), new_k.copy_(w_uk @ down), new_v.copy_(w_uv @ down)
+                new_q.copy_(q), new_k.copy_(k), new_v.copy_(v)
         new.out_proj.load_state_dict(layer.out_proj.state_dict())
     return new
 

@@ -1,28 +1,29 @@
 """Head designs by name, like backends: the interface (:class:`HeadDesign`), the registry
-(:data:`DESIGNS`, :func:`register_design`, :func:`design_class`) and the steps that every
-design shares.
+(:data:`DESIGNS`, :func:`register_design`, :func:`design_class`) and the steps that designs
+share.
 
-A design replaces steps of the layer's forward (:meth:`HeadDesign.attend`,
-:meth:`HeadDesign.mix`) or writes the whole of it (:meth:`HeadDesign.attention`) from the
-layer's parts (:class:`AttentionLayer`) and the shared steps here, and declares what it works
-with, which the layer checks when built. ``docs/reuse.md`` teaches writing one.
+The layer runs the same steps for every design (``MultiHeadAttention.forward``): positions,
+project, turn Q and K, cache, mask. A design changes what it must through the hooks of
+:class:`HeadDesign`, each seeing the call (:class:`Call`): the projection
+(:meth:`~HeadDesign.project`), the heads' attention (:meth:`~HeadDesign.attend`, or only the
+formula, through the math kernel's hooks), how the heads become the output
+(:meth:`~HeadDesign.merge`); and it refuses, when built, a layer it cannot work in
+(:meth:`~HeadDesign.check`). ``docs/reuse.md`` teaches writing one.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
-import torch
 from torch import Tensor, nn
 
 from multihead.attention.backends import attend
-from multihead.attention.kv_cache import CacheLayout, KVCache
-from multihead.attention.masks import AttentionMask, build_attention_mask
+from multihead.attention.kv_cache import KVCache
+from multihead.attention.masks import AttentionMask
 from multihead.attention.positional import PositionalPart
 from multihead.attention.projection import QKVProjection
 
@@ -41,30 +42,73 @@ class AttentionLayer(Protocol):
     in_proj: QKVProjection
     out_proj: nn.Linear
     positions: PositionalPart | None
+    design: HeadDesign | None
 
 
-Kernel = Callable[..., tuple[Tensor, Tensor | None]]
+class Call(NamedTuple):
+    """One call of the layer, as a design's hooks see it.
+
+    Attributes:
+        layer: the layer (its parts ``in_proj``, ``out_proj``, ``positions``; its sizes).
+        query: the layer's input ``(B, L, E)``.
+        kv_cache: the call's cache, or ``None`` (a full pass). With one the queries are the
+            last ``L`` of the keys (cached decoding: each step sees only the keys so far);
+            a design whose formula needs every key of the sentence refuses it, naming itself.
+        positions: the queries' positions ``(L,)`` or ``(B, L)`` in self-attention (the
+            call's ``position_ids``, else those after the cache's); ``None`` in
+            cross-attention, whose queries and keys are positions of two sentences.
+        head_mask: ``(H,)``, the scale on each head's output, or ``None``.
+        need_weights: the caller asked for the weights ``(B, H, L, S)``.
+    """
+
+    layer: AttentionLayer
+    query: Tensor
+    kv_cache: KVCache | None
+    positions: Tensor | None
+    head_mask: Tensor | None
+    need_weights: bool
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """:func:`~.backends.attend`, the heads ``(B, H, L, D)`` and the weights if asked
+        for, by the layer's backend, dropout (training mode only) and scale (``scale``: a
+        design's own, e.g. MLA's wider scores), with the design's formula hooks if it has
+        them (:attr:`HeadDesign.on_logits`, :attr:`HeadDesign.on_weights`)."""
+        layer, design = self.layer, self.layer.design
+        return attend(
+            q, k, v, mask, backend=layer.backend, dropout_p=layer.dropout * layer.training,
+            scale=layer.scale if scale is None else scale, need_weights=self.need_weights,
+            on_logits=design.on_logits, on_weights=design.on_weights,
+        )  # fmt: skip
 
 
 class HeadDesign(nn.Module):
-    """The interface of a head design; the defaults are the plain layer's."""
+    """The interface of a head design: a name, what builds it, and hooks whose defaults are
+    the plain layer's steps.
+
+    Members that serve one design live in that design; the layer reads them where a design
+    has them: ``kind`` (``head_config``'s, instead of mha/gqa/mqa), ``widths(embed_dim,
+    num_heads, options)`` (a static method: the width ``Q`` is projected from, the width of
+    each Q/K head and of each V head, and whether ``in_proj`` projects K and V; read before
+    the design is built, from its options), ``cache_layout`` (what the KV cache holds per
+    position), ``has_positions`` (it places Q and K itself), ``aux_loss`` (an auxiliary loss
+    of the last training-mode call), ``active_head_fraction`` (of the ``H`` heads, those
+    computed for each token) and ``at_depth(depth)``, which a model stacking layers calls
+    with the layer's depth in its stack (0 first) before training.
+    """
 
     name: ClassVar[str] = ""  # its registry name: "moh", "talking_heads", "mla", ...
     attribute: ClassVar[str] = ""  # where the layer holds it: its state_dict keys' prefix
-    kind: ClassVar[str | None] = None  # head_config["kind"] if not mha/gqa/mqa: MLA's "mla"
-    replaces_forward: ClassVar[bool] = False  # attention() is the layer's forward with it
-    seams: ClassVar[frozenset[str]] = frozenset({"rotate", "score_bias"})  # positional seams
-    backends: ClassVar[frozenset[str] | None] = None  # those it runs on; None: every one
-    any_kv_heads: ClassVar[bool] = True  # it works with num_kv_heads < num_heads (GQA, MQA)
-    projects_kv: ClassVar[bool] = True  # in_proj projects K, V (MLA's come from its latent)
-    head_mask: ClassVar[bool] = True  # it takes a head_mask: each head has its own output
+    # Each head has an output of its own, which forward's head_mask scales; False: the
+    # design mixes or pairs the heads after the scale would apply.
+    takes_head_mask: ClassVar[bool] = True
     conversions: ClassVar[frozenset[str]] = frozenset()  # those of convert that keep it
-    # Its own attend() returns the weights that multiply V, so head analysis may rebuild
-    # each head's output from them (talking heads).
-    weights_are_final: ClassVar[bool] = False
-    aux_loss: Tensor | None = None  # an auxiliary loss of the last training-mode call
-    has_positions: bool = False  # it places Q and K itself (MLA's decoupled rotary key)
-    active_head_fraction: float = 1.0  # of the H heads, those computed for each token
+    # The math kernel's hooks (backends.math_attention), for a design that changes the
+    # formula: on_logits(scores) on the unmasked scores (B, H, L, S); on_weights(weights,
+    # masked_scores, mask) on the weights before dropout. Either needs backend math (check).
+    on_logits: Callable[[Tensor], Tensor] | None = None
+    on_weights: Callable[[Tensor, Tensor, AttentionMask], Tensor] | None = None
 
     @property
     def options(self) -> dict[str, object]:
@@ -77,45 +121,57 @@ class HeadDesign(nn.Module):
         """The part of the layer's ``head_tag`` it adds."""
         return f"-{self.name}" if self.name else ""
 
-    def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
-        """What the layer's KV cache holds per position."""
-        return CacheLayout(layer.num_kv_heads, layer.head_dim, shared_kv=False)
+    def check(self, layer: AttentionLayer) -> None:
+        """Raise, naming the design, if it cannot work in ``layer`` (its backend, K/V heads,
+        positions): the layer calls it once built. By default: the formula hooks need the
+        ``math`` backend, the one that computes the formula written out."""
+        hooks = [name for name in ("on_logits", "on_weights") if getattr(self, name) is not None]
+        if hooks and layer.backend != "math":
+            raise ValueError(
+                f"head design {self.name!r} runs on backend math only; got backend="
+                f"{layer.backend!r}: it changes the formula through the math kernel's hooks "
+                f"({', '.join(hooks)}), which only math computes"
+            )
+
+    def project(
+        self, source: Tensor | None, call: Call
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Q ``(B, H, L, D)`` of ``call.query``, and K, V ``(B, G, S, D)`` of ``source``
+        ``(B, S, E)``: the query itself (self-attention) or the memory; ``None``: the cache
+        holds the memory's already, and K, V are ``None``. A V of ``None`` beside a K means
+        one tensor for both, cached once (MLA's latent)."""
+        in_proj, query = call.layer.in_proj, call.query
+        if source is query:
+            return in_proj.qkv(query)  # one GEMM for the three
+        return in_proj.q(query), *((None, None) if source is None else in_proj.kv(source))
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, kernel: Kernel
-    ) -> tuple[Tensor, Tensor | None]:
-        """The heads ``(B, H, L, D)`` and weights: ``kernel(q, k, v, mask, **hooks)`` (the
-        layer's :func:`kernel_of`), with hooks if the design changes the formula."""
-        return kernel(q, k, v, mask)
+        self, q: Tensor, k: Tensor, v: Tensor | None, mask: AttentionMask, call: Call
+    ) -> tuple[object, Tensor | None]:
+        """The heads ``(B, H, L, D)`` (in the form :meth:`merge` takes) and the weights
+        ``(B, H, L, S)`` if ``call.need_weights``, of what :meth:`project` gave (after the
+        layer's positions and cache) and the layer's mask."""
+        return call.attend(q, k, v, mask)
 
-    def mix(self, heads: Tensor) -> Tensor:
-        """``heads`` ``(B, L, H, D)`` as they enter ``W^O``."""
-        return heads
+    def merge(self, heads: Tensor, call: Call) -> Tensor:
+        """The layer's output ``(B, L, E)``: each head scaled by ``call.head_mask``, the heads
+        side by side, ``W^O``."""
+        if call.head_mask is not None:
+            heads = scale_heads(heads, call.head_mask)
+        return call.layer.out_proj(merge_heads(heads))
 
     def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
         """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
         weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: what head analysis reads.
-        Weights times V, refused where that would be wrong: a design that writes its own
-        forward or :meth:`attend` (unless ``weights_are_final``) overrides this."""
-        own_attend = type(self).attend is not HeadDesign.attend and not self.weights_are_final
-        if self.replaces_forward or own_attend:
+        Weights times V, refused where that would be wrong: a design with its own
+        :meth:`project`, :meth:`attend` or :meth:`merge` overrides this."""
+        steps = ("project", "attend", "merge")
+        if any(getattr(type(self), n) is not getattr(HeadDesign, n) for n in steps):
             raise ValueError(
                 f"head design {self.name!r} gives no per-head outputs (HeadDesign.head_outputs) "
                 "for head analysis"
             )
-        heads = weights_times_values(layer, weights, source)  # (B, H, L, D)
-        return self.mix(heads.transpose(1, 2)).transpose(1, 2)
-
-    def attention(
-        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
-        kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
-    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """The layer's forward with this design (``replaces_forward``): the arguments and
-        result of ``MultiHeadAttention.forward``, ``key_value`` ``None`` for self-attention;
-        ``masks`` (``key_padding_mask``, ``attn_mask``, ``is_causal``) go to
-        :func:`make_mask`."""
-        raise NotImplementedError(f"design {self.name!r} changes steps of the layer's forward")
+        return weights_times_values(layer, weights, source)
 
 
 DESIGNS: dict[str, type[HeadDesign]] = {}
@@ -324,64 +380,6 @@ def resolve_design(
 
 
 # --------------------------------------------------------------------------- shared steps
-def new_positions(
-    kv_cache: KVCache | None, length: int, device: torch.device, position_ids: Tensor | None
-) -> Tensor:
-    """The positions of ``length`` new tokens: ``position_ids`` ``(L,)`` or ``(B, L)`` if
-    given (a left-padded batch), else those after the positions in ``kv_cache``."""
-    if position_ids is not None:
-        return position_ids
-    start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
-    return start + torch.arange(length, device=device)  # (L,)
-
-
-def make_mask(
-    q: Tensor, k: Tensor, kv_cache: KVCache | None = None, *, num_heads: int,
-    score_bias: Tensor | None = None, key_padding_mask: Tensor | None = None,
-    attn_mask: Tensor | None = None, is_causal: bool = False,
-) -> AttentionMask:  # fmt: skip
-    """The caller's masks (and a positional ``score_bias`` ``(B or 1, H, L, S)``) for
-    queries ``q`` ``(B, ·, L, ·)`` and keys ``k`` ``(B, ·, S, ·)``, in the kernels' form
-    (:func:`~.masks.build_attention_mask`). With a static ``kv_cache`` the keys are its
-    whole buffers: the positions it hides (:meth:`KVCache.hide_unwritten`) join ``attn_mask``."""
-    if kv_cache is not None and kv_cache.static:
-        attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, q.shape[2], is_causal)
-    return build_attention_mask(
-        key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
-        batch_size=q.shape[0], num_heads=num_heads, q_len=q.shape[2], kv_len=k.shape[2],
-        dtype=q.dtype, device=q.device, score_bias=score_bias,
-    )  # fmt: skip
-
-
-def kernel_of(layer: AttentionLayer, need_weights: bool, scale: float | None = None) -> Kernel:
-    """:func:`~.backends.attend` with the layer's backend, dropout (training mode only) and
-    scale (``scale``: a design's own, e.g. MLA's wider scores): ``kernel(q, k, v, mask)``.
-
-    ``kernel(q, k, v, mask, on_logits=..., on_weights=...)``, a design changing the formula
-    through the math kernel's hooks, runs on a layer with ``backend="math"`` only: on any
-    other it raises, rather than run the math path while the layer reports its backend.
-    """
-    run = functools.partial(
-        attend, backend=layer.backend, dropout_p=layer.dropout if layer.training else 0.0,
-        scale=layer.scale if scale is None else scale, need_weights=need_weights,
-    )  # fmt: skip
-
-    def kernel(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, **hooks):
-        if hooks and layer.backend != "math":
-            design = getattr(layer, "design", None)
-            name = getattr(design, "name", "") or type(design).__name__
-            raise ValueError(
-                f"head design {name!r} changes the formula through the math kernel's hooks "
-                f"({', '.join(sorted(hooks))}), which backend {layer.backend!r} does not "
-                "compute; build the layer with backend='math' (and declare backends = "
-                "frozenset({'math'}) on the design, so that other backends are refused when "
-                "it is built)"
-            )
-        return run(q, k, v, mask, **hooks)
-
-    return kernel
-
-
 def weights_times_values(layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
     """``weights`` ``(B, H, L, S)`` times the V heads of ``source`` ``(B, S, E)``, each K/V
     head repeated for its group: ``(B, H, L, D)``."""
@@ -395,10 +393,8 @@ def merge_heads(heads: Tensor) -> Tensor:
     return heads.transpose(1, 2).reshape(B, L, H * D)
 
 
-def scale_heads(heads: Tensor, head_mask: Tensor | None) -> Tensor:
+def scale_heads(heads: Tensor, head_mask: Tensor) -> Tensor:
     """``heads`` ``(B, H, L, ·)`` each scaled by its entry of ``head_mask`` ``(H,)``
     (Michel et al., NeurIPS 2019: 0 removes a head; a ones tensor that requires grad gives
     each head's importance as the gradient of the loss with respect to it)."""
-    if head_mask is None:
-        return heads
     return heads * head_mask.to(heads.dtype).view(1, -1, 1, 1)

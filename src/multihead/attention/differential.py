@@ -12,8 +12,9 @@ keep their plain projections, positions and cache: query heads ``i`` and ``i + H
 differential head ``i``, each map reading its own query head's K/V head (GQA as usual), and V
 of K/V head ``g < G/2`` is joined with that of ``g + G/2`` (so ``G`` is even).
 
-``lambda_init`` is an option, one value per layer: the paper's depth schedule is
-:func:`lambda_init_at`, which the Transformer applies per layer; HF's swap copies DiffLlama's.
+``lambda_init`` is an option, one value per layer; unset, it is the paper's for the layer's
+depth (:func:`lambda_init_at`), which a model stacking layers gives it (:meth:`at_depth`, the
+Transformer's), else the first layer's. HF's swap copies DiffLlama's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.designs import HeadDesign, Kernel, register_design
+from multihead.attention.designs import Call, HeadDesign, register_design
 from multihead.attention.masks import AttentionMask
 
 
@@ -43,7 +44,7 @@ class DifferentialHeads(HeadDesign):
     """
 
     name = attribute = "diff"
-    head_mask = False  # an output head is two query heads' maps, subtracted and normalised
+    takes_head_mask = False  # an output head is two query heads' maps, subtracted, normalised
     conversions = frozenset({"with_kv_heads"})
 
     def __init__(
@@ -55,7 +56,7 @@ class DifferentialHeads(HeadDesign):
         bias: bool,
         device=None,
         dtype=None,
-        lambda_init: float = lambda_init_at(0),
+        lambda_init: float | None = None,
         norm_eps: float = 1e-5,
     ) -> None:
         if num_kv_heads % 2:
@@ -64,7 +65,9 @@ class DifferentialHeads(HeadDesign):
                 f"with g + G/2), got num_kv_heads={num_kv_heads}"
             )
         super().__init__()
-        self.lambda_init, self.norm_eps = float(lambda_init), float(norm_eps)
+        self.by_depth = lambda_init is None  # the paper's schedule: at_depth sets it
+        self.lambda_init = lambda_init_at(0) if lambda_init is None else float(lambda_init)
+        self.norm_eps = float(norm_eps)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             vector = torch.empty(embed_dim // num_heads, device=device, dtype=dtype)
             self.register_parameter(name, nn.Parameter(vector.normal_(0.0, 0.1)))
@@ -76,8 +79,14 @@ class DifferentialHeads(HeadDesign):
     def extra_repr(self) -> str:
         return f"lambda_init={self.lambda_init:.4g}, norm_eps={self.norm_eps:g}"
 
+    def at_depth(self, depth: int) -> None:
+        """The layer is at ``depth`` in its model's stack (0 first): an unset ``lambda_init``
+        becomes the paper's for it."""
+        if self.by_depth:
+            self.lambda_init = lambda_init_at(depth)
+
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, kernel: Kernel
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, call: Call
     ) -> tuple[Tensor, Tensor | None]:
         """The ``H/2`` differential heads ``(B, H/2, L, 2D)`` of Q ``(B, H, L, D)``, K and V
         ``(B, G, S, D)``, and the weights of the ``H`` maps before the subtraction."""
@@ -85,8 +94,8 @@ class DifferentialHeads(HeadDesign):
         # per half of the 2D-wide V. Query heads i and i + H/2 (grouped with K/V heads g and
         # g + G/2) read the same V: that of K/V head g, then that of g + G/2.
         v_a, v_b = v.chunk(2, dim=1)  # (B, G/2, S, D) each
-        heads_a, weights = kernel(q, k, v_a.repeat(1, 2, 1, 1), mask)  # (B, H, L, D)
-        heads_b, _ = kernel(q, k, v_b.repeat(1, 2, 1, 1), mask)  # (B, H, L, D)
+        heads_a, weights = call.attend(q, k, v_a.repeat(1, 2, 1, 1), mask)  # (B, H, L, D)
+        heads_b, _ = call.attend(q, k, v_b.repeat(1, 2, 1, 1), mask)  # (B, H, L, D)
         heads = torch.cat((heads_a, heads_b), dim=-1)  # (B, H, L, 2D)
         first, second = heads.chunk(2, dim=1)  # (B, H/2, L, 2D) each
         heads = first - self.lambda_full().to(heads.dtype) * second  # (B, H/2, L, 2D)

@@ -82,8 +82,8 @@ class KVCache:
         self.size = 0  # positions filled so far; max_len once written when static
         self.static = static
         # The keys' positions (B, max_len), stored when update is given them: a score bias
-        # (ALiBi) reads them back, so a left-padded batch's keys keep their own positions.
-        self.positions: Tensor | None = None
+        # (ALiBi) reads them back (key_positions), so a left-padded batch's keys keep theirs.
+        self._key_positions: Tensor | None = None
         # Static mode: positions filled so far, a tensor so the step's graph does not change.
         self.position = torch.zeros((), dtype=torch.long, device=device) if static else None
 
@@ -117,11 +117,12 @@ class KVCache:
         start = self.position if self.static else self.size
         index = start + torch.arange(L, device=self.k.device)  # (L,)
         if positions is not None:
-            if self.positions is None:
-                self.positions = torch.zeros(
+            if self._key_positions is None:
+                self._key_positions = torch.zeros(
                     self.batch_size, self.max_len, dtype=torch.long, device=self.k.device
                 )
-            self.positions.index_copy_(1, index, positions.expand(self.batch_size, L).long())
+            positions = positions.expand(self.batch_size, L).long()  # (B, L)
+            self._key_positions.index_copy_(1, index, positions)
         # Written by index (gpt-fast's way): a static cache's position is a tensor, so the
         # compiled step does not change with it. Cast as a slice assignment would.
         self.k.index_copy_(2, index, k.to(self.k.dtype))
@@ -151,9 +152,9 @@ class KVCache:
     def key_positions(self) -> Tensor:
         """The positions of the filled keys, ``(B, size)`` (static: ``(B, max_len)``), as
         :meth:`update` was given them."""
-        if self.positions is None:
+        if self._key_positions is None:
             raise ValueError("this KVCache stored no key positions: pass positions to update")
-        return self.positions[:, : self.size]
+        return self._key_positions[:, : self.size]
 
     def get(self) -> tuple[Tensor, Tensor]:
         """The filled keys and values, ``(B, G, size, D)`` each (static: all of them)."""
@@ -176,11 +177,22 @@ class KVCache:
             setattr(self, name, new)
         if self.share_kv:
             self.v = self.k
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, index)
+        if self._key_positions is not None:
+            self._key_positions = self._key_positions.index_select(0, index)
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""
         self.size = 0
         if self.position is not None:
             self.position.zero_()
+
+
+def new_positions(
+    kv_cache: KVCache | None, length: int, device: torch.device, position_ids: Tensor | None
+) -> Tensor:
+    """The positions of ``length`` new tokens: ``position_ids`` ``(L,)`` or ``(B, L)`` if
+    given (a left-padded batch), else those after the positions in ``kv_cache``."""
+    if position_ids is not None:
+        return position_ids
+    start = 0 if kv_cache is None else kv_cache.position if kv_cache.static else kv_cache.size
+    return start + torch.arange(length, device=device)  # (L,)

@@ -41,18 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.checks import check_positive_int
-from multihead.attention.designs import (
-    AttentionLayer,
-    HeadDesign,
-    kernel_of,
-    make_mask,
-    merge_heads,
-    new_positions,
-    register_design,
-    scale_heads,
-)
-from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.checks import check_int_in, check_positive_int
+from multihead.attention.designs import AttentionLayer, Call, HeadDesign, register_design
+from multihead.attention.kv_cache import CacheLayout
+from multihead.attention.masks import AttentionMask
 from multihead.attention.rotary import RotaryPositions
 
 
@@ -86,12 +78,8 @@ class LatentKV(HeadDesign):
             from the cached latent at every step, to measure what absorption buys.
     """
 
-    name = kind = "mla"
+    name = kind = "mla"  # kind: head_config's, instead of mha/gqa/mqa
     attribute = "kv_latent"
-    replaces_forward = True
-    seams = frozenset()  # its rotary key is its own (rotary_dim)
-    any_kv_heads = False
-    projects_kv = False
     conversions = frozenset({"expand_latent"})
 
     def __init__(
@@ -108,7 +96,7 @@ class LatentKV(HeadDesign):
             raise ValueError(f"rope_kv_heads={rope_kv_heads} must divide num_heads={num_heads}")
         D = embed_dim // num_heads
         qk = D if qk_head_dim is None else qk_head_dim
-        check_positive_int("qk_head_dim", qk, minimum=0 if rotary_dim else 1)  # 0: all rotary
+        check_int_in("qk_head_dim", qk, 0 if rotary_dim else 1)  # 0: every Q/K feature rotary
         Dv = D if v_head_dim is None else v_head_dim
         check_positive_int("v_head_dim", Dv)
         if qk + (rotary_dim or 0) < Dv:  # V is padded to the Q/K width for the kernels
@@ -135,7 +123,7 @@ class LatentKV(HeadDesign):
         self.absorb = True
         self.rope_dim = 0
         self.rope = None
-        self.has_positions = rotary_dim is not None
+        self.has_positions = rotary_dim is not None  # the layer gives project() positions
         if rotary_dim is not None:
             # RotaryPositions checks rotary_dim (even, >= 2).
             self.rope = RotaryPositions(
@@ -164,9 +152,41 @@ class LatentKV(HeadDesign):
         q = "" if self.q_latent_dim is None else f"q{self.q_latent_dim}"
         return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + q + rope
 
-    def cache_layout(self, layer: AttentionLayer) -> CacheLayout:
-        """One latent of width ``r`` (and the rotary key, ``r + d_R``), stored once for K
-        and V."""
+    @staticmethod
+    def widths(embed_dim: int, num_heads: int, options: dict) -> tuple[int, int, int, bool]:
+        """The layer's projections for the MLA of ``options`` (read before it is built):
+        ``Q`` from ``x``, or from the low-rank query's ``q_latent_dim`` numbers; Q heads
+        ``qk_head_dim`` wide and V heads ``v_head_dim`` (each ``D`` unless set); no K or V
+        in ``in_proj``, since they come from the latent."""
+        D = embed_dim // num_heads
+        q_latent, qk, v = (options.get(n) for n in ("q_latent_dim", "qk_head_dim", "v_head_dim"))
+        q_in = embed_dim if q_latent is None else q_latent
+        return q_in, D if qk is None else qk, D if v is None else v, False
+
+    def check(self, layer: AttentionLayer) -> None:
+        """One K/V head per query head, and no rotary positions in the layer: rotating the
+        up-projected keys would put a matrix of the position between ``W_UK`` and the query,
+        so absorbed decoding could not move ``W_UK`` there (its own ``rotary_dim`` is the
+        decoupled rotary key instead). A score bias (ALiBi) is a part of the mask: it joins."""
+        super().check(layer)
+        H, G = layer.num_heads, layer.num_kv_heads
+        if G != H:
+            raise ValueError(
+                f"head design {self.name!r} has one K/V head per query head; got "
+                f"num_kv_heads={G} for num_heads={H}"
+            )
+        if layer.positions is not None and layer.positions.seam == "rotate":
+            raise ValueError(
+                f"head design {self.name!r} takes no rotary positions in the layer "
+                f"({type(layer.positions).__name__}): absorbed decoding moves W_UK to the "
+                "query, which keys turned by their positions would forbid; give it its own "
+                "decoupled rotary key (rotary_dim) instead"
+            )
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """One latent of width ``r`` (and the rotary keys, ``r + G_R d_R``), stored once for
+        K and V."""
         return CacheLayout(1, self.latent_dim + self.rope_kv_heads * self.rope_dim, shared_kv=True)
 
     def latent(self, source: Tensor) -> Tensor:
@@ -193,72 +213,93 @@ class LatentKV(HeadDesign):
         _, v = self.expand(self.latent(source))  # (B, H, S, v_head_dim)
         return weights @ v
 
-    def attention(
-        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
-        kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
-    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """The layer's forward with latent K/V: the latent (and rotary key) through the
-        cache, then either the expanded heads (training, full passes) or the absorbed ones
-        (cached decoding).
+    def mha_kv(self, name: str = "weight") -> tuple[Tensor | None, Tensor | None]:
+        """The K and V blocks of the MHA layer equal to this one: ``W_UK W_DKV`` and
+        ``W_UV W_DKV`` ``(H D, E)`` each (``name="bias"``: ``W_UK b_DKV``, ``W_UV b_DKV``, or
+        ``None``), for :func:`~multihead.attention.convert.expand_latent`.
 
-        ``head_mask`` ``(H,)`` scales each head's output."""
-        B, L, E = query.shape
+        Raises:
+            ValueError: naming what no MHA layer computes (a latent norm, which is not linear;
+                a decoupled rotary key; its own Q/K or V width; a low-rank, normalised query;
+                its own scale).
+        """
+        own = ("kv_latent_norm", "rotary_dim", "qk_head_dim", "v_head_dim", "q_latent_dim",
+               "softmax_scale")  # fmt: skip
+        own = [name for name in own if name in self.options]  # each set only if not MHA's
+        if own:
+            raise ValueError(
+                f"head design {self.name!r} ({self.tag}) has {', '.join(own)}, which no MHA "
+                "layer computes: it has no MHA equivalent"
+            )
+        down = getattr(self.down, name)  # W_DKV (r, E) or b_DKV (r,)
+        if down is None:
+            return None, None
+        w_uk, w_uv = self.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
+        return w_uk @ down, w_uv @ down
+
+    def project(self, source: Tensor | None, call: Call) -> tuple[Tensor, Tensor | None, None]:
+        """Q ``(B, H, L, Dq [+ d_R])`` of the query (or of its low-rank latent), its rotary
+        features turned and last; K: the latent ``c`` ``(B, 1, S, r [+ G_R d_R])`` of
+        ``source``, its rotary keys turned and last; V ``None``: ``c`` serves as both, and
+        the cache holds it once."""
+        B, L, _ = call.query.shape
+        H, d_R, G_R = self.num_heads, self.rope_dim, self.rope_kv_heads
+        q_in = self.query_input(call.query)  # (B, L, E), or (B, L, r_Q) with a low-rank query
+        c = q_rope = None
+        if source is not None:  # None: cross-attention, the memory's latent is in the cache
+            c = self.latent(source).unsqueeze(1)  # (B, 1, S, r)
+        if self.rope is not None and source is not None:  # self-attention (the layer checks)
+            positions = call.positions  # (L,) or (B, L)
+            k_rope = self.k_rope(source).view(B, L, G_R, d_R).transpose(1, 2)  # (B,G_R,L,d_R)
+            k_rope = self.rope.rotate(k_rope, positions).transpose(1, 2).reshape(B, 1, L, -1)
+            c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + G_R d_R)
+            q_rope = self.q_rope(q_in).view(B, L, H, d_R).transpose(1, 2)  # (B, H, L, d_R)
+            q_rope = self.rope.rotate(q_rope, positions)
+        # Q last: autograd sums the input's gradients in the order of its uses, kept as
+        # they were when the design wrote its own forward (bit for bit).
+        q = call.layer.in_proj.q(q_in)  # (B, H, L, Dq)
+        if q_rope is not None:
+            q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, Dq + d_R)
+        return q, c, None
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: None, mask: AttentionMask, call: Call
+    ) -> tuple[Tensor, Tensor | None]:
+        """The heads ``(B, H, L, v_head_dim)`` of Q and the latent ``k`` ``(B, 1, S, ·)``
+        (through the cache): absorbed in cached decoding (eval mode), else expanded."""
         H, r, d_R, G_R = self.num_heads, self.latent_dim, self.rope_dim, self.rope_kv_heads
-        cross = key_value is not None
-        q_rope, scale = None, self.softmax_scale
-        q_in = self.query_input(query)  # (B, L, E), or (B, L, r_Q) with a low-rank query
-        if cross and kv_cache is not None and kv_cache.size > 0:
-            c, _ = kv_cache.get()  # (B, 1, S, r): the memory's latent, from the first step
-        else:
-            c = self.latent(key_value if cross else query).unsqueeze(1)  # (B, 1, S, r)
-            if self.rope is not None:  # self-attention only (the layer checks)
-                positions = new_positions(kv_cache, L, query.device, position_ids)
-                k_rope = self.k_rope(query).view(B, L, G_R, d_R).transpose(1, 2)  # (B,G_R,L,d_R)
-                k_rope = self.rope.rotate(k_rope, positions).transpose(1, 2).reshape(B, 1, L, -1)
-                c = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + G_R d_R)
-                q_rope = self.q_rope(q_in).view(B, L, H, d_R).transpose(1, 2)  # (B,H,L,d_R)
-                q_rope = self.rope.rotate(q_rope, positions)
-                if scale is None:
-                    scale = (self.qk_head_dim + d_R) ** -0.5  # the scores' width
-            if kv_cache is not None:
-                c, _ = kv_cache.update(c, None)  # (B, 1, S, r [+ d_R]), new positions appended
-
-        if self.absorb and kv_cache is not None and not self.training:
-            w_uk, w_uv = self.up.weight.split([H * self.qk_head_dim, H * self.v_head_dim])
+        Dq, scale = self.qk_head_dim, self.softmax_scale
+        if scale is None and self.rope is not None:
+            scale = (Dq + d_R) ** -0.5  # the scores' width; None: the layer's 1/sqrt(D)
+        c = k  # (B, 1, S, r [+ G_R d_R])
+        if self.absorb and call.kv_cache is not None and not self.training:
+            w_uk, w_uv = self.up.weight.split([H * Dq, H * self.v_head_dim])
+            q, q_rope = (q, None) if self.rope is None else q.split([Dq, d_R], dim=-1)
             # q_h . (W_UK_h c_j) = (W_UK_h^T q_h) . c_j: W_UK meets the L queries, not the S
             # cached positions. Applied per head to the activations (DeepSeek-V3's
             # inference/model.py), not folded into W^Q: a step reads W^Q and W_UK, H(Dq + r)E
             # numbers fewer than a folded (H r, E) matrix, and nothing is kept per search.
-            q = layer.in_proj.q(q_in)  # (B, H, L, Dq)
-            q = torch.einsum("bhld,hdr->bhlr", q, w_uk.view(H, self.qk_head_dim, r))  # (B,H,L,r)
+            q = torch.einsum("bhld,hdr->bhlr", q, w_uk.view(H, Dq, r))  # (B, H, L, r)
             if q_rope is not None and G_R > 1:  # head h scores its own group's key only
                 group = F.one_hot(torch.arange(H, device=q.device) * G_R // H, G_R).to(q.dtype)
                 q_rope = (q_rope[..., None, :] * group[:, None, :, None]).flatten(-2)  # G_R d_R
             if q_rope is not None:
                 q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, r + G_R d_R)
-            mask = make_mask(q, c, kv_cache, num_heads=H, **masks)
-            heads, weights = kernel_of(layer, need_weights, scale)(q, c, c, mask)
+            heads, weights = call.attend(q, c, c, mask, scale)
             heads = heads[..., :r]  # (B, H, L, r): the rotary key is scored, not a value
             # sum_j p_j (W_UV_h c_j) = W_UV_h (sum_j p_j c_j): each latent head through W_UV_h.
             heads = torch.einsum("bhlr,hdr->bhld", heads, w_uv.view(H, self.v_head_dim, r))
-            out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
-        else:
-            q = layer.in_proj.q(q_in)  # (B, H, L, Dq)
-            k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, Dv)
-            if q_rope is not None:
-                q = torch.cat((q, q_rope), dim=-1)  # (B, H, L, Dq + d_R)
-                k_rope = c[:, 0, :, r:].unflatten(-1, (G_R, d_R)).transpose(1, 2)  # (B,G_R,S,d_R)
-                k_rope = k_rope.repeat_interleave(H // G_R, dim=1)  # (B, H, S, d_R)
-                k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, Dq + d_R)
-            # Kernels take one head width for K and V: V padded, the padding dropped.
-            if q.shape[-1] != v.shape[-1]:
-                v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))  # (B, H, S, Dq + d_R)
-            mask = make_mask(q, k, kv_cache, num_heads=H, **masks)
-            heads, weights = kernel_of(layer, need_weights, scale)(q, k, v, mask)
-            heads = heads[..., : self.v_head_dim]  # (B, H, L, Dv)
-            out = layer.out_proj(merge_heads(scale_heads(heads, head_mask)))  # (B, L, E)
-        return (out, weights) if need_weights else out
+            return heads, weights  # (B, H, L, v_head_dim)
+        k, v = self.expand(c[..., :r].squeeze(1))  # (B, H, S, Dq), (B, H, S, Dv)
+        if self.rope is not None:
+            k_rope = c[:, 0, :, r:].unflatten(-1, (G_R, d_R)).transpose(1, 2)  # (B,G_R,S,d_R)
+            k_rope = k_rope.repeat_interleave(H // G_R, dim=1)  # (B, H, S, d_R)
+            k = torch.cat((k, k_rope), dim=-1)  # (B, H, S, Dq + d_R)
+        # Kernels take one head width for K and V: V padded, the padding dropped.
+        if q.shape[-1] != v.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))  # (B, H, S, Dq + d_R)
+        heads, weights = call.attend(q, k, v, mask, scale)
+        return heads[..., : self.v_head_dim], weights  # (B, H, L, Dv)
 
 
 register_design(LatentKV.name, LatentKV)

@@ -13,7 +13,9 @@ with ``G = num_kv_heads`` key/value heads shared by groups of ``H / G`` query he
     kv:1 2 3 4           kv:  1  2            kv:   1
 
 The layer composes the parts below it (projection, positions, KV cache, kernel, head
-design); ``forward`` reads top to bottom: project, positions, cache, attend, merge, output.
+design); ``forward`` reads top to bottom: positions, project, turn Q and K, cache, mask,
+attend, merge, output. A head design runs on the same steps and replaces those it must
+(:class:`~multihead.attention.designs.HeadDesign`); the plain layer has none.
 """
 
 from __future__ import annotations
@@ -25,24 +27,22 @@ from torch import Tensor, nn
 
 # The built-in head designs register themselves by name when imported.
 from multihead.attention import differential, latent, mixing, sparse  # noqa: F401
-from multihead.attention.backends import BACKENDS, check_backend, default_scale
+from multihead.attention.backends import BACKENDS, attend, check_backend, default_scale
 from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
+    Call,
     HeadDesign,
     check_design,
     design_arguments,
-    kernel_of,
-    make_mask,
-    new_positions,
     resolve_design,
     scale_heads,
+    weights_times_values,
 )
-from multihead.attention.kv_cache import CacheLayout, KVCache
+from multihead.attention.kv_cache import CacheLayout, KVCache, new_positions
+from multihead.attention.masks import build_attention_mask
 from multihead.attention.positional import PositionalPart
 from multihead.attention.projection import QKVProjection
 from multihead.attention.rotary import RotaryPositions
-
-_NO_DESIGN = HeadDesign()  # the defaults of a layer without a head design
 
 
 class MultiHeadAttention(nn.Module):
@@ -122,10 +122,21 @@ class MultiHeadAttention(nn.Module):
                 "positions; set rotary_dim too"
             )
         design, design_options = resolve_design(design, design_options)
-        if isinstance(design, type) and "rotary_dim" in inspect.signature(design).parameters:
-            # The design's own rotary key (MLA's decoupled one), not the layer's positions.
+        params = inspect.signature(design).parameters if isinstance(design, type) else {}
+        if "rotary_dim" in params:
+            # The design's own rotary key (MLA's decoupled one), not the layer's positions:
+            # each rotary keyword goes to it, and one it does not take must be the default.
             rotary = dict(rotary_dim=rotary_dim, rope_theta=rope_theta)
-            design_options |= rotary | dict(rope_interleaved=rope_interleaved)
+            rotary |= dict(rope_interleaved=rope_interleaved)
+            layer_defaults = inspect.signature(type(self).__init__).parameters
+            for name, value in rotary.items():
+                if name in params:
+                    design_options[name] = value
+                elif value != layer_defaults[name].default:
+                    raise ValueError(
+                        f"head design {design.name!r} takes rotary_dim but no {name}; got "
+                        f"{name}={value!r}"
+                    )
             rotary_dim = None
 
         self.embed_dim = embed_dim
@@ -136,13 +147,17 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.scale = default_scale(self.head_dim)
         # Q, K and V stacked in one (E + 2*G*D, E) matrix (the projection part owns that
-        # layout); a design whose K and V come from elsewhere (MLA's latent) projects Q alone.
-        projects_kv = design is None or design.projects_kv
-        # MLA's widths (DeepSeek's): Q/K heads narrower or wider than E / H, V heads of their
-        # own width, and Q projected from a low-rank latent of the query instead of from x.
-        qk_dim = design_options.get("qk_head_dim", self.head_dim)
-        v_dim = design_options.get("v_head_dim", self.head_dim)
-        q_in = design_options.get("q_latent_dim", embed_dim)
+        # layout), each head D = E / H wide. A design may set other widths (MLA's, DeepSeek's):
+        # Q/K heads narrower or wider, V heads of their own width, Q projected from a low-rank
+        # latent of the query instead of from x, and K, V not projected here (its latent's).
+        # It says so by its options, before it is built: an instance, or a class and options.
+        widths = getattr(design, "widths", None)
+        options = design_options if isinstance(design, type) else getattr(design, "options", {})
+        q_in, qk_dim, v_dim, projects_kv = (
+            (embed_dim, self.head_dim, self.head_dim, True)
+            if widths is None
+            else widths(embed_dim, num_heads, options)
+        )
         self.in_proj = QKVProjection(
             q_in, num_heads, num_kv_heads, qk_dim, bias=bias, kv=projects_kv,
             device=device, dtype=dtype,
@@ -172,30 +187,13 @@ class MultiHeadAttention(nn.Module):
         if isinstance(design, type):
             factory = {"bias": bias, "device": device, "dtype": dtype}
             design = design(embed_dim, num_heads, num_kv_heads, **factory, **design_options)
+        self._design_name = None
         if design is not None:
             check_design(design)
-        self._design_name = None if design is None else design.attribute
-        if design is not None:
+            self._design_name = design.attribute
             self.add_module(design.attribute, design)
-        part = self._part
-        # What the design and the backend declare they work with (HeadDesign's attributes,
-        # the backend's registry entry).
-        if part.backends is not None and self.backend not in part.backends:
-            raise ValueError(
-                f"head design {part.name!r} runs on backend {', '.join(sorted(part.backends))} "
-                f"only; got backend={self.backend!r}"
-            )
-        if not part.any_kv_heads and self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                f"head design {part.name!r} has one K/V head per query head; got "
-                f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}"
-            )
+            design.check(self)  # what the design cannot work with, refused by its name
         seam = None if self.positions is None else self.positions.seam
-        if seam is not None and seam not in part.seams:
-            raise ValueError(
-                f"head design {part.name!r} takes no positional part with seam {seam!r}; "
-                f"it takes: {', '.join(sorted(part.seams)) or 'none'}"
-            )
         if seam == "score_bias" and not BACKENDS[self.backend].score_bias:
             takes = [n for n, b in BACKENDS.items() if b.score_bias]
             raise ValueError(
@@ -210,16 +208,12 @@ class MultiHeadAttention(nn.Module):
         return None if self._design_name is None else getattr(self, self._design_name)
 
     @property
-    def _part(self) -> HeadDesign:  # the design, or the interface's defaults
-        return _NO_DESIGN if self._design_name is None else self.design
-
-    @property
     def head_config(self) -> dict[str, str | int]:
         """Which heads this layer has: ``kind`` (``"mha"``, ``"gqa"``, ``"mqa"``, or a
         design's own, ``"mla"``), ``H``, ``G``, and the head design's constructor arguments
         (``design``, its name or import path, and its options)."""
-        H, G = self.num_heads, self.num_kv_heads
-        kind = self._part.kind or ("mha" if G == H else "mqa" if G == 1 else "gqa")
+        H, G, design = self.num_heads, self.num_kv_heads, self.design
+        kind = getattr(design, "kind", None) or ("mha" if G == H else "mqa" if G == 1 else "gqa")
         rotary = {} if self.positions is None else self.positions.options
         return dict(
             kind=kind, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -233,24 +227,25 @@ class MultiHeadAttention(nn.Module):
         ``"mqa4-moh-k2s1"``, ``"mha4-group_mlp2"``, ``"mha8-alibi"``."""
         config = self.head_config
         kv = f"kv{self.num_kv_heads}" if config["kind"] == "gqa" else ""
+        design = "" if self.design is None else self.design.tag
         positions = "" if self.positions is None else self.positions.tag
-        return f"{config['kind']}{self.num_heads}{kv}{self._part.tag}{positions}"
+        return f"{config['kind']}{self.num_heads}{kv}{design}{positions}"
 
     @property
     def has_positions(self) -> bool:
-        """Whether the layer places Q and K at positions (rotary, or MLA's rotary key)."""
-        return self.positions is not None or self._part.has_positions
+        """Whether the layer places Q and K at positions (rotary, ALiBi, MLA's rotary key)."""
+        return self.positions is not None or getattr(self.design, "has_positions", False)
 
     @property
     def active_head_fraction(self) -> float:
         """The fraction of the ``H`` heads computed for each token (1.0 unless sparse)."""
-        return self._part.active_head_fraction
+        return getattr(self.design, "active_head_fraction", 1.0)
 
     @property
     def aux_loss(self) -> Tensor | None:
         """The head design's auxiliary loss of the last training-mode call (the sparse
         heads' load balancing), or ``None`` (dense layers, eval mode)."""
-        return self._part.aux_loss
+        return getattr(self.design, "aux_loss", None)
 
     def extra_repr(self) -> str:
         return (
@@ -259,8 +254,12 @@ class MultiHeadAttention(nn.Module):
         )
 
     def head_outputs(self, weights: Tensor, source: Tensor) -> Tensor:
-        """Each head's output as it enters ``W^O``: :meth:`.designs.HeadDesign.head_outputs`."""
-        return self._part.head_outputs(self, weights, source)
+        """Each head's output as it enters ``W^O``, ``(B, H, L, D)``, from the attention
+        weights ``(B, H, L, S)`` and the keys' source ``(B, S, E)``: weights times V, or the
+        design's (:meth:`.designs.HeadDesign.head_outputs`)."""
+        if self.design is None:
+            return weights_times_values(self, weights, source)
+        return self.design.head_outputs(self, weights, source)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
@@ -269,8 +268,10 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def cache_layout(self) -> CacheLayout:
-        """What the layer's KV cache holds per position (a head design may change it)."""
-        return self._part.cache_layout(self)
+        """What the layer's KV cache holds per position: ``G`` heads of ``D`` for K and V,
+        or the design's own (MLA's latent)."""
+        layout = getattr(self.design, "cache_layout", None)
+        return CacheLayout(self.num_kv_heads, self.head_dim, False) if layout is None else layout
 
     def make_kv_cache(
         self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
@@ -310,7 +311,8 @@ class MultiHeadAttention(nn.Module):
             need_weights: also return the weights ``(B, H, L, S)``, by the ``math`` path.
             head_mask: ``(H,)``, a scale on each query head's output before ``W^O``
                 (:func:`~.designs.scale_heads`); ``None``: the layer's :attr:`head_mask`,
-                ``None`` by default. Refused by ``group_mlp`` and ``head_attention``.
+                ``None`` by default. Refused by a design whose heads have no output of their
+                own (``group_mlp``, ``head_attention``, ``diff``).
             position_ids: ``(L,)`` or ``(B, L)`` positions of the queries, for a
                 positional part (a left-padded batch); ``None``: those after the positions in
                 ``kv_cache`` (``0 .. L-1`` without a cache).
@@ -321,74 +323,108 @@ class MultiHeadAttention(nn.Module):
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
             raise ValueError(f"query must be (B, L, E={self.embed_dim}), got {tuple(query.shape)}")
         B, L, E = query.shape
-        key_value = None if key_value is query else key_value
-        if key_value is not None:
-            if key_value.dim() != 3 or key_value.shape[0] != B or key_value.shape[-1] != E:
-                raise ValueError(
-                    f"key_value must be (B={B}, S, E={E}) to match the query, "
-                    f"got {tuple(key_value.shape)}"
-                )
-            if is_causal:
-                raise ValueError("is_causal is for self-attention; got a key_value as well")
-            if self.has_positions:
-                raise ValueError(
-                    "positions are for self-attention; got a key_value (cross-attention)"
-                )
+        if key_value is not None:  # cross-attention, unless key_value is the query itself
+            key_value = self._memory(query, key_value, is_causal)
         if position_ids is not None and not self.has_positions:
             raise ValueError("position_ids are for a positional part; this layer has none")
-        head_mask = self.head_mask if head_mask is None else head_mask
-        if head_mask is not None and (
-            not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,)
-        ):
-            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
-            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
-        part = self._part
-        if head_mask is not None and not part.head_mask:
-            raise ValueError(
-                f"head_mask is undefined for head design {part.name!r}: it mixes the heads "
-                "after the scale, so a head has no contribution of its own to scale; use "
-                "a layer without a mixing, or talking_heads"
-            )
-        masks = dict(key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)
-        if part.replaces_forward:  # sparse heads, latent K/V: the design's own forward
-            return part.attention(
-                self, query, key_value, kv_cache=kv_cache, need_weights=need_weights,
-                head_mask=head_mask, position_ids=position_ids, **masks,
-            )  # fmt: skip
+        if head_mask is not None or self.head_mask is not None:
+            head_mask = self._head_mask(head_mask)
+        design = self.design
 
-        # 1. Project: Q (B, H, L, D); K, V (B, G, S, D) of key_value, or of query (self).
-        memory_cached = key_value is not None and kv_cache is not None and kv_cache.size > 0
-        if key_value is None:
-            q, k, v = self.in_proj.qkv(query)
-        elif memory_cached:  # cross-attention: the memory was projected at the first step
-            q, (k, v) = self.in_proj.q(query), kv_cache.get()
-        else:
-            q, (k, v) = self.in_proj.q(query), self.in_proj.kv(key_value)
-
-        # 2. Positions (self-attention): Q and the new K turned, before K is cached, so
-        # each key is placed once, at its own position.
+        # 1. Positions of the new queries (self-attention), for the positional part or the
+        # design: position_ids, else those after the positions in the cache.
         positions = None
-        if self.positions is not None:
+        if key_value is None and (self.positions is not None or design is not None):
             positions = new_positions(kv_cache, L, query.device, position_ids)  # (L,)/(B, L)
+
+        # 2. Project: Q (B, H, L, D); K, V (B, G, S, D) of the query (self-attention) or of
+        # key_value, or none (None) when the cache holds the memory's, projected at the first
+        # step. A design may project otherwise (HeadDesign.project: MoH, MLA's latent).
+        if design is None and key_value is None:
+            q, k, v = self.in_proj.qkv(query)  # one GEMM for the three
+        else:
+            memory_cached = key_value is not None and kv_cache is not None and kv_cache.size > 0
+            source = None if memory_cached else query if key_value is None else key_value
+            if design is None:
+                q, k, v = self.in_proj.q(query), None, None
+                if source is not None:
+                    k, v = self.in_proj.kv(source)
+            else:
+                call = Call(self, query, kv_cache, positions, head_mask, need_weights)
+                q, k, v = design.project(source, call)
+
+        # 3. Positions: Q and the new K turned (the rotate seam), before K is cached, so
+        # each key is placed once, at its own position.
+        if self.positions is not None:
             q, k = self.positions.rotate(q, positions), self.positions.rotate(k, positions)
 
-        # 3. Cache: the new positions appended, all of them back (B, G, S, D). A score bias
-        # reads the keys' own positions back from it (a left-padded row's start at 0).
+        # 4. Cache: the new K, V appended and all of them back (B, G, S, D), the keys'
+        # positions with them for a score bias; or the memory's read back.
         biased = self.positions is not None and self.positions.seam == "score_bias"
-        if kv_cache is not None and not memory_cached:
-            k, v = kv_cache.update(k, v, positions) if biased else kv_cache.update(k, v)
+        if kv_cache is not None:
+            if k is None:
+                k, v = kv_cache.get()
+            else:
+                k, v = kv_cache.update(k, v, positions) if biased else kv_cache.update(k, v)
+            if kv_cache.static:  # its keys are the whole buffers: hide those not written yet
+                attn_mask, is_causal = kv_cache.hide_unwritten(attn_mask, L, is_causal)
 
-        # 4. Attend: the caller's masks and a positional score bias (B or 1, H, L, S).
-        score_bias = None
-        if biased:
-            key_positions = positions if kv_cache is None else kv_cache.key_positions()
-            score_bias = self.positions.score_bias(positions, key_positions)
-        mask = make_mask(q, k, kv_cache, num_heads=self.num_heads, score_bias=score_bias, **masks)
-        heads, weights = part.attend(q, k, v, mask, kernel_of(self, need_weights))  # (B,H,L,D)
+        # 5. Mask: the caller's masks and a positional score bias (B or 1, H, L, S).
+        score_bias = self._score_bias(positions, kv_cache) if biased else None
+        mask = build_attention_mask(
+            key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+            batch_size=B, num_heads=self.num_heads, q_len=L, kv_len=k.shape[2], dtype=q.dtype,
+            device=q.device, score_bias=score_bias,
+        )  # fmt: skip
 
-        # 5. Merge: each head scaled by head_mask, the heads side by side as they enter W^O
-        # (a mixing changes them here); H * D is E, or less in a layer with pruned heads.
-        heads = part.mix(scale_heads(heads, head_mask).transpose(1, 2))  # (B, L, H, D)
-        # 6. Output.
-        out = self.out_proj(heads.reshape(B, L, -1))  # (B, L, E)
+        # 6. Attend: the heads (B, H, L, D). 7. Merge: each scaled by head_mask, side by
+        # side as they enter W^O (H * D is E, or less in a layer with pruned heads); output.
+        if design is not None:  # the design's (HeadDesign.attend and .merge)
+            heads, weights = design.attend(q, k, v, mask, call)
+            out = design.merge(heads, call)  # (B, L, E)
+        else:  # the kernel, with dropout in training mode only
+            heads, weights = attend(
+                q, k, v, mask, backend=self.backend, dropout_p=self.dropout * self.training,
+                scale=self.scale, need_weights=need_weights,
+            )  # fmt: skip
+            if head_mask is not None:
+                heads = scale_heads(heads, head_mask)
+            out = self.out_proj(heads.transpose(1, 2).reshape(B, L, -1))  # (B, L, H*D) -> (B, L, E)
         return (out, weights) if need_weights else out
+
+    def _memory(self, query: Tensor, key_value: Tensor, is_causal: bool) -> Tensor | None:
+        """``key_value`` checked for cross-attention; ``None`` if it is ``query`` (self)."""
+        if key_value is query:
+            return None
+        B, E = query.shape[0], self.embed_dim
+        if key_value.dim() != 3 or key_value.shape[0] != B or key_value.shape[-1] != E:
+            raise ValueError(
+                f"key_value must be (B={B}, S, E={E}) to match the query, "
+                f"got {tuple(key_value.shape)}"
+            )
+        if is_causal:
+            raise ValueError("is_causal is for self-attention; got a key_value as well")
+        if self.has_positions:
+            raise ValueError("positions are for self-attention; got a key_value (cross-attention)")
+        return key_value
+
+    def _score_bias(self, positions: Tensor, kv_cache: KVCache | None) -> Tensor:
+        """The positional part's bias ``(B or 1, H, L, S)`` for queries at ``positions``:
+        the keys' positions are the queries' (a full pass) or read back from the cache (a
+        left-padded row's own)."""
+        key_positions = positions if kv_cache is None else kv_cache.key_positions()
+        return self.positions.score_bias(positions, key_positions)
+
+    def _head_mask(self, head_mask: Tensor | None) -> Tensor:
+        """The call's ``head_mask``, else the layer's, checked."""
+        head_mask = self.head_mask if head_mask is None else head_mask
+        if not isinstance(head_mask, Tensor) or tuple(head_mask.shape) != (self.num_heads,):
+            got = tuple(head_mask.shape) if isinstance(head_mask, Tensor) else repr(head_mask)
+            raise ValueError(f"head_mask must be a tensor of shape ({self.num_heads},), got {got}")
+        if self.design is not None and not self.design.takes_head_mask:
+            raise ValueError(
+                f"head_mask is undefined for head design {self.design.name!r}: it mixes the "
+                "heads after the scale, so a head has no contribution of its own to scale; use "
+                "a design whose heads have their own outputs (HeadDesign.takes_head_mask)"
+            )
+        return head_mask

@@ -90,6 +90,9 @@ def build_attention_mask(
     the queries are the *last* ``L`` positions) and merge them into one
     :class:`AttentionMask` for sizes ``B, H, L, S``, float masks in ``dtype``; a positional
     part's ``score_bias`` ``(B or 1, H, L, S)`` joins the float mask."""
+    if key_padding_mask is None and attn_mask is None and score_bias is None:
+        if not is_causal or q_len == kv_len:  # nothing to merge: the kernel's causal mask
+            return AttentionMask(is_causal=is_causal)
     target = (batch_size, num_heads, q_len, kv_len)
     if is_causal and q_len > kv_len:
         raise ValueError(f"is_causal needs q_len <= kv_len, got L={q_len}, S={kv_len}")

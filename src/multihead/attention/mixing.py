@@ -1,8 +1,9 @@
 """Head mixings: parts of the layer that let its heads interact (``design=`` by name).
 
 Plain multi-head attention keeps the ``H`` heads apart until ``W^O`` sums them. A mixing adds
-one interaction by replacing :meth:`~HeadDesign.attend` or :meth:`~HeadDesign.mix`, and each
-starts as the identity, so a layer with one starts as plain multi-head attention.
+one interaction, through the math kernel's hooks (talking heads) or by replacing
+:meth:`~HeadDesign.merge`, and each starts as the identity, so a layer with one starts as
+plain multi-head attention.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from torch import Tensor, nn
 
 from multihead.attention.backends import softmax
 from multihead.attention.checks import check_positive_int
-from multihead.attention.designs import HeadDesign, Kernel, register_design
+from multihead.attention.designs import (
+    AttentionLayer,
+    Call,
+    HeadDesign,
+    register_design,
+    weights_times_values,
+)
 from multihead.attention.masks import AttentionMask
 
 
 class HeadMixing(HeadDesign):
-    """A mixing; one that replaces ``mix`` refuses a ``head_mask`` (``head_mask = False``):
-    its heads have no output of their own after the mix."""
+    """A mixing of the heads; its options name it (``head_mixing``)."""
 
     attribute = "head_mix"
     conversions = frozenset({"with_kv_heads"})
@@ -32,38 +38,52 @@ class TalkingHeads(HeadMixing):
 
     Head ``j``'s logits become ``sum_i logits_i * logit_mix[i, j]`` (before the mask and
     softmax) and its weights ``sum_i weights_i * weight_mix[i, j]`` (after the softmax,
-    before the weights multiply V): the math formula with these two hooks. The attention
-    weights it returns are the mixed ones, those that multiply V.
+    before the weights multiply V): the math formula with these two hooks, so it runs on
+    backend ``math`` only. The attention weights it returns are the mixed ones, those that
+    multiply V (head analysis reads them).
     """
 
     name = "talking_heads"
-    backends = frozenset({"math"})  # it mixes the full logits, which only math computes
-    weights_are_final = True  # the mixed weights multiply V: head analysis may use them
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
         super().__init__()
         self.logit_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
         self.weight_mix = nn.Parameter(torch.eye(num_heads, device=device, dtype=dtype))
 
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, kernel: Kernel
-    ) -> tuple[Tensor, Tensor]:
-        def on_logits(scores: Tensor) -> Tensor:  # (B, H, L, S)
-            # Mixed before masking: a masked (-inf) logit mixed into other heads gives NaN.
-            return torch.einsum("bhls,hj->bjls", scores, self.logit_mix)
+    def on_logits(self, scores: Tensor) -> Tensor:
+        """``scores`` ``(B, H, L, S)`` mixed across heads, before the mask: a masked
+        (-inf) logit mixed into other heads would give NaN."""
+        return torch.einsum("bhls,hj->bjls", scores, self.logit_mix)
 
-        def on_weights(weights: Tensor, scores: Tensor) -> Tensor:  # (B, H, L, S)
-            if mask.empty_rows is not None:
-                # An empty row is un-masked only to keep softmax finite; it lends no weight.
-                weights = weights.masked_fill(mask.empty_rows, 0.0)
-            weights = torch.einsum("bhls,hj->bjls", weights, self.weight_mix)
-            # A per-head mask stays a mask after mixing: no head attends where it may not.
-            return weights.masked_fill(torch.isneginf(scores), 0.0)
-
-        return kernel(q, k, v, mask, on_logits=on_logits, on_weights=on_weights)
+    def on_weights(self, weights: Tensor, scores: Tensor, mask: AttentionMask) -> Tensor:
+        """``weights`` ``(B, H, L, S)`` mixed across heads; ``scores``: the masked ones."""
+        if mask.empty_rows is not None:
+            # An empty row is un-masked only to keep softmax finite; it lends no weight.
+            weights = weights.masked_fill(mask.empty_rows, 0.0)
+        weights = torch.einsum("bhls,hj->bjls", weights, self.weight_mix)
+        # A per-head mask stays a mask after mixing: no head attends where it may not.
+        return weights.masked_fill(torch.isneginf(scores), 0.0)
 
 
-class GroupMLPMixing(HeadMixing):
+class OutputMixing(HeadMixing):
+    """A mixing of the heads' outputs ``(B, L, H, D)`` before ``W^O``: the module's forward.
+    It refuses a ``head_mask``: after the mix no head has an output of its own to scale."""
+
+    takes_head_mask = False
+
+    def merge(self, heads: Tensor, call: Call) -> Tensor:
+        """The mixed heads, side by side, through ``W^O``: ``(B, L, E)``."""
+        B, _, L, _ = heads.shape
+        heads = self(heads.transpose(1, 2))  # (B, L, H, D), mixed
+        return call.layer.out_proj(heads.reshape(B, L, -1))
+
+    def head_outputs(self, layer: AttentionLayer, weights: Tensor, source: Tensor) -> Tensor:
+        """Weights times V, mixed: ``(B, H, L, D)``."""
+        heads = weights_times_values(layer, weights, source)  # (B, H, L, D)
+        return self(heads.transpose(1, 2)).transpose(1, 2)
+
+
+class GroupMLPMixing(OutputMixing):
     """An MLP over each group's concatenated head outputs, before ``W^O``.
 
     The ``H`` heads are split into ``groups`` consecutive groups of ``H / groups`` heads;
@@ -73,7 +93,6 @@ class GroupMLPMixing(HeadMixing):
     """
 
     name = "group_mlp"
-    head_mask = False
 
     def __init__(
         self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None,
@@ -101,8 +120,6 @@ class GroupMLPMixing(HeadMixing):
         x = x + torch.einsum("blgi,gio->blgo", hidden, self.w2) + self.b2
         return x.view(B, L, H, D)
 
-    mix = nn.Module.__call__  # the mixing is the module's forward
-
     @property
     def options(self) -> dict[str, int]:
         return {"mixing_groups": self.groups}
@@ -112,7 +129,7 @@ class GroupMLPMixing(HeadMixing):
         return f"-{self.name}{self.groups}"
 
 
-class HeadAttentionMixing(HeadMixing):
+class HeadAttentionMixing(OutputMixing):
     """Attention among the ``H`` head outputs at each position, before ``W^O``.
 
     A projection shared by all heads (``head_mix``, ``D -> 3D``) turns each head output
@@ -122,7 +139,6 @@ class HeadAttentionMixing(HeadMixing):
     """
 
     name = "head_attention"
-    head_mask = False
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
         super().__init__()
@@ -138,8 +154,6 @@ class HeadAttentionMixing(HeadMixing):
         scores = q @ k.transpose(-2, -1) / math.sqrt(heads.shape[-1])  # (B, L, H, H)
         weights = softmax(scores).to(v.dtype)  # head i over heads j
         return heads + weights @ v
-
-    mix = nn.Module.__call__  # the mixing is the module's forward
 
 
 for _mixing in (TalkingHeads, GroupMLPMixing, HeadAttentionMixing):

@@ -21,23 +21,22 @@ Example: 2 of 6 routed heads per token plus 2 shared heads, so 4 of 8 are active
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
 from multihead.attention.backends import softmax
-from multihead.attention.checks import check_positive_int
+from multihead.attention.checks import check_int_in
 from multihead.attention.designs import (
     AttentionLayer,
+    Call,
     HeadDesign,
-    kernel_of,
-    make_mask,
     merge_heads,
-    new_positions,
     register_design,
     scale_heads,
     weights_times_values,
 )
-from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask, causal_keep
 
 
@@ -127,21 +126,19 @@ class SparseHeads(HeadDesign, nn.Linear):
 
     name = "moh"
     attribute = "head_gate"
-    replaces_forward = True
-    seams = frozenset({"rotate"})
     conversions = frozenset({"with_kv_heads"})
 
     def __init__(
         self, embed_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = True,
         device=None, dtype=None, top_k_heads: int, num_shared_heads: int = 0,
     ) -> None:  # fmt: skip
-        check_positive_int(
-            "num_shared_heads", num_shared_heads, minimum=0, maximum=num_heads - 1,
+        check_int_in(
+            "num_shared_heads", num_shared_heads, 0, num_heads - 1,
             why=f" (fewer than num_heads={num_heads})",
         )  # fmt: skip
         routed = num_heads - num_shared_heads
-        check_positive_int(
-            "top_k_heads", top_k_heads, maximum=routed,
+        check_int_in(
+            "top_k_heads", top_k_heads, 1, routed,
             why=f" (num_heads={num_heads} minus num_shared_heads={num_shared_heads})",
         )  # fmt: skip
         super().__init__(embed_dim, routed, bias=False, device=device, dtype=dtype)
@@ -178,44 +175,35 @@ class SparseHeads(HeadDesign, nn.Linear):
         head (its weights are zero there); the routing weight is not applied."""
         return weights_times_values(layer, weights, source)
 
-    def attention(
-        self, layer: AttentionLayer, query: Tensor, key_value: Tensor | None, *,
-        kv_cache: KVCache | None = None, need_weights: bool = False,
-        head_mask: Tensor | None = None, position_ids: Tensor | None = None, **masks,
-    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """Shared heads densely, then only the routed (token, head) pairs selected:
-        their queries and ``W^O`` slices on ``M`` rows per head (the most pairs any head got,
-        ``B * L * k / R`` when balanced), their attention in the layer's backend on
-        ``(B, R, C, D)`` queries (``C``: the most positions any (sentence, head) got).
-        ``head_mask`` scales the shared heads' outputs and each routed pair's weight."""
+    def project(
+        self, source: Tensor | None, call: Call
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The shared heads' queries ``(B, Hs, L, D)`` (the routed heads' are projected for
+        the selected pairs only, in :meth:`attend`), K and V ``(B, G, S, D)`` for every K/V
+        head."""
+        in_proj = call.layer.in_proj
+        q_shared = in_proj.q(call.query, self.num_shared)  # (B, Hs, L, D)
+        return q_shared, *((None, None) if source is None else in_proj.kv(source))
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, call: Call
+    ) -> tuple[RoutedHeads, Tensor | None]:
+        """Shared heads densely, then only the routed (token, head) pairs selected: their
+        queries on ``M`` rows per head (the most pairs any head got, ``B * L * k / R`` when
+        balanced), their attention in the layer's backend on ``(B, R, C, D)`` queries
+        (``C``: the most positions any (sentence, head) got). ``q`` is the shared heads'
+        ``(B, Hs, L, D)``, placed at their positions by the layer, as K was."""
+        layer, query = call.layer, call.query
         B, L, E = query.shape
-        H, D = layer.num_heads, layer.head_dim
+        H, D, S = layer.num_heads, layer.head_dim, k.shape[2]
         Hs, top_k, R = self.num_shared, self.top_k, self.out_features
         (w, _, _), (b, _, _) = layer.in_proj.blocks(), layer.in_proj.blocks("bias")
-        w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
-        kernel = kernel_of(layer, need_weights)
-
-        # Project: the shared heads' queries densely, K/V for every K/V head; self-attention
-        # places them at their positions if the layer has a positional part.
-        rotate = layer.positions is not None and key_value is None
-        positions = new_positions(kv_cache, L, query.device, position_ids) if rotate else None
-        q_shared = layer.in_proj.q(query, Hs)  # (B, Hs, L, D)
-        if key_value is not None and kv_cache is not None and kv_cache.size > 0:
-            k, v = kv_cache.get()  # the memory's K/V, projected at the first step
-        else:
-            k, v = layer.in_proj.kv(query if key_value is None else key_value)  # (B, G, S, D)
-            if rotate:
-                q_shared = layer.positions.rotate(q_shared, positions)
-                k = layer.positions.rotate(k, positions)
-            if kv_cache is not None:
-                k, v = kv_cache.update(k, v)
-        S = k.shape[2]
-        mask = make_mask(q_shared, k, kv_cache, num_heads=H, **masks)
+        q_shared, positions = q, call.positions
 
         def attend_heads(q: Tensor, first: int, count: int, slots: Tensor | None):
             heads_mask = _mask_for_heads(mask, first, count, slots, L, S)
             k_h, v_h = _kv_for_heads(k, first, count, H), _kv_for_heads(v, first, count, H)
-            return kernel(q, k_h, v_h, heads_mask)
+            return call.attend(q, k_h, v_h, heads_mask)
 
         # Route: each token picks its top-k routed heads, weighted by a softmax over them.
         logits = self(query)  # (B, L, R)
@@ -251,7 +239,7 @@ class SparseHeads(HeadDesign, nn.Linear):
         q = torch.bmm(x, w[Hs * D :].view(R, D, E).transpose(1, 2))  # (R, M, D)
         if b is not None:
             q = q + b[Hs * D :].view(R, 1, D).to(q.dtype)  # autocast: keep q's dtype
-        if positions is not None:  # each pair's query at its token's position
+        if layer.positions is not None:  # each pair's query at its token's position
             pair_position = positions.expand(B, L).reshape(B * L)[pair_token]  # (R, M)
             q = layer.positions.rotate(q.unsqueeze(1), pair_position).squeeze(1)  # (R, M, D)
         spare = pair_slot_or_spare.unsqueeze(-1).expand(R, M, D)
@@ -259,24 +247,17 @@ class SparseHeads(HeadDesign, nn.Linear):
         q = q.view(R, B, C, D).transpose(0, 1)  # (B, R, C, D)
         routed, routed_weights = attend_heads(q, Hs, R, slots)  # (B, R, C, D)
 
-        # Weight each pair by its routing weight (0 for padding), then W^O per head slice.
+        # Each pair's output and routing weight (0 for padding), for merge.
         routed = routed.transpose(0, 1).reshape(R, B * C, D)
         routed = routed.gather(1, pair_slot.unsqueeze(-1).expand(R, M, D))  # (R, M, D)
         slot_weight = route_weight.transpose(1, 2).gather(2, slots).transpose(0, 1)
         pair_weight = slot_weight.reshape(R, B * C).gather(1, pair_slot) * pair_valid  # (R, M)
-        if head_mask is not None:
-            pair_weight = pair_weight * head_mask[Hs:].to(pair_weight.dtype).unsqueeze(-1)
-        y = torch.bmm(routed * pair_weight.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R,M,E)
-        out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
-        out = out.view(B, L, E)
+        shared = shared_weights = None
         if Hs:
             shared, shared_weights = attend_heads(q_shared, 0, Hs, None)  # (B, Hs, L, D)
-            shared = scale_heads(shared, None if head_mask is None else head_mask[:Hs])
-            out = out + merge_heads(shared) @ w_o[:, :Hs].reshape(E, Hs * D).T  # (B, L, E)
-        if layer.out_proj.bias is not None:
-            out = out + layer.out_proj.bias.to(out.dtype)
-        if not need_weights:
-            return out
+        heads = RoutedHeads(routed, pair_weight, pair_token, shared)
+        if not call.need_weights:
+            return heads, None
 
         # Weights (B, H, L, S): the routed pairs scattered back, zeros for unselected heads.
         # order is L in padding slots: a spare row, dropped.
@@ -285,7 +266,42 @@ class SparseHeads(HeadDesign, nn.Linear):
         )[:, :, :L]
         if Hs:
             weights = torch.cat([shared_weights, weights], dim=1)
-        return out, weights
+        return heads, weights
+
+    def merge(self, heads: RoutedHeads, call: Call) -> Tensor:
+        """The output ``(B, L, E)``: each selected pair's output times its routing weight
+        through its head's ``(E, D)`` slice of ``W^O``, summed per token, plus the shared
+        heads through theirs. ``head_mask`` scales the shared heads' outputs and each routed
+        pair's weight."""
+        layer, head_mask = call.layer, call.head_mask
+        B, L, E = call.query.shape
+        H, D, Hs = layer.num_heads, layer.head_dim, self.num_shared
+        w_o = layer.out_proj.weight.view(E, H, D)  # column block h of W^O is head h's slice
+        routed, pair_weight, pair_token, shared = heads
+        if head_mask is not None:
+            pair_weight = pair_weight * head_mask[Hs:].to(pair_weight.dtype).unsqueeze(-1)
+        y = torch.bmm(routed * pair_weight.unsqueeze(-1), w_o[:, Hs:].permute(1, 2, 0))  # (R,M,E)
+        out = y.new_zeros(B * L, E).index_add(0, pair_token.reshape(-1), y.reshape(-1, E))
+        out = out.view(B, L, E)
+        if Hs:
+            if head_mask is not None:
+                shared = scale_heads(shared, head_mask[:Hs])
+            out = out + merge_heads(shared) @ w_o[:, :Hs].reshape(E, Hs * D).T  # (B, L, E)
+        if layer.out_proj.bias is not None:
+            out = out + layer.out_proj.bias.to(out.dtype)
+        return out
+
+
+class RoutedHeads(NamedTuple):
+    """What :meth:`SparseHeads.attend` gives its :meth:`~SparseHeads.merge`: the selected
+    pairs' outputs ``(R, M, D)``, routing weights ``(R, M)`` (0 for padding) and tokens
+    ``(R, M)`` (indices into the ``B*L`` tokens), and the shared heads ``(B, Hs, L, D)``
+    (``None`` without)."""
+
+    routed: Tensor
+    pair_weight: Tensor
+    pair_token: Tensor
+    shared: Tensor | None
 
 
 register_design(SparseHeads.name, SparseHeads)

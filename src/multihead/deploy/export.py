@@ -45,7 +45,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.attention.alibi import ALiBi
 from multihead.attention.convert import expand_latent
 from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
@@ -112,11 +111,12 @@ def _same_across_layers(kind: str, layers: list[MultiHeadAttention]) -> tuple[in
                 "(an unknown head design cannot be exported)"
             )
         if _is_latent(attn):
-            if attn.design.norm is not None:
+            try:
+                expand_latent(attn)  # refuses what no MHA layer computes, naming it
+            except ValueError as err:
                 raise ExportError(
-                    f"{kind} normalises its K/V latent ({attn.head_tag}), which CTranslate2 "
-                    "cannot compute; expected an MLA layer without kv_latent_norm"
-                )
+                    f"{kind} {err}; CTranslate2 runs MLA as its MHA equivalent (expand_latent)"
+                ) from None
         elif attn.design is not None:
             raise ExportError(
                 f"{kind} has head design {attn.head_tag!r}; CTranslate2 runs plain "
@@ -139,12 +139,13 @@ def check_exportable(model: nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, Transformer):
         raise ExportError(f"expected a multihead.model.Transformer, got {type(model).__name__}")
-    if any(
-        isinstance(getattr(a, "positions", None), ALiBi) for *_, a in model.attention_sublayers()
-    ):
+    parts = {getattr(a, "positions", None) for *_, a in model.attention_sublayers()}
+    biases = sorted({type(p).__name__ for p in parts if getattr(p, "seam", None) == "score_bias"})
+    if biases:  # a positional part that adds a bias to the scores
         raise ExportError(
-            "positional='alibi' cannot be exported: CTranslate2 (4.8) has ALiBi in its decoder "
-            "spec only, not in TransformerEncoderSpec; expected sinusoidal or learned positions"
+            f"a score bias in the attention ({', '.join(biases)}: positional='alibi') cannot be "
+            "exported: CTranslate2 (4.8) has ALiBi in its decoder spec only, not in "
+            "TransformerEncoderSpec; expected sinusoidal or learned positions"
         )
     if model.encoder_embedding.positional is None:
         raise ExportError(

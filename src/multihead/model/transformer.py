@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
-from multihead.attention.differential import lambda_init_at
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
@@ -288,15 +287,10 @@ def sublayer_config(attn: MultiHeadAttention) -> dict[str, Any]:
     }
 
 
-def _at_depth(config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """The layer's arguments at ``depth`` of its stack (0 first) from its sublayer's config:
-    the design's options as keywords; differential attention's ``lambda_init``, unless set,
-    the paper's for that depth."""
+def _layer_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """The layer's arguments from its sublayer's config: the design's options as keywords."""
     layer = {k: v for k, v in config.items() if k != "design_options"}
-    own = config["design_options"]
-    if config["design"] == "diff" and own.get("lambda_init") is None:
-        own = {**own, "lambda_init": lambda_init_at(depth)}
-    return {**layer, **own}
+    return {**layer, **config["design_options"]}
 
 
 def _place_positions(
@@ -374,11 +368,10 @@ class Transformer(nn.Module):
             ``{"design": "moh", "design_options": {"top_k_heads": 2}}``).
         encoder_self_attention, decoder_self_attention, cross_attention: keys that override
             ``attention`` for one sublayer, e.g. ``{"num_kv_heads": 1}`` for the
-            decoder self-attention only; ``None`` values inherit from ``attention``, and so do
-            the ``design_options`` it does not give, unless it names another design. Any
-            ``Mapping`` (an omegaconf ``DictConfig`` too). A differential sublayer
-            (``design="diff"``) without a ``lambda_init`` gets the paper's for its layer's depth
-            in its stack (:func:`~multihead.attention.differential.lambda_init_at`).
+            decoder self-attention only; ``None`` values inherit from ``attention``. Any
+            ``Mapping`` (an omegaconf ``DictConfig`` too). A head design with an
+            ``at_depth`` hook is given its layer's depth in its stack (0 first): e.g. a
+            differential sublayer without a ``lambda_init`` gets the paper's for that depth.
 
     Shapes:
         src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.
@@ -482,17 +475,20 @@ class Transformer(nn.Module):
             attention_dropout=attention_dropout,
             activation_dropout=activation_dropout,
         )
-        enc_cfg, dec_cfg, cross_cfg = self.attention_config.values()
+        enc, dec, cross = map(_layer_arguments, self.attention_config.values())
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d_model, ffn_dim, _at_depth(enc_cfg, i), **layer_args)
-            for i in range(num_encoder_layers)
+            EncoderLayer(d_model, ffn_dim, enc, **layer_args) for _ in range(num_encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(
-                d_model, ffn_dim, _at_depth(dec_cfg, i), _at_depth(cross_cfg, i), **layer_args
-            )
-            for i in range(num_decoder_layers)
+            DecoderLayer(d_model, ffn_dim, dec, cross, **layer_args)
+            for _ in range(num_decoder_layers)
         )
+        # A head design that depends on its layer's depth in the stack (differential
+        # attention's lambda_init) is told it; a design without such a hook has no at_depth.
+        for _, depth, _, attn in self.attention_sublayers():
+            at_depth = getattr(attn.design, "at_depth", None)
+            if at_depth is not None:
+                at_depth(depth)
         # Pre-LN leaves the residual stream unnormalised; post-LN already ends with a norm.
         self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
