@@ -37,8 +37,8 @@ class Scaled(HeadDesign):
     def options(self):
         return {"factor": self.factor}
 
-    def attend(self, q, k, v, mask, kernel):
-        return kernel(q * self.factor, k, v, mask)
+    def attend(self, q, k, v, mask, call):
+        return call.attend(q * self.factor, k, v, mask)
 
 
 def helper():

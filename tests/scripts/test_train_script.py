@@ -55,7 +55,6 @@ from multihead.attention import HeadDesign
 
 class Sigmoid(HeadDesign):
     name, attribute = "sigmoid", "sigmoid"
-    backends = frozenset({"math"})
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None,
                  sigmoid_n="length"):
@@ -68,13 +67,13 @@ class Sigmoid(HeadDesign):
     def options(self):
         return {"sigmoid_n": self.sigmoid_n}
 
-    def attend(self, q, k, v, mask, kernel):
-        def on_logits(scores):  # (B, H, L, S)
-            n = scores.shape[-1] if self.sigmoid_n == "length" else float(self.sigmoid_n)
-            return scores - math.log(n)
+    # The math kernel's hooks (so the layer runs on backend math only, refused elsewhere).
+    def on_logits(self, scores):  # (B, H, L, S), before the mask
+        n = scores.shape[-1] if self.sigmoid_n == "length" else float(self.sigmoid_n)
+        return scores - math.log(n)
 
-        # The masked scores are -inf where masked: sigmoid gives those keys no weight.
-        return kernel(q, k, v, mask, on_logits=on_logits, on_weights=lambda w, s: torch.sigmoid(s))
+    def on_weights(self, weights, scores, mask):  # scores: masked, -inf gives no weight
+        return torch.sigmoid(scores)
 """
 
 

@@ -105,13 +105,11 @@ class QKVProjection(nn.Linear):
         """Q ``(B, H, L, D)``, K and V ``(B, G, L, D)`` of ``x`` ``(B, L, E)`` (self-attention)."""
         if self.separate:
             return self.q(x), *self.kv(x)
-        B, L, _ = x.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        # One GEMM for all three, then split (views, no copies).
-        q, k, v = self(x).split([H * D, G * D, G * D], dim=-1)  # (B, L, ·)
-        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        k = k.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
-        v = v.view(B, L, G, D).transpose(1, 2)  # (B, G, L, D)
+        # One GEMM for all three, split (B, L, H*D | G*D | G*D), then each (B, L, heads, D)
+        # turned head-first: Q (B, H, L, D), K and V (B, G, L, D); views, no copies.
+        qkv = self(x).split([H * D, G * D, G * D], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, D)).transpose(1, 2) for t in qkv)
         return q, k, v
 
     def extra_repr(self) -> str:
