@@ -1,5 +1,6 @@
 """Multi-head latent attention against torch's own MHA built from its weight products."""
 
+import copy
 import re
 
 import pytest
@@ -264,3 +265,40 @@ def test_a_v_head_narrower_than_the_scores_is_padded_but_not_wider():
         )
     with pytest.raises(ValueError, match="q_latent_dim must be >= 1, got 0"):
         MultiHeadAttention(24, 4, design="mla", kv_latent_dim=8, q_latent_dim=0)
+
+
+def test_load_factors_sets_the_latents_weights_and_linear_kv_gives_them_back():
+    """load_factors writes W_DKV, W_UK, W_UV and the rotary key (a bias not given: zero),
+    refusing a misfit by name before it changes anything; linear_kv is each head's K and V
+    and the rotary keys of the weights alone."""
+    Dq, d_R, G_R = 6, 4, 2
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(E, H, design="mla", kv_latent_dim=R, qk_head_dim=Dq,
+                               rotary_dim=d_R, rope_kv_heads=G_R, dtype=torch.float64)  # fmt: skip
+    latent = layer.design
+    g = torch.Generator().manual_seed(1)
+    down, up_k, up_v = (torch.randn(*s, generator=g) for s in ((R, E), (H * Dq, R), (H * D, R)))
+    q_rope, k_rope = torch.randn(H * d_R, E, generator=g), torch.randn(G_R * d_R, E, generator=g)
+    before = copy.deepcopy(latent.state_dict())
+    with pytest.raises(ValueError, match=r"^up_k of head design 'mla' \(r12rope4x2\) must be "
+                                         r"\(24, 12\), got \(32, 12\)$"):  # fmt: skip
+        latent.load_factors(down, up_v, up_v, q_rope=q_rope, k_rope=k_rope)
+    with pytest.raises(ValueError, match=r"rotary key \(rotary_dim=4\): .* needs q_rope and k_r"):
+        latent.load_factors(down, up_k, up_v)
+    assert all(torch.equal(v, before[k]) for k, v in latent.state_dict().items())
+    latent.load_factors(down, up_k, up_v, q_rope=q_rope, k_rope=k_rope,
+                        k_rope_bias=torch.ones(G_R * d_R))  # fmt: skip
+    state = latent.state_dict()
+    assert torch.equal(state["up.weight"], torch.cat((up_k, up_v)).double())
+    assert torch.equal(state["k_rope.bias"], torch.ones(G_R * d_R, dtype=torch.float64))
+    assert not state["down.bias"].any() and not state["q_rope.bias"].any()
+    x = torch.randn(B, S, E, generator=g, dtype=torch.float64)
+    k, v, keys = latent.linear_kv(x)
+    c = x @ down.double().T  # (B, S, r)
+    torch.testing.assert_close(k, (c @ up_k.double().T).view(B, S, H, Dq).transpose(1, 2))
+    torch.testing.assert_close(v, (c @ up_v.double().T).view(B, S, H, D).transpose(1, 2))
+    torch.testing.assert_close(keys, (x @ k_rope.double().T).view(B, S, G_R, d_R).transpose(1, 2))
+    plain = MultiHeadAttention(E, H, design="mla", kv_latent_dim=R).design
+    with pytest.raises(ValueError, match=r"^head design 'mla' \(r12\) has no k_rope$"):
+        plain.load_factors(down, up_v, up_v, k_rope=k_rope)
+    assert plain.linear_kv(x.float())[2] is None

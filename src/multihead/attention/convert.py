@@ -242,22 +242,17 @@ def with_kv_latent(
         w = len(t) // G  # 0 for a per-group key that keeps every feature of K
         return t.unflatten(0, (G, w)).repeat_interleave(H // G, dim=0).flatten(0, 1)
 
+    # The latent's down-projection has no bias (zero): K's is dropped, V's moves to W^O's.
+    new.design.load_factors(
+        down, per_query_head(up_k), per_query_head(up_v), q_rope=split.q_rope,
+        k_rope=split.k_rope, q_rope_bias=split.q_rope_bias, k_rope_bias=split.k_rope_bias,
+    )  # fmt: skip
     with torch.no_grad():
-        latent = new.design
-        latent.down.weight.copy_(down)
-        latent.up.weight.copy_(torch.cat((per_query_head(up_k), per_query_head(up_v))))
         new.in_proj.weight.copy_(split.q)
         if split.q_bias is not None:
             new.in_proj.bias.copy_(split.q_bias)
-        if split.k_rope is not None:
-            latent.q_rope.weight.copy_(split.q_rope)
-            latent.k_rope.weight.copy_(split.k_rope)
-            if split.q_rope_bias is not None:
-                latent.q_rope.bias.copy_(split.q_rope_bias)
-                latent.k_rope.bias.copy_(split.k_rope_bias)
         new.out_proj.weight.copy_(layer.out_proj.weight)
         if b_v is not None:
-            latent.down.bias.zero_()
             new.out_proj.bias.copy_(
                 layer.out_proj.bias + layer.out_proj.weight @ per_query_head(b_v)
             )

@@ -237,6 +237,70 @@ class LatentKV(HeadDesign):
         w_uk, w_uv = self.up.weight.chunk(2)  # (E, r) each: W_UK, W_UV
         return w_uk @ down, w_uv @ down
 
+    def load_factors(
+        self, down: Tensor, up_k: Tensor, up_v: Tensor, *, down_bias: Tensor | None = None,
+        q_rope: Tensor | None = None, k_rope: Tensor | None = None,
+        q_rope_bias: Tensor | None = None, k_rope_bias: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Set the latent's weights to factors computed elsewhere (a conversion's), each cast
+        to its parameter's dtype (``Q_in``: ``E``, or ``r_Q`` with a low-rank query):
+
+        * ``down`` ``(r, E)``, ``W_DKV``, and ``down_bias`` ``(r,)``, ``b_DKV``;
+        * ``up_k`` ``(H qk_head_dim, r)`` and ``up_v`` ``(H v_head_dim, r)``, ``W_UK`` and
+          ``W_UV``, head after head;
+        * with a rotary key, both needed: ``q_rope`` ``(H d_R, Q_in)``, ``W_QR``, and ``k_rope``
+          ``(G_R d_R, E)``, ``W_KR``; their biases ``(H d_R,)`` and ``(G_R d_R,)``.
+
+        A bias the design has and that is not given is set to zero; the latent's norm and the
+        low-rank query keep theirs. Nothing changes unless every tensor fits.
+
+        Raises:
+            ValueError: a tensor of another shape, a rotary key's weight missing, or one given
+                (or a bias) that the design does not have.
+        """
+        H, rope = self.num_heads, self.rope is not None
+        w_uk, w_uv = self.up.weight.split([H * self.qk_head_dim, H * self.v_head_dim])
+        params = {  # name: (the parameter or None, what is given)
+            "down": (self.down.weight, down), "down_bias": (self.down.bias, down_bias),
+            "up_k": (w_uk, up_k), "up_v": (w_uv, up_v),
+            "q_rope": (self.q_rope.weight if rope else None, q_rope),
+            "k_rope": (self.k_rope.weight if rope else None, k_rope),
+            "q_rope_bias": (self.q_rope.bias if rope else None, q_rope_bias),
+            "k_rope_bias": (self.k_rope.bias if rope else None, k_rope_bias),
+        }  # fmt: skip
+        if rope and (q_rope is None or k_rope is None):
+            raise ValueError(
+                f"head design {self.name!r} ({self.tag}) has a rotary key (rotary_dim="
+                f"{self.rope_dim}): load_factors needs q_rope and k_rope"
+            )
+        for name, (param, given) in params.items():
+            if given is not None and param is None:
+                raise ValueError(f"head design {self.name!r} ({self.tag}) has no {name}")
+            if given is not None and given.shape != param.shape:
+                raise ValueError(
+                    f"{name} of head design {self.name!r} ({self.tag}) must be "
+                    f"{tuple(param.shape)}, got {tuple(given.shape)}"
+                )
+        with torch.no_grad():
+            for name, (param, given) in params.items():
+                if given is not None:
+                    param.copy_(given)
+                elif param is not None and name.endswith("_bias"):
+                    param.zero_()
+
+    def linear_kv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The K and V that the weights alone (no biases, no latent norm: what a conversion
+        factorises) give each head from the keys' source ``x`` ``(B, S, E)``, before RoPE:
+        K's features from the latent ``(B, H, S, qk_head_dim)``, V ``(B, H, S, v_head_dim)``
+        and the rotary keys ``(B, G_R, S, d_R)`` (head ``h`` reads key ``h G_R / H``), or
+        ``None`` without them."""
+        k, v = self.expand(x @ self.down.weight.T)  # (B, H, S, Dq), (B, H, S, Dv)
+        if self.rope is None:
+            return k, v, None
+        B, S, _ = x.shape
+        k_rope = x @ self.k_rope.weight.T  # (B, S, G_R d_R)
+        return k, v, k_rope.view(B, S, self.rope_kv_heads, self.rope_dim).transpose(1, 2)
+
     def project(self, source: Tensor | None, call: Call) -> tuple[Tensor, Tensor | None, None]:
         """Q ``(B, H, L, Dq [+ d_R])`` of the query (or of its low-rank latent), its rotary
         features turned and last; K: the latent ``c`` ``(B, 1, S, r [+ G_R d_R])`` of

@@ -340,13 +340,15 @@ def _kv_errors(old: MultiHeadAttention, new: MultiHeadAttention, x: Tensor) -> d
             _, w_k2, w_v2 = new.in_proj.blocks()
             k2, v2 = per_head(x @ w_k2.T, new.num_kv_heads), per_head(x @ w_v2.T, new.num_kv_heads)
             return {"k_error": rel(k2, k), "v_error": rel(v2, v)}
-        k2, v2 = latent.expand(x @ latent.down.weight.T)  # (B, H, S, Dq), (B, H, S, D)
+        k2, v2, k_rope = latent.linear_kv(x)  # (B, H, S, Dq), (B, H, S, D), (B, G_R, S, d_R)
         total, kept = k.square().sum(), torch.zeros((), dtype=k.dtype, device=k.device)
-        if latent.qk_head_dim < D:  # per-group keys: the latent's features among old's
-            groups = latent.rope_kv_heads
+        if k2.shape[-1] < D:  # per-group keys: the latent's features among old's
+            groups = k_rope.shape[1]
             # The kept pairs, found by their frequencies among the source's (all differ).
             source = old.positions.frequencies(x.device, torch.float64)  # (R/2,)
-            kept_freqs = torch.tensor(latent.rope.inv_freq, dtype=source.dtype, device=x.device)
+            kept_freqs = torch.tensor(  # (G, d_R/2): the frequencies the conversion set
+                latent.options["rope_inv_freq"], dtype=source.dtype, device=x.device
+            )
             pairs = (kept_freqs[..., None] == source).int().argmax(-1)  # (G, d_R/2)
             rope_index = rotary_index(old.positions, pairs)  # (G, d_R)
             rest = torch.ones(groups, D, dtype=torch.bool, device=x.device)
@@ -354,8 +356,8 @@ def _kv_errors(old: MultiHeadAttention, new: MultiHeadAttention, x: Tensor) -> d
             order = rest.nonzero()[:, 1].view(groups, -1).repeat_interleave(H // groups, 0)
             order = order[None, :, None].expand_as(k2)  # (B, H, S, Dq): each feature's place
             k = k.gather(-1, order)  # (B, H, S, Dq): the features the latent carries
-        elif latent.rope is not None:  # a shared key
-            kept = (x @ latent.k_rope.weight.T).square().sum() * H / G
+        elif k_rope is not None:  # a shared key
+            kept = k_rope.square().sum() * H / G
         error = ((k2 - k).square().sum() - kept).clamp_min(0).sqrt()
         k_error = (error / total.sqrt()).item()
     return {"k_error": k_error, "v_error": rel(v2, v)}
