@@ -27,7 +27,8 @@ from multihead.attention.masks import AttentionMask
 
 
 class HeadMixing(HeadDesign):
-    """A mixing of the heads; its options name it (``head_mixing``)."""
+    """A mixing of the heads, each a design of its own name (``design="talking_heads"``);
+    they share where the layer holds them (``head_mix``, their ``state_dict`` prefix)."""
 
     attribute = "head_mix"
     conversions = frozenset({"with_kv_heads"})
