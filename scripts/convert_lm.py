@@ -2,7 +2,7 @@
 with issue 67's ablation of the MLA conversion.
 
 python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05] [--lr 3e-4]
-    [--methods gqa mla_svd mla_pca mla_pca_bkv mla_pca_bkv_shared] [--distill]
+    [--methods gqa mla_svd mla_pca mla_pca_bkv mla_pca_bkv_shared] [--distill] [--seed 0]
 
 ``RUN_DIR`` is a ``scripts/train_lm.py`` run (``hf/``, ``tokenizer.json``, ``summary.json``,
 ``.hydra/config.yaml``). Every attention module is swapped for the layer
@@ -211,15 +211,19 @@ def main() -> None:
         action="store_true",
         help="every row, MHA too, adds the KL to the trained model's predictions to its loss",
     )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="the uptraining's seed: the order of its batches (the conversions do not change)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
     summary = json.loads((args.run_dir / "summary.json").read_text())
     data = dict(OmegaConf.to_container(cfg.data, resolve=False))
     data.pop("_target_")
-    data.update(local_dir=args.data or data["local_dir"], cache_dir="outputs/cache", seed=0)
+    data.update(local_dir=args.data or data["local_dir"], cache_dir="outputs/cache", seed=args.seed)
     datamodule = LanguageModelDataModule(**data)
     datamodule.setup("fit")
     tokenizer = Tokenizer.load(args.run_dir / "tokenizer.json")
@@ -282,7 +286,7 @@ def main() -> None:
     recipe = {"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
               "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
               "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens",
-              "distill": args.distill}  # fmt: skip
+              "distill": args.distill, **({"seed": args.seed} if args.seed else {})}  # fmt: skip
     if results["rows"] and results["uptrain"] != recipe:
         # A row already there was uptrained otherwise: continuing would mix two recipes.
         raise ValueError(

@@ -120,4 +120,21 @@ def test_continuing_a_study_with_another_rate_is_refused(tiny_run, tmp_path, mul
     assert run_script(*common).returncode == 0
     before = (out / "results.json").read_text()
     assert_one_error_line(run_script(*common, "--lr", "1e-4"), "use another OUT_DIR")
+    assert_one_error_line(run_script(*common, "--seed", "1"), "use another OUT_DIR")
     assert (out / "results.json").read_text() == before
+
+
+def test_the_uptraining_seed_orders_the_batches(tiny_run, tmp_path, multi30k_dir) -> None:
+    """--seed changes what the uptraining sees (its batches' order), not the trained model:
+    the MHA row starts from the same perplexity and ends elsewhere."""
+    ppl = {}
+    for seed in ("0", "1"):
+        out = tmp_path / f"seed{seed}"
+        result = run_script("convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
+                            "--fractions", "0.34", "--only", "MHA", "--seed", seed)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        (row,) = json.loads((out / "results.json").read_text())["rows"]
+        ppl[seed] = row["ppl"]
+    (start, end) = sorted(ppl["0"], key=int)[0], sorted(ppl["0"], key=int)[-1]
+    assert ppl["0"][start] == ppl["1"][start]
+    assert ppl["0"][end] != ppl["1"][end]
