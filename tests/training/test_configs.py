@@ -41,7 +41,7 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     H, G = heads.num_heads, heads.num_kv_heads or heads.num_heads
     design = None if heads.design is None else design_class(heads.design)
     kind = "mha" if G == H else "mqa" if G == 1 else "gqa"  # as the layer's docstring says
-    kind = kind if design is None or design.kind is None else design.kind
+    kind = getattr(design, "kind", None) or kind  # a design of its own kind: MLA's "mla"
     asked = {k: v for k, v in heads.design_options.items() if v is not None}
     for *_, attn in net.attention_sublayers():
         assert (attn.head_config["kind"], attn.num_heads, attn.num_kv_heads) == (kind, H, G)
