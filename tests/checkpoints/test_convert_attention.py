@@ -90,7 +90,10 @@ def test_a_torch_model_swapped_by_replace_torch_attention_converts_and_reports_i
         torch.testing.assert_close(model(x), want, rtol=0, atol=1e-10)
 
 
-def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generates():
+def _swapped_llama() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """A tiny fp64 HF Llama (4 heads of 8, 2 K/V groups, every feature rotated) swapped by
+    replace_hf_attention, an untouched copy of it (the reference: HF's own angles are fp32,
+    1e-8 away) and 2 x 8 token ids."""
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
@@ -101,8 +104,12 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
         config, attn_implementation="eager", dtype=torch.float64
     ).eval()
     model = hf.replace_hf_attention(source)
-    swapped = copy.deepcopy(model)  # the reference (HF's own angles are fp32: 1e-8 away)
     ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, copy.deepcopy(model), ids
+
+
+def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generates():
+    model, swapped, ids = _swapped_llama()
     # Partial RoPE, 2 of 4 pairs kept by "norm": the model changes (2 pairs stop turning),
     # but at full rank (K's 2 * 4 unrotated features and V's 2 * 8) K and V before RoPE do not.
     partial = copy.deepcopy(swapped)
@@ -126,18 +133,7 @@ def test_an_hf_llama_with_one_shared_rotary_key_is_exact_when_it_drops_nothing_a
     """2 K/V groups of 8 rotated features: a shared key of 16 keeps every component, the
     latent (V and nothing of K) its 16: the model's logits, and greedy decoding through HF's
     cache equal to the argmax of full passes."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-        eos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    source = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float64
-    ).eval()
-    model = hf.replace_hf_attention(source)
-    swapped = copy.deepcopy(model)
-    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model, swapped, ids = _swapped_llama()
     report = convert_attention(model, kv_latent=16, rope_dim=16, rotary_key="shared",
                                calibration=ids)  # fmt: skip
     assert [row["bytes_after"] for row in report] == [(16 + 16) * 4] * 2
