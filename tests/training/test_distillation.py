@@ -99,6 +99,11 @@ def test_the_language_model_loss_adds_the_kl_over_the_predicted_positions():
     assert not any("teacher" in k for k in module.state_dict())
     with pytest.raises(ValueError, match="distill_weight must be > 0, got 0"):
         LanguageModelModule(student, torch.optim.AdamW, teacher=teacher, distill_weight=0)
+    # A weight with nothing to weigh is refused, not dropped, by both modules.
+    with pytest.raises(ValueError, match=r"distill_weight=2.0 weighs .* no teacher"):
+        LanguageModelModule(student, torch.optim.AdamW, distill_weight=2.0)
+    with pytest.raises(ValueError, match=r"module.distill_weight=2.0 weighs .* no teacher"):
+        make_module(tiny_model(seed=0), distill_weight=2.0)
 
 
 def test_a_run_distilling_from_a_checkpoint_logs_the_kl_and_saves_the_student_alone(

@@ -32,7 +32,7 @@ class LanguageModelModule(pl.LightningModule):
             loss becomes ``CE + distill_weight * KL(teacher || student)`` over the predicted
             positions (temperature 1), logged as ``train/kl``. It stays in eval mode, takes
             no gradient, and is no part of the module (not optimised, not in checkpoints).
-        distill_weight: the KL's weight (with a teacher only).
+        distill_weight: the KL's weight, 1 if ``None``; refused without a teacher.
 
     ``val/ppl`` is ``exp`` of the mean loss over every predicted token of the validation
     blocks (all blocks have the same length, so the mean of the block means is that mean).
@@ -45,9 +45,15 @@ class LanguageModelModule(pl.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         *,
         teacher: nn.Module | None = None,
-        distill_weight: float = 1.0,
+        distill_weight: float | None = None,
     ) -> None:
         super().__init__()
+        if distill_weight is not None and teacher is None:
+            raise ValueError(
+                f"distill_weight={distill_weight} weighs the distillation term, and there "
+                "is no teacher to distil from (distill_from=CKPT)"
+            )
+        distill_weight = 1.0 if distill_weight is None else distill_weight
         if not distill_weight > 0:
             raise ValueError(f"distill_weight must be > 0, got {distill_weight}")
         self.model = model

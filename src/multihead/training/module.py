@@ -58,7 +58,7 @@ class TranslationModule(pl.LightningModule):
             the next-token distributions (temperature 1, X-EcoMLA) averaged over the real
             target tokens, logged as ``train/kl``. The teacher stays in eval mode, takes no
             gradient, and is no part of the module: not optimised, not in its checkpoints.
-        distill_weight: the KL's weight (with a teacher only).
+        distill_weight: the KL's weight, 1 if ``None``; refused without a teacher.
 
     ``run_config`` (set by :func:`multihead.training.run.train`) is the resolved run
     configuration, stored in checkpoints so that a checkpoint alone rebuilds the model.
@@ -88,7 +88,7 @@ class TranslationModule(pl.LightningModule):
         aux_loss_weight: float = 0.0,
         on_non_finite_loss: str = "stop",
         teacher: nn.Module | None = None,
-        distill_weight: float = 1.0,
+        distill_weight: float | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -112,6 +112,12 @@ class TranslationModule(pl.LightningModule):
                 f"module.on_non_finite_loss={on_non_finite_loss!r}; expected 'stop' or 'skip'"
             )
         self.on_non_finite_loss = on_non_finite_loss
+        if distill_weight is not None and teacher is None:
+            raise ValueError(
+                f"module.distill_weight={distill_weight} weighs the distillation term, and there "
+                "is no teacher to distil from (distill_from=CKPT)"
+            )
+        distill_weight = 1.0 if distill_weight is None else distill_weight
         if not distill_weight > 0:
             raise ValueError(f"module.distill_weight must be > 0, got {distill_weight}")
         self.distill_weight = distill_weight
