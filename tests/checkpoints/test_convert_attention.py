@@ -281,7 +281,7 @@ def test_the_shared_keys_errors_are_those_of_the_latent_and_of_the_output():
     x = torch.randn(5, 9, 32, dtype=torch.float64)
     model = OneLayer(copy.deepcopy(source))
     (row,) = convert_attention(model, kv_latent=12, rope_dim=4 * 2, rotary_key="shared",
-                               calibration=x)  # fmt: skip
+                               calibration=x, factorisation="pca")  # fmt: skip
     latent = model.attn.kv_latent
     rows = x.reshape(-1, 32)
     k = (rows @ source.in_proj.blocks()[1].detach().T).view(-1, G, D)  # (N, G, D)

@@ -130,7 +130,13 @@ def with_kv_latent(
       source inputs ``(..., E)``, every row a sample), the eigenvectors of
       ``W (Sigma + d I) W^T`` with ``Sigma`` the inputs' second moment and ``d`` =
       :data:`PCA_DAMPING` times its mean eigenvalue;
-    * ``None``: ``"pca"`` with ``calibration``, else ``"svd"``.
+    * ``None``: ``"pca"`` given ``calibration`` where the latent takes no feature that
+      rotated (no rotary positions, or every rotary feature kept in the key), else
+      ``"svd"``. Measured on trained models (``docs/results.md``, "Conversions that read
+      the data"): the PCA helps where nothing rotates (translation's cross-attention alone
+      at 1/8, right after conversion: +4.2 BLEU over the SVD) and hurts where the latent
+      takes features that rotated (its rotary self-attention alone, with BKV: -9.3; the
+      rotary LM: higher perplexity), though it lowers the layers' K/V errors.
 
     Either way ``W_DKV`` has unit rows and the up-projection carries the scale (``W_UKV =
     U S`` and ``W_DKV = V^T`` for the SVD). ``balance_kv`` (TransMLA's BKV): K's rows are
@@ -201,8 +207,8 @@ def with_kv_latent(
     if shared:
         freqfold = _freqfold(layer, rope_dim, freqfold)
     x = _calibration_rows(layer, calibration)  # (N, E) fp64, or None
-    if factorisation is None:
-        factorisation = "svd" if x is None else "pca"
+    if factorisation is None:  # measured: the PCA pays where no feature stops rotating
+        factorisation = "pca" if x is not None and rope_dim == widest else "svd"
     if factorisation not in FACTORISATIONS:
         raise ValueError(f"factorisation must be 'svd' or 'pca', got {factorisation!r}")
     if factorisation == "pca" and x is None:
