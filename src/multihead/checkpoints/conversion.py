@@ -106,9 +106,10 @@ def convert_attention(
     Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` or
     ``{"input_ids": ..}``. Each layer's K/V source inputs on them, padding left out where
     the call has a ``key_padding_mask``, are the latent's calibration (``factorisation``
-    ``"pca"`` by default with them where no rotated feature enters the latent), choose ``selection="norm"``'s pairs and measure the
-    errors below. Bad calibration (a batch the model refuses, an empty one, a layer it
-    never reaches) is refused in one line, before any layer changes.
+    ``"pca"`` by default with them where no rotated feature enters the latent), choose
+    ``selection="norm"``'s pairs and measure the errors below. Bad calibration (a batch
+    the model refuses, an empty one, a layer it never reaches) is refused in one line,
+    before any layer changes.
 
     Returns:
         Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
