@@ -59,10 +59,19 @@ def _full_precision(precision: str, accelerator: str) -> bool:
     return resolve_precision(precision, accelerator) == "32-true"
 
 
+def _steps_share(steps: int, fraction: float) -> int:
+    """``fraction`` of ``steps``, rounded down, at least 1 (a schedule's warmup, cooldown)."""
+    return max(1, int(steps * fraction))
+
+
 def register_resolvers() -> None:
-    """``${path_name:PATH}``, the last component of a path (e.g. a sweep's time stamp), and
+    """``${path_name:PATH}``, the last component of a path (e.g. a sweep's time stamp),
     ``${full_precision:PRECISION,ACCELERATOR}``, whether the run trains in 32-true once
-    ``auto`` is resolved (:func:`~multihead.training.precision.resolve_precision`)."""
+    ``auto`` is resolved (:func:`~multihead.training.precision.resolve_precision`), and
+    ``${steps_share:STEPS,FRACTION}``, a part of a step budget (at least 1), so that a
+    schedule keeps its shape at any ``trainer.max_steps``."""
+    if not OmegaConf.has_resolver("steps_share"):
+        OmegaConf.register_new_resolver("steps_share", _steps_share)
     if not OmegaConf.has_resolver("path_name"):
         OmegaConf.register_new_resolver("path_name", lambda path: Path(str(path)).name)
     if not OmegaConf.has_resolver("full_precision"):

@@ -31,6 +31,21 @@ def build_model(
         for section in per_sublayer.values():
             if section:
                 section.pop("backend", None)
+    if str(config["model"].get("_target_", "")).endswith("DecoderLM"):
+        for name in ("encoder_self_attention", "cross_attention"):
+            given = {k: v for k, v in (per_sublayer[name] or {}).items() if v not in (None, {})}
+            if given:
+                raise ValueError(
+                    f"attention.{name}={given}: the decoder-only LM has self-attention alone; "
+                    "set its heads in attention (or attention.decoder_self_attention)"
+                )
+        return instantiate(
+            config["model"],
+            vocab_size=vocab_size,
+            pad_id=pad_id,
+            attention=attention,
+            decoder_self_attention=per_sublayer["decoder_self_attention"],
+        )
     return instantiate(
         config["model"],
         src_vocab_size=vocab_size,

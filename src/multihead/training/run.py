@@ -226,6 +226,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     weights' bits). The test split's outputs go to ``<run dir>/hypotheses.test.txt``, one
     line per source sentence, in order.
     """
+    objective = cfg.get("objective", "translation")
+    if objective == "causal_lm":
+        return train_language_model(cfg)
+    if objective != "translation":
+        raise ValueError(f"objective={objective!r}; expected translation or causal_lm")
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
     # Lightning cannot see that our batch sampler resumes mid-epoch (the DataModule's
@@ -308,6 +313,60 @@ def train(cfg: DictConfig) -> dict[str, float]:
             summary["run/threads"] = torch.get_num_threads()
             summary["run/cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             summary["run/wandb_group"] = cfg.get("wandb_group")  # resolved: compare.py reads it
+            write_summary(run_dir, summary, trainer)
+    finally:
+        finish_wandb()
+    log.info("run directory: %s", run_dir)
+    return summary
+
+
+def train_language_model(cfg: DictConfig) -> dict[str, Any]:
+    """Train a decoder-only LM (``objective=causal_lm``: ``experiment=lm_long``, ``mqar``) as
+    ``cfg`` says, with the same loggers, callbacks, precision and resuming as translation.
+
+    Returns the run summary (also ``<run dir>/summary.json`` and wandb's run summary): the
+    heads, parameter counts and KV-cache bytes per token, the final held-out figures (loss
+    by position bucket, or MQAR accuracy per setting), the data's statistics, and when and
+    where the run ran.
+    """
+    started = utc_now()
+    pl.seed_everything(cfg.seed, workers=True)
+    run_dir = str(cfg.paths.output_dir)
+    ckpt_path, wandb_id = resume_checkpoint(cfg.get("ckpt_path"), Path(run_dir) / "checkpoints")
+    if "wandb" in (cfg.get("logger") or {}):
+        configure_wandb_mode(run_dir)
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    datamodule.save_tokenizer(run_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    model = build_model(config, datamodule.vocab_size, datamodule.pad_id)
+    module = instantiate(cfg.module, model=model, tokenizer=datamodule.tokenizer)
+    module.run_config = config
+    summary = {**model_summary(model), "seed": cfg.seed}
+    log.info("model: %s", summary)
+    loggers = build_loggers(cfg, model, wandb_id)
+    precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer,
+        precision=precision["precision"],
+        callbacks=build_callbacks(cfg, loggers),
+        logger=loggers or False,
+        plugins=[*precision["plugins"], AtomicCheckpointIO()],
+    )
+    summary["precision"] = trainer.precision
+    for logger in trainer.loggers:
+        logger.log_hyperparams({**config, **summary})
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        if trainer.is_global_zero:
+            summary.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+            summary["data"] = getattr(datamodule, "stats", None)
+            summary["steps"] = trainer.global_step
+            summary |= {"run/start": started, "run/end": utc_now()}
+            summary |= {"run/host": host_name(), "run/boot_id": boot_id(), "run/cpu": cpu_model()}
+            summary["run/threads"] = torch.get_num_threads()
+            summary["run/cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+            summary["run/wandb_group"] = cfg.get("wandb_group")
             write_summary(run_dir, summary, trainer)
     finally:
         finish_wandb()

@@ -1,0 +1,206 @@
+"""Long documents as windows for a causal language model at long context.
+
+A document (a source file of :mod:`multihead.data.code_corpus`, or a text of a Hub dataset
+read by the same loader) is cut into disjoint windows of ``context`` tokens, the first
+starting at a random offset in the document, so that a token's position in its window is
+the context the model has seen of it, not its place in the file. Documents no longer than
+the context give no window. The offsets come from ``data_seed``, the same for every run, so
+that every run reads the same windows, in its own ``seed``'s order; the held-out windows are
+the same for all runs.
+
+The tokenizer is the project's byte-level BPE (:class:`~multihead.data.tokenizer.Tokenizer`),
+trained on the training documents with ``tokenizers`` and cached by their hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from multihead.data.code_corpus import PACKAGES, VERSION, build_code_corpus, load_code_corpus
+from multihead.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def cut_windows(documents: list[list[int]], context: int, rng: np.random.Generator) -> np.ndarray:
+    """``(N, context)``: each document longer than ``context`` cut into disjoint windows,
+    the first at an offset drawn uniformly from those that leave room for one window
+    (at most ``context - 1``); what is left at the end is dropped."""
+    windows = []
+    for ids in documents:
+        n = len(ids)
+        if n <= context:
+            continue
+        start = int(rng.integers(0, min(context, n - context) + 1))
+        for s in range(start, n - context + 1, context):
+            windows.append(ids[s : s + context])
+    if not windows:
+        raise ValueError(f"no document is longer than context={context} tokens")
+    return np.asarray(windows, dtype=np.int64)
+
+
+def bucket_names(edges: list[int], context: int) -> list[str]:
+    """``[0, e1), [e1, e2), ... [ek, context)`` as ``"0-63"``, ``"64-255"``, ...: positions of
+    the predicted token in its window, i.e. the tokens of context seen before it."""
+    bounds = [0, *edges, context]
+    return [f"{lo}-{hi - 1}" for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+class DocumentLMDataModule(L.LightningDataModule):
+    """Windows of long documents for a causal LM.
+
+    Args:
+        corpus: ``"python-packages-v1"`` (built on first use from pinned wheels,
+            :mod:`~multihead.data.code_corpus`) or a Hub dataset's name with ``train`` and
+            ``validation`` splits (e.g. ``"deepmind/pg19"``), read by the same loader.
+        text_column: the documents' column.
+        context: tokens per window.
+        vocab_size: the BPE's size.
+        batch_size: windows per batch.
+        steps: the updates a run takes (``trainer.max_steps``): more windows than the
+            corpus holds are refused, so that no run reads a window twice.
+        val_windows: held-out windows evaluated (the first of a fixed shuffle).
+        cache_dir: corpus, tokenizer and ``datasets`` files.
+        seed: the order of the training windows.
+        data_seed: the windows' offsets (shared by every run).
+        find_links: a directory of the pinned wheels, to build the corpus offline.
+
+    Batches are ``(B, context)`` long tensors.
+    """
+
+    def __init__(
+        self,
+        *,
+        corpus: str = VERSION,
+        text_column: str = "text",
+        context: int = 2048,
+        vocab_size: int = 4096,
+        batch_size: int = 4,
+        steps: int | None = None,
+        val_windows: int = 64,
+        cache_dir: str | Path = "outputs/cache",
+        seed: int = 0,
+        data_seed: int = 0,
+        find_links: str | None = None,
+    ) -> None:
+        super().__init__()
+        for key, value in (
+            ("context", context),
+            ("vocab_size", vocab_size),
+            ("batch_size", batch_size),
+            ("val_windows", val_windows),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{key} must be a positive int, got {value!r}")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+            raise ValueError(f"data.steps must be an int or null, got {steps!r}")
+        self.corpus, self.text_column = corpus, text_column
+        self.context, self.vocab_size_setting = context, vocab_size
+        self.batch_size, self.steps, self.val_windows = batch_size, steps, val_windows
+        self.cache_dir, self.seed, self.data_seed = Path(cache_dir), seed, data_seed
+        self.find_links = find_links
+        self.tokenizer: Tokenizer | None = None
+        self.windows: dict[str, torch.Tensor] = {}
+        self.card: dict = {}
+
+    def _load(self):
+        import datasets
+
+        if self.corpus == VERSION:
+            root = build_code_corpus(self.cache_dir, PACKAGES, self.find_links)
+            self.card = json.loads((root / "card.json").read_text())
+            return load_code_corpus(root, self.cache_dir)
+        dataset = datasets.load_dataset(self.corpus, cache_dir=str(self.cache_dir / "hf"))
+        missing = {"train", "validation"} - set(dataset)
+        if missing:
+            raise ValueError(
+                f"data.corpus={self.corpus!r} has no {sorted(missing)} split; expected train "
+                f"and validation, got {sorted(dataset)}"
+            )
+        self.card = {"version": self.corpus, "fingerprint": dataset["train"]._fingerprint}
+        return dataset
+
+    def _tokenizer(self, texts: list[str]) -> Tokenizer:
+        settings = {"card": self.card, "vocab_size": self.vocab_size_setting}
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        path = self.cache_dir / "tokenizers" / f"documents-bpe-{self.vocab_size_setting}-{key}.json"
+        if path.is_file():
+            return Tokenizer.load(path)
+        logger.info("training a %d-token BPE on %d documents", self.vocab_size_setting, len(texts))
+        tokenizer = Tokenizer.train(texts, vocab_size=self.vocab_size_setting)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(path)
+        return tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.tokenizer is not None:
+            return
+        dataset = self._load()
+        if self.text_column not in dataset["train"].column_names:
+            raise ValueError(
+                f"data.text_column={self.text_column!r} is not a column of {self.corpus}; "
+                f"its columns: {dataset['train'].column_names}"
+            )
+        self.tokenizer = tok = self._tokenizer(dataset["train"][self.text_column])
+        self.stats = {}
+        for split in ("train", "validation"):
+            texts = dataset[split][self.text_column]
+            ids = tok.encode_batch(texts)
+            lengths = np.array([len(i) for i in ids])
+            rng = np.random.default_rng([self.data_seed, split == "validation"])
+            windows = cut_windows(ids, self.context, rng)
+            if split == "validation":
+                order = np.random.default_rng(self.data_seed).permutation(len(windows))
+                windows = windows[np.sort(order[: self.val_windows])]
+            self.windows[split] = torch.from_numpy(windows)
+            self.stats[split] = {
+                "documents": len(ids),
+                "documents_longer_than_context": int((lengths > self.context).sum()),
+                "tokens": int(lengths.sum()),
+                "windows": len(windows),
+                "length_percentiles": dict(
+                    zip(
+                        ("p10", "p50", "p90"),
+                        np.percentile(lengths, [10, 50, 90]).tolist(),
+                        strict=True,
+                    )
+                ),
+            }
+        reads = None if self.steps is None else self.steps * self.batch_size
+        if reads is not None and reads > len(self.windows["train"]):
+            raise ValueError(
+                f"trainer.max_steps={self.steps} x data.batch_size={self.batch_size} = {reads} "
+                f"windows, more than the corpus's {len(self.windows['train'])} at "
+                f"context={self.context}: a run would read windows twice"
+            )
+        logger.info("document windows: %s", json.dumps(self.stats))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def save_tokenizer(self, run_dir: str | Path) -> None:
+        """The tokenizer as ``<run_dir>/tokenizer.json``."""
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(Path(run_dir) / "tokenizer.json")
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.windows["train"], batch_size=self.batch_size, shuffle=True, generator=generator
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.windows["validation"], batch_size=self.batch_size)
