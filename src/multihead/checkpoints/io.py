@@ -30,10 +30,11 @@ FORMAT_VERSION = 3
 
 @dataclass
 class TrainedModel:
-    """What a checkpoint holds: the network, its tokenizer and the run's config."""
+    """What a checkpoint holds: the network, its tokenizer (``None`` for MQAR, whose tokens
+    are their ids) and the run's config."""
 
     model: nn.Module
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     config: dict[str, Any]
 
 
@@ -158,9 +159,13 @@ def load_trained_model(path: str | Path, backend: str | None = None) -> TrainedM
     """
     ckpt = read_checkpoint(path)
     extra = ckpt["multihead"]
-    tokenizer = Tokenizer.from_str(extra["tokenizer"])
     config = extra["config"]
-    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id, backend=backend)
+    if extra["tokenizer"] is None:  # MQAR: the tokens are their ids
+        tokenizer, vocab_size, pad_id = None, config["data"]["vocab_size"], 0
+    else:
+        tokenizer = Tokenizer.from_str(extra["tokenizer"])
+        vocab_size, pad_id = tokenizer.vocab_size, tokenizer.pad_id
+    model = build_model(config, vocab_size, pad_id, backend=backend)
     model.load_state_dict(model_state_dict(ckpt))
     return TrainedModel(model.eval(), tokenizer, config)
 

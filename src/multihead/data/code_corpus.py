@@ -68,8 +68,14 @@ def download(packages: tuple[Package, ...], dest: Path, find_links: str | None =
     done = subprocess.run(command, capture_output=True, text=True)
     Path(req.name).unlink()
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"pip download of the corpus's pinned wheels failed: {last}")
+        lines = [line.strip() for line in done.stderr.strip().splitlines()] or ["no output"]
+        if any("DO NOT MATCH THE HASHES" in line for line in lines):
+            pinned = [line for line in lines if line.startswith(("Expected", "Got"))]
+            raise ConnectionError(
+                "pip download of the corpus's pinned wheels failed: a wheel's hash differs "
+                f"from its pin ({'; '.join(' '.join(p.split()) for p in pinned)})"
+            )
+        raise ConnectionError(f"pip download of the corpus's pinned wheels failed: {lines[-1]}")
 
 
 def _wheel_path(dest: Path, p: Package) -> Path:

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from multihead.data.code_corpus import PACKAGES, VERSION, build_code_corpus, load_code_corpus
+from multihead.data.code_corpus import (
+    PACKAGES,
+    VERSION,
+    Package,
+    build_code_corpus,
+    load_code_corpus,
+)
 from multihead.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,8 @@ class DocumentLMDataModule(L.LightningDataModule):
         cache_dir: corpus, tokenizer and ``datasets`` files.
         seed: the order of the training windows.
         data_seed: the windows' offsets (shared by every run).
+        packages: ``[{name, version, sha256, licence}, ...]``, the wheels of the built
+            corpus (``None``: :data:`~multihead.data.code_corpus.PACKAGES`).
         find_links: a directory of the pinned wheels, to build the corpus offline.
 
     Batches are ``(B, context)`` long tensors.
@@ -89,6 +97,7 @@ class DocumentLMDataModule(L.LightningDataModule):
         cache_dir: str | Path = "outputs/cache",
         seed: int = 0,
         data_seed: int = 0,
+        packages: list[dict] | None = None,
         find_links: str | None = None,
     ) -> None:
         super().__init__()
@@ -106,6 +115,7 @@ class DocumentLMDataModule(L.LightningDataModule):
         self.context, self.vocab_size_setting = context, vocab_size
         self.batch_size, self.steps, self.val_windows = batch_size, steps, val_windows
         self.cache_dir, self.seed, self.data_seed = Path(cache_dir), seed, data_seed
+        self.packages = PACKAGES if packages is None else tuple(Package(**p) for p in packages)
         self.find_links = find_links
         self.tokenizer: Tokenizer | None = None
         self.windows: dict[str, torch.Tensor] = {}
@@ -115,7 +125,7 @@ class DocumentLMDataModule(L.LightningDataModule):
         import datasets
 
         if self.corpus == VERSION:
-            root = build_code_corpus(self.cache_dir, PACKAGES, self.find_links)
+            root = build_code_corpus(self.cache_dir, self.packages, self.find_links)
             self.card = json.loads((root / "card.json").read_text())
             return load_code_corpus(root, self.cache_dir)
         dataset = datasets.load_dataset(self.corpus, cache_dir=str(self.cache_dir / "hf"))
