@@ -154,8 +154,9 @@ def test_the_calibrated_conversion_has_at_most_0_8_of_the_weight_only_error_held
         return out, rel(k_lat, k), rel(v_lat, v)
 
     weights = errors(eighth)
-    calibrated = errors(with_kv_latent(source, 8, rope_dim=2, calibration=calibration,
-                                       factorisation="pca"))  # not this layer's default
+    calibrated = errors(
+        with_kv_latent(source, 8, rope_dim=2, calibration=calibration, factorisation="pca")
+    )  # not this layer's default
     print(f"seed {seed}: weight-only (out, K, V) {weights}, calibrated {calibrated}")
     assert calibrated[0] <= 0.8 * weights[0]
     assert calibrated[1] <= 0.8 * weights[1] and calibrated[2] <= 0.8 * weights[2]
@@ -194,8 +195,9 @@ def test_the_shared_key_is_each_pairs_top_principal_component_across_the_groups(
     G, D = 4, 8
     source = rotary_layer(G, rotary_dim=8)
     x = torch.randn(6, 10, 32, dtype=torch.float64)
-    mla = with_kv_latent(source, 16, rope_dim=8, rotary_key="shared", calibration=x,
-                         factorisation="pca")  # the mix weighed by the inputs
+    mla = with_kv_latent(
+        source, 16, rope_dim=8, rotary_key="shared", calibration=x, factorisation="pca"
+    )  # the mix weighed by the inputs
     assert mla.head_tag == "mla4r16rope8" and mla.kv_latent.rope_kv_heads == 1
     rows = x.reshape(-1, 32)
     _, w_k, _ = (w.detach() for w in source.in_proj.blocks())

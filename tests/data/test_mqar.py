@@ -42,7 +42,8 @@ def test_the_same_seed_gives_the_same_sequences_and_bad_settings_are_refused():
     a = multiquery_ar(4, 128, 8, 1024, torch.Generator().manual_seed(1))
     b = multiquery_ar(4, 128, 8, 1024, torch.Generator().manual_seed(1))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    with pytest.raises(ValueError, match="seq_len >= 4 \\* num_kv_pairs, got seq_len=64, num_kv_pairs=32"):
+    too_many = "seq_len >= 4 \\* num_kv_pairs, got seq_len=64, num_kv_pairs=32"
+    with pytest.raises(ValueError, match=too_many):
         multiquery_ar(1, 64, 32, 8192, torch.Generator())
     with pytest.raises(ValueError, match="vocab_size=100 must exceed seq_len=128"):
         MQARDataModule(train_settings=[[128, 8]], eval_settings=[[128, 8]], vocab_size=100)

@@ -39,10 +39,8 @@ def tiny(tmp_path_factory):
 def test_a_tiny_run_of_each_design_writes_what_it_measured(design, tiny, tmp_path):
     from multihead.training.run import train
 
-    cfg = compose_config(
-        "train",
-        ["experiment=lm_long", f"attention={ATTENTION[design]}", *tiny, f"paths.output_dir={tmp_path}"],
-    )
+    overrides = ["experiment=lm_long", f"attention={ATTENTION[design]}", *tiny]
+    cfg = compose_config("train", [*overrides, f"paths.output_dir={tmp_path}"])
     summary = train(cfg)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
     assert summary["steps"] == 3 and summary["kind"] == design

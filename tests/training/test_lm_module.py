@@ -78,5 +78,6 @@ def test_recall_accuracy_counts_the_labelled_positions_alone():
 
 
 def test_bad_buckets_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"position_buckets must be increasing positive ints, got \[64, 8\]"):
+    bad = r"position_buckets must be increasing positive ints, got \[64, 8\]"
+    with pytest.raises(ValueError, match=bad):
         LanguageModelModule(tiny_lm(), torch.optim.AdamW, position_buckets=[64, 8])
