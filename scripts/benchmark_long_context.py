@@ -109,6 +109,17 @@ def setting(text: str) -> tuple[int, int]:
     return context, batch
 
 
+def checkpoint(text: str) -> tuple[str, Path]:
+    """``NAME=PATH`` of a trained checkpoint."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(
+            f"checkpoint {text!r}: expected NAME=PATH of an existing .ckpt, "
+            "e.g. mha=RUN/checkpoints/last.ckpt"
+        )
+    return name, Path(path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -146,11 +157,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="skip a candidate whose cache would need more (default: 80%% of RAM)",
     )
+    p.add_argument(
+        "--checkpoints",
+        nargs="+",
+        type=checkpoint,
+        default=None,
+        metavar="NAME=PATH",
+        help="time these trained decoder-only LMs (experiment=lm_long checkpoints) instead of "
+        "the random-weight HF models; name MHA's `mha` for the x MHA column",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--plot", type=Path, default=None, help="tokens/s against context (PNG)")
     p.add_argument(
         "--profile",
-        choices=ALL_CANDIDATES,
+        choices=(*ALL_CANDIDATES, "trained"),
         default=None,
         help="also print this candidate's ops at each setting (torch.profiler)",
     )
@@ -397,100 +417,200 @@ class Row:
     context: int
     batch: int
     candidate: str
-    ms: float | None = None
+    ms: float | None = None  # the median over rounds of each round's median step
+    ms_min: float | None = None  # the fastest and slowest round's median step
+    ms_max: float | None = None
     tokens_per_s: float | None = None
-    x_hf: float | None = None
+    x_hf: float | None = None  # step time over hf-static's of the same design, median over rounds
+    x_mha: float | None = None  # speed as a multiple of MHA's (same candidate), median over rounds
+    x_mha_min: float | None = None
+    x_mha_max: float | None = None
     x_roofline: float | None = None
     roofline_ms: float | None = None
     cache_bytes: int | None = None
     peak_rss_added: int | None = None
+    round_ms: list[float] | None = None  # each round's median step
     steps_ms: list[float] | None = None
     note: str = ""
 
 
-def time_steps(model, cache, batch, steps, device) -> list[float]:
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    step = lambda: model(input_ids=token, cache=cache, use_cache=True)  # noqa: E731
+@dataclass
+class Entry:
+    """One thing timed at every setting: a design's model on one candidate path."""
+
+    design: str
+    candidate: str
+    model: object
+    fill: object  # (context, batch, steps) -> a cache holding `context` positions
+    step: object  # (cache, batch) -> None: one decoding step of `batch` sequences
+    held: object  # cache -> bytes its storage holds
+    need: object  # (context, batch) -> bytes its cache will need, roughly
+    roofline_ms: object = None  # (context, batch) -> the step's roofline, or None
+
+
+def time_steps(step, cache, batch, steps, device) -> list[float]:
+    """Milliseconds of each of ``steps`` decoding steps, after one untimed warm-up step."""
     with torch.inference_mode():
-        step()  # warm-up
-        return [wall_seconds(step, device) * 1000 for _ in range(steps)]
+        step(cache, batch)  # warm-up
+        return [wall_seconds(lambda: step(cache, batch), device) * 1000 for _ in range(steps)]
 
 
-def profile_step(model, cache, batch, device) -> str:
+def profile_step(step, cache, batch) -> str:
     from torch.profiler import profile
 
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     with torch.inference_mode(), profile() as prof:
         for _ in range(3):
-            model(input_ids=token, cache=cache, use_cache=True)
+            step(cache, batch)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
-def run_design(args, design, dtype_name, shape, bandwidth, peak) -> list[Row]:
+def hf_entries(args, dtype_name, shape, bandwidth, peak) -> list[Entry]:
+    """Every design x candidate of the random-weight reference shape (one model per design
+    and kind of path: ``ours-static`` and ``ours-append`` share theirs)."""
     dtype, device = DTYPES[dtype_name], args.device
-    candidates = [c for c in args.candidates if c != "ours-expanded" or design == "mla"]
-    base = build_model(design, shape, dtype, device)
-    models = {c: prepare(base, design, c) for c in candidates}
-    weights = linear_numbers(base)
+    entries = []
+    for design in args.designs:
+        base = build_model(design, shape, dtype, device)
+        weights = linear_numbers(base)
+        prepared = {}
+        for c in args.candidates:
+            if c == "ours-expanded" and design != "mla":
+                continue
+            kind = (
+                "hf"
+                if c.startswith("hf-")
+                else c
+                if c in ("ours-expanded", "ours-plain")
+                else "ours"
+            )
+            if kind not in prepared:
+                prepared[kind] = prepare(base, design, c)
+            model = prepared[kind]
+
+            def fill(context, batch, steps, c=c, model=model):
+                return filled_cache(c, model, context, batch, steps, device)
+
+            def step(cache, batch, model=model):
+                token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+                model(input_ids=token, cache=cache, use_cache=True)
+
+            def need(context, batch, c=c, design=design):
+                return estimated_cache_bytes(shape, design, c, context, batch, dtype)
+
+            def roof(context, batch, design=design, weights=weights):
+                seconds = roofline_seconds(
+                    shape, design, weights, context, batch, dtype, bandwidth, peak
+                )
+                return seconds * 1000
+
+            entries.append(Entry(design, c, model, fill, step, held_bytes, need, roof))
+    return entries
+
+
+def checkpoint_entries(args) -> list[Entry]:
+    """The trained decoder-only LMs of ``--checkpoints NAME=PATH`` on their own KV cache
+    (``DecoderLM.make_cache``), filled with random keys and values to the context."""
+    from multihead.checkpoints import load_trained_model
+
+    entries = []
+    for name, path in args.checkpoints:
+        model = load_trained_model(path).model.to(args.device).eval()
+
+        @torch.inference_mode()
+        def fill(context, batch, steps, model=model):
+            # Rotary positions have no table: past the trained context the model still
+            # decodes (its quality aside), so its position limit is raised to the setting's.
+            limit = max(model.embedding.max_positions, context + steps + 1)
+            model.embedding.max_positions = model.max_positions = limit
+            caches = model.make_cache(batch, context + steps + 1)
+            for cache in caches:
+                cache.k.uniform_(-1, 1)
+                if not cache.share_kv:
+                    cache.v.uniform_(-1, 1)
+                cache.size = context
+            return caches
+
+        def step(caches, batch, model=model):
+            model(torch.zeros(batch, 1, dtype=torch.long, device=args.device), caches)
+
+        def held(caches):
+            return sum(c.k.nbytes + (0 if c.share_kv else c.v.nbytes) for c in caches)
+
+        def need(context, batch, model=model):
+            return model.kv_cache_bytes_per_token() * batch * (context + args.steps + 2)
+
+        entries.append(Entry(name, "trained", model, fill, step, held, need))
+    return entries
+
+
+def run_setting(args, entries: list[Entry], dtype_name: str, context: int, batch: int):
+    """Rows of one setting: every entry timed once a round, the designs and candidates
+    interleaved (the order turns by one each round, so none is always first), ``--rounds``
+    rounds; each round's median step, then their median and min-max, and per round the
+    ratios to MHA's entry of the same candidate and to ``hf-static`` of the same design."""
+    device = args.device
     limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib else 0.8 * _total_memory()
-    rows = []
-    if args.prefill:
-        rows += prefill_rows(args, design, dtype_name, models)
-    for context, batch in args.settings:
-        roof = roofline_seconds(shape, design, weights, context, batch, dtype, bandwidth, peak)
-        times = {c: [] for c in candidates}
-        info: dict[str, Row] = {}
-        for c in candidates:
-            info[c] = Row(design, dtype_name, context, batch, c, roofline_ms=roof * 1000)
-            need = estimated_cache_bytes(shape, design, c, context, batch, dtype)
-            if device.type == "cpu" and need > limit - rss_bytes():
-                info[c].note = f"skipped: its cache needs about {need / 2**30:.1f} GiB"
-        for _ in range(args.rounds):
-            for c in candidates:
-                if info[c].note:
-                    continue
-                gc.collect()
-                before = rss_bytes()
-                reset_peak_rss()
-                cache = filled_cache(c, models[c], context, batch, args.steps + 1, device)
-                times[c] += time_steps(models[c], cache, batch, args.steps, device)
-                info[c].cache_bytes = held_bytes(cache)
-                if device.type == "cpu":
-                    info[c].peak_rss_added = max(0, peak_rss_bytes() - before)
-                if args.profile == c:
-                    rewind(cache, context)
-                    print(f"\n{design} {dtype_name} {context}x{batch} {c}, 3 steps:", flush=True)
-                    print(profile_step(models[c], cache, batch, device), flush=True)
-                del cache
-        for c in candidates:
-            row = info[c]
-            if times[c]:
-                row.steps_ms = [round(t, 2) for t in times[c]]
-                row.ms = statistics.median(times[c])
-                row.tokens_per_s = batch * 1000 / row.ms
-                row.x_roofline = row.ms / row.roofline_ms
-        anchor = info.get("hf-static")
-        for row in info.values():
-            if anchor is not None and anchor.ms and row.ms:
-                row.x_hf = row.ms / anchor.ms
-            rows.append(row)
-        print_rows([r for r in rows if (r.context, r.batch) == (context, batch)], flush=True)
-    return rows
+    rows = {}
+    for e in entries:
+        row = Row(e.design, dtype_name, context, batch, e.candidate, round_ms=[], steps_ms=[])
+        row.roofline_ms = e.roofline_ms(context, batch) if e.roofline_ms else None
+        if device.type == "cpu" and e.need(context, batch) > limit - rss_bytes():
+            row.note = f"skipped: its cache needs about {e.need(context, batch) / 2**30:.1f} GiB"
+        rows[e.design, e.candidate] = row
+    for r in range(args.rounds):
+        for e in entries[r % len(entries) :] + entries[: r % len(entries)]:
+            row = rows[e.design, e.candidate]
+            if row.note:
+                continue
+            gc.collect()
+            before = rss_bytes()
+            reset_peak_rss()
+            cache = e.fill(context, batch, args.steps + 1)
+            times = time_steps(e.step, cache, batch, args.steps, device)
+            row.steps_ms += [round(t, 3) for t in times]
+            row.round_ms.append(statistics.median(times))
+            row.cache_bytes = e.held(cache)
+            if device.type == "cpu":
+                row.peak_rss_added = max(0, peak_rss_bytes() - before)
+            if args.profile == e.candidate:
+                print(f"\n{e.design} {dtype_name} {context}x{batch} {e.candidate}:", flush=True)
+                print(profile_step(e.step, cache, batch), flush=True)
+            del cache
+    for row in rows.values():
+        if not row.round_ms:
+            continue
+        row.ms = statistics.median(row.round_ms)
+        row.ms_min, row.ms_max = min(row.round_ms), max(row.round_ms)
+        row.tokens_per_s = batch * 1000 / row.ms
+        if row.roofline_ms:
+            row.x_roofline = row.ms / row.roofline_ms
+        hf = rows.get((row.design, "hf-static"))
+        if hf is not None and hf.round_ms:
+            row.x_hf = statistics.median(
+                a / b for a, b in zip(row.round_ms, hf.round_ms, strict=True)
+            )
+        mha = rows.get(("mha", row.candidate))
+        if mha is not None and mha.round_ms:
+            ratios = [m / a for a, m in zip(row.round_ms, mha.round_ms, strict=True)]
+            row.x_mha = statistics.median(ratios)
+            row.x_mha_min, row.x_mha_max = min(ratios), max(ratios)
+    print_rows(list(rows.values()), flush=True)
+    return list(rows.values())
 
 
-def prefill_rows(args, design, dtype_name, models) -> list[Row]:
-    """One real prefill of ``--prefill`` tokens at batch 1 per candidate (its own cache)."""
+def prefill_rows(args, dtype_name, entries: list[Entry]) -> list[Row]:
+    """One real prefill of ``--prefill`` tokens at batch 1 per HF-path model (its own cache)."""
     rows = []
     ids = torch.randint(0, args.vocab, (1, args.prefill), device=args.device)
-    for c, model in models.items():
-        cache = new_cache(c, model, args.prefill, 1)
+    for e in entries:
+        cache = new_cache(e.candidate, e.model, args.prefill, 1)
         with torch.inference_mode():
-            seconds = wall_seconds(lambda: model(input_ids=ids, cache=cache), args.device)  # noqa: B023
-        rows.append(Row(design, dtype_name, args.prefill, 1, c, ms=seconds * 1000,
+            seconds = wall_seconds(lambda: e.model(input_ids=ids, cache=cache), args.device)  # noqa: B023
+        rows.append(Row(e.design, dtype_name, args.prefill, 1, e.candidate, ms=seconds * 1000,
                         note="prefill"))  # fmt: skip
     print(
-        f"prefill of {args.prefill} tokens, batch 1, {design} {dtype_name}: "
-        + ", ".join(f"{r.candidate} {r.ms:.0f} ms" for r in rows),
+        f"prefill of {args.prefill} tokens, batch 1, {dtype_name}: "
+        + ", ".join(f"{r.design} {r.candidate} {r.ms:.0f} ms" for r in rows),
         flush=True,
     )
     return rows
@@ -511,18 +631,21 @@ def print_rows(rows: list[Row], flush: bool = False) -> None:
     global _printed_header
     if not _printed_header:
         print(
-            "\n| design | dtype | context x batch | candidate | ms/token | tokens/s | x HF static "
-            "| x roofline | roofline ms | cache MiB held | peak RSS added MiB | note |\n"
+            "\n| design | dtype | context x batch | candidate | ms/token (min-max of rounds) "
+            "| tokens/s | speed x MHA (min-max) | x HF static | x roofline | cache MiB held "
+            "| peak RSS added MiB | note |\n"
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
         )
         _printed_header = True
     for r in rows:
         if r.note == "prefill":
             continue
+        ms = r.ms and f"{r.ms:,.2f} ({r.ms_min:,.2f}-{r.ms_max:,.2f})"
+        x_mha = r.x_mha and f"{r.x_mha:.2f} ({r.x_mha_min:.2f}-{r.x_mha_max:.2f})"
         cells = [
-            r.design, r.dtype, f"{r.context} x {r.batch}", r.candidate, _num(r.ms, 1),
-            _num(r.tokens_per_s, 1), _num(r.x_hf, 2), _num(r.x_roofline, 2),
-            _num(r.roofline_ms, 1), _num(r.cache_bytes and r.cache_bytes / 2**20, 0),
+            r.design, r.dtype, f"{r.context} x {r.batch}", r.candidate, ms or "",
+            _num(r.tokens_per_s, 1), x_mha or "", _num(r.x_hf, 2), _num(r.x_roofline, 2),
+            _num(r.cache_bytes and r.cache_bytes / 2**20, 1),
             _num(r.peak_rss_added and r.peak_rss_added / 2**20, 0), r.note,
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |", flush=flush)
@@ -544,29 +667,34 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(
         len(dtypes), len(batches), figsize=(6 * len(batches), 4.5 * len(dtypes)), squeeze=False
     )
-    colors = dict(zip(DESIGNS, ("C0", "C1", "C2", "C3"), strict=True))
+    designs = list(dict.fromkeys(r.design for r in steps))
+    colors = {d: f"C{i}" for i, d in enumerate(designs)}
     for row, dtype in zip(axes, dtypes, strict=True):
         for ax, batch in zip(row, batches, strict=True):
-            for design in DESIGNS:
+            for design in designs:
                 best = {
                     r.context: r
                     for r in steps
-                    if (r.design, r.dtype, r.batch, r.candidate)
-                    == (design, dtype, batch, "ours-static")
+                    if (r.design, r.dtype, r.batch) == (design, dtype, batch)
+                    and r.candidate in ("ours-static", "trained")
                     and r.ms
                 }
                 if not best:
                     continue
                 contexts = sorted(best)
                 speed = [best[c].tokens_per_s for c in contexts]
-                roof = [batch * 1000 / best[c].roofline_ms for c in contexts]
-                ax.plot(contexts, speed, "o-", color=colors[design], label=f"{design} (ours)")
-                ax.plot(contexts, roof, "--", color=colors[design], alpha=0.6)
+                low = [batch * 1000 / best[c].ms_max for c in contexts]
+                high = [batch * 1000 / best[c].ms_min for c in contexts]
+                ax.plot(contexts, speed, "o-", color=colors[design], label=design)
+                ax.fill_between(contexts, low, high, color=colors[design], alpha=0.2)
+                if all(best[c].roofline_ms for c in contexts):
+                    roof = [batch * 1000 / best[c].roofline_ms for c in contexts]
+                    ax.plot(contexts, roof, "--", color=colors[design], alpha=0.6)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context (tokens)")
             ax.set_ylabel("tokens/s")
-            ax.set_title(f"{dtype}, batch {batch}; dashed: each design's roofline")
+            ax.set_title(f"{dtype}, batch {batch}; band: min-max of rounds; dashed: roofline")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
@@ -582,16 +710,23 @@ def main(argv: list[str] | None = None) -> None:
     print("command: python scripts/benchmark_long_context.py " + " ".join(sys.argv[1:]))
     rows: list[Row] = []
     for dtype_name in args.dtypes:
-        bandwidth = measure_bandwidth(args.device)
-        peak = measure_gemm_peak(args.device, DTYPES[dtype_name])
-        print(
-            f"{dtype_name}: read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM peak "
-            f"{peak / 1e9:.0f} GFLOP/s (the roofline's)",
-            flush=True,
-        )
-        for design in args.designs:
-            rows += run_design(args, design, dtype_name, shape, bandwidth, peak)
-            gc.collect()
+        if args.checkpoints:  # trained models: their own dtype (fp32) and cache
+            entries = checkpoint_entries(args)
+        else:
+            bandwidth = measure_bandwidth(args.device)
+            peak = measure_gemm_peak(args.device, DTYPES[dtype_name])
+            print(
+                f"{dtype_name}: read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM peak "
+                f"{peak / 1e9:.0f} GFLOP/s (the roofline's)",
+                flush=True,
+            )
+            entries = hf_entries(args, dtype_name, shape, bandwidth, peak)
+            if args.prefill:
+                rows += prefill_rows(args, dtype_name, entries)
+        for context, batch in args.settings:
+            rows += run_setting(args, entries, dtype_name, context, batch)
+        del entries
+        gc.collect()
     print("\nAll rows:")
     globals()["_printed_header"] = False
     print_rows(rows)

@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
@@ -28,7 +29,11 @@ def test_each_cache_holds_the_context_and_decodes_from_it(bench, candidate):
                           candidate)  # fmt: skip
     cache = bench.filled_cache(candidate, model, 20, 3, 2, model.device)
     assert [cache.get_seq_length(i) for i in range(2)] == [20, 20]
-    times = bench.time_steps(model, cache, 3, 1, model.device)  # a warm-up and one step
+
+    def step(cache, batch):
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long), cache=cache, use_cache=True)
+
+    times = bench.time_steps(step, cache, 3, 1, model.device)  # a warm-up and one step
     assert len(times) == 1 and [cache.get_seq_length(i) for i in range(2)] == [22, 22]
     # Storage held: static buffers of max_len = 22 positions; appended ones with 256 spare
     # after the 20 prefilled; HF's dynamic ones of exactly the positions.
@@ -48,6 +53,8 @@ def test_a_run_writes_its_rows_and_figure(bench, tmp_path, capsys):
     steps = [r for r in rows if r["note"] != "prefill"]
     assert len(steps) == 2 * 2 * 3 and all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in steps)
     assert {r["x_hf"] for r in steps if r["candidate"] == "hf-static"} == {1.0}
+    assert {r["x_mha"] for r in steps if r["design"] == "mha"} == {1.0}
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] and len(r["round_ms"]) == 1 for r in steps)
     assert len([r for r in rows if r["note"] == "prefill"]) == 2 * 3
     assert figure.stat().st_size > 0
     assert "read bandwidth" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from multihead.data.documents import DocumentLMDataModule
 from multihead.training.lm import position_losses
 
 from helpers.corpus import tiny_corpus_wheels
-from helpers.scripts import assert_one_error_line, run_script
+from helpers.scripts import assert_one_error_line, run_script, script_module
 from helpers.training import compose_config
 
 ATTENTION = {"mha": "mha_h8", "gqa": "gqa_h8_kv2", "mqa": "mqa_h8", "mla": "mla_h8_r24"}
@@ -74,3 +74,38 @@ def test_mqar_from_the_command_line_logs_to_wandb_and_a_bad_objective_is_one_lin
     assert list((run / "wandb").glob("offline-run-*"))
     bad = run_script("train.py", "objective=lm", f"hydra.run.dir={tmp_path / 'bad'}")
     assert_one_error_line(bad, "objective='lm'; expected translation or causal_lm")
+
+
+def test_the_long_context_benchmark_times_trained_checkpoints_interleaved(tiny, tmp_path):
+    """Two designs trained for 3 steps, timed at two settings over 3 rounds: every row has
+    its rounds, its min-max, MHA's speed ratio, and the cache bytes its design holds."""
+    from multihead.training.run import train
+
+    paths = {}
+    for design in ("mha", "mqa"):
+        out = tmp_path / design
+        cfg = compose_config(
+            "train",
+            [
+                "experiment=lm_long",
+                f"attention={ATTENTION[design]}",
+                *tiny,
+                f"paths.output_dir={out}",
+            ],
+        )
+        train(cfg)
+        paths[design] = out / "checkpoints" / "last.ckpt"
+    rows_path = tmp_path / "rows.json"
+    script_module("benchmark_long_context.py").main([
+        "--checkpoints", *[f"{d}={p}" for d, p in paths.items()], "--settings", "32x2", "96x1",
+        "--rounds", "3", "--steps", "2", "--json", str(rows_path),
+    ])  # fmt: skip
+    rows = json.loads(rows_path.read_text())
+    assert len(rows) == 4 and all(len(r["round_ms"]) == 3 and len(r["steps_ms"]) == 6 for r in rows)
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] for r in rows)
+    assert {r["x_mha"] for r in rows if r["design"] == "mha"} == {1.0}
+    # Held: max_len = context + steps + 2 positions; per token, per layer (1 layer, d 64,
+    # 8 heads of 8): MHA K and V of 8 heads, MQA of one.
+    per_token = {"mha": 2 * 8 * 8 * 4, "mqa": 2 * 1 * 8 * 4}
+    for r in rows:
+        assert r["cache_bytes"] == per_token[r["design"]] * r["batch"] * (r["context"] + 4)
