@@ -11,12 +11,14 @@ order.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from multihead.analysis.against_mha import HYPOTHESES_FILE, add_significance
+from multihead.analysis.lm_comparison import is_lm_run, read_speed_rows, write_lm_comparison
 from multihead.analysis.plots import plot_bleu_against, plot_deltas, plot_validation_curves
 from multihead.analysis.report import Report, comparison_markdown, make_report, write_csv
 from multihead.analysis.runs import (
@@ -25,7 +27,7 @@ from multihead.analysis.runs import (
     load_wandb_group,
     write_speed_record,
 )
-from multihead.analysis.wandb_log import log_to_wandb, runs_wandb_group
+from multihead.analysis.wandb_log import log_comparison, log_to_wandb, runs_wandb_group
 
 OUTPUT_FILES = (
     "comparison.md",
@@ -110,12 +112,28 @@ def compare(
         raise ValueError(
             f"give exactly one of runs=PATH or group=NAME (got runs={runs}, group={group})"
         )
-    long_context_rows = None if long_context is None else read_long_context(long_context)
     if runs is not None:
         results, source = load_local_runs(runs), str(runs)
     else:
         results = load_wandb_group(group, project, entity)
         source = f"wandb {entity + '/' if entity else ''}{project}, group {group}"
+    lm = [run for run in results if is_lm_run(run)]
+    if lm:  # the long-context comparison: decoder-only LMs and MQAR
+        if len(lm) != len(results):
+            raise ValueError(
+                f"{len(lm)} of the {len(results)} runs are decoder-only LM or MQAR runs: "
+                "compare them apart from translation runs"
+            )
+        paths = write_lm_comparison(results, out, read_speed_rows(long_context))
+        if wandb_log:
+            target = wandb_group or group or runs_wandb_group(results)
+            fields, *rows = list(csv.reader(paths[1].open()))
+            log_comparison(
+                {"long_context": (fields, rows)}, paths, group=target, project=project,
+                entity=entity, config={"source": source, "runs": len(results)},
+            )  # fmt: skip
+        return results, paths
+    long_context_rows = None if long_context is None else read_long_context(long_context)
     notes = add_significance(
         results,
         hypotheses=hypotheses,

@@ -21,6 +21,24 @@ def log_to_wandb(
     seeds and the contrasts (means, intervals, p, Holm's p, verdicts) as ``seed_means``,
     the plots as images. Offline
     without an API key, as training is. Returns the run's path or offline directory."""
+    tables = {"comparison": table_rows(report), "seed_means": seed_rows(report)}
+    config = {"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name}
+    return log_comparison(tables, paths, group=group, project=project, entity=entity, config=config)
+
+
+def log_comparison(
+    tables: dict[str, tuple[list[str], list[list]]],
+    paths: list[Path],
+    *,
+    group: str | None,
+    project: str,
+    entity: str | None,
+    config: dict,
+) -> str:
+    """Log ``tables`` (name -> (columns, rows)) as ``wandb.Table`` s and the PNGs of ``paths``
+    as images to a wandb run of its own (job type ``comparison``) in ``group``, beside the
+    runs it compares. Offline without an API key. Returns the run's path or offline
+    directory."""
     import wandb
 
     out = paths[0].parent
@@ -32,14 +50,11 @@ def log_to_wandb(
         name=f"comparison-{group}" if group else "comparison",
         job_type="comparison",
         dir=str(out),
-        config={"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name},
+        config=config,
     )
     try:
         logged = {}
-        for name, (fields, rows) in (
-            ("comparison", table_rows(report)),
-            ("seed_means", seed_rows(report)),
-        ):
+        for name, (fields, rows) in tables.items():
             if rows:
                 cells = [
                     [c if isinstance(c, (int, float)) or c is None else str(c) for c in row]
