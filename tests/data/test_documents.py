@@ -48,7 +48,8 @@ def test_the_corpus_is_built_by_pip_from_pinned_wheels_the_same_bytes_every_time
     texts = [d["text"] for d in train + held]
     assert len(texts) == len(set(texts))  # the exact duplicate went
     assert card["dropped"]["exact_duplicates"] == 1
-    # No directory on both sides, and no held-out file shares half its lines with a training one.
+    # No split key (a path's first three components) on both sides, and no held-out file shares
+    # half its lines with a training one.
     directory = lambda d: "/".join(d["path"].split("/")[:3])  # noqa: E731
     assert not {directory(d) for d in train} & {directory(d) for d in held}
     for doc in held:

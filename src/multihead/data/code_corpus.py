@@ -5,9 +5,11 @@ reads, and a held-out split with nothing shared across it. On a machine that rea
 the package registries, the corpus is built the way ``datasets`` downloads a Hub dataset on
 first use: ``pip download`` fetches pinned wheels, checked against their SHA-256 (so the
 bytes are the same everywhere), and every ``.py`` file of at least ``MIN_BYTES`` becomes one
-document. Files are split by directory (three path components, e.g. ``sympy/physics/quantum``),
-so a module's neighbours never straddle the split; exact duplicates are dropped, then any
-held-out file whose set of lines overlaps a training file's by Jaccard >= ``NEAR_DUPLICATE``.
+document. Files are split by the first three components of their path, chosen by its hash
+(``HELD_OUT_PERCENT``): a deeper file goes with its directory (``sympy/physics/quantum``),
+a file two levels down alone (``sympy/core/cache.py``). Exact duplicates are dropped, then
+any held-out file whose set of lines overlaps a training file's by Jaccard >=
+``NEAR_DUPLICATE``.
 
 The result is two JSON-lines files and ``card.json`` (packages, licences, hashes, counts,
 the files' own SHA-256), read with ``datasets.load_dataset("json", ...)``.
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 VERSION = "python-packages-v1"
 MIN_BYTES = 4096  # shorter files could not fill a window of the context
 NEAR_DUPLICATE = 0.5  # line-set Jaccard at or above which a held-out file is dropped
-HELD_OUT_PERCENT = 10  # of directories, chosen by their name's hash
+HELD_OUT_PERCENT = 10  # of the paths' first three components, chosen by their hash
 
 
 @dataclass(frozen=True)
