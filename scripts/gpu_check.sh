@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU paths in one command, on a CUDA machine, in about 15 minutes: the GPU tests, three
+# The GPU paths in one command, on a CUDA machine, in about 20 minutes: the GPU tests, three
 # minutes of the Multi30k recipe in bf16 with its throughput, the attention benchmark for
-# every backend in bf16 and fp16, the training-step benchmark and long-context decoding;
-# one markdown report.
+# every backend in bf16 and fp16, the training-step benchmark, long-context decoding, and
+# short runs of the long-context LM and MQAR; one markdown report.
 #
 #   scripts/gpu_check.sh [REPORT]        # default outputs/gpu_check.md
 #
@@ -145,6 +145,19 @@ section "Long-context decoding, bf16 (MHA, GQA, MQA, MLA)" 300 \
     "$python" scripts/benchmark_long_context.py --device cuda --dtypes bf16 \
     --settings 4096x1 4096x8 16384x1 16384x8 --steps 5 --rounds 2 --prefill 1024 \
     --json "$work/long_context.json"
+
+# The long-context comparison's experiments, short, in the GPU's mixed precision: the LM on
+# the Python corpus (context 2,048) and the recall probe. The corpus is built by pip download
+# on first use: on a GPU machine that reaches no registry, carry outputs/cache (where a run on
+# this checkout built it) with the checkout.
+section "Decoder-only LM at long context, 100 steps (precision auto)" 300 \
+    "$python" scripts/train.py experiment=lm_long trainer=gpu trainer.precision=auto \
+    trainer.max_steps=100 trainer.val_check_interval=50 logger=csv \
+    "hydra.run.dir=$work/lm_long"
+section "MQAR, 200 steps (precision auto)" 180 \
+    "$python" scripts/train.py experiment=mqar trainer=gpu trainer.precision=auto \
+    trainer.max_steps=200 trainer.val_check_interval=100 logger=csv \
+    "hydra.run.dir=$work/mqar"
 
 # ---------------------------------------------------------------- the report
 {
