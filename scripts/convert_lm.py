@@ -4,8 +4,8 @@ with issue 67's ablation of the MLA conversion.
 python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02 0.05] [--lr 3e-4]
     [--methods gqa mla_svd mla_pca mla_pca_bkv mla_pca_bkv_shared] [--distill] [--seed 0]
 
-``RUN_DIR`` is a ``scripts/train_lm.py`` run (``hf/``, ``tokenizer.json``, ``summary.json``,
-``.hydra/config.yaml``). Every attention module is swapped for the layer
+``RUN_DIR`` is a ``scripts/train.py experiment=lm_multi30k`` run (``hf/``, ``tokenizer.json``,
+``summary.json``, ``.hydra/config.yaml``). Every attention module is swapped for the layer
 (``replace_hf_attention``), then each layer is converted (``convert_attention``):
 
 * ``gqa``: ``with_kv_heads`` (mean-pooled K/V heads), 4, 2 and 1 K/V heads;

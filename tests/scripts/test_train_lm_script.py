@@ -1,4 +1,5 @@
-"""scripts/train_lm.py: a tiny Llama-shaped LM trained for three steps writes its model, and
+"""scripts/train.py experiment=lm_multi30k: a tiny Llama-shaped LM trained for three steps
+writes its model (also as hf/), and
 the perplexity it reports is the saved model's, recomputed here with plain cross-entropy; a
 bad model value ends the process with one line. scripts/convert_lm.py on that run: the
 swapped model scores the trained one's perplexity, the caches are the asked fractions, and a
@@ -22,10 +23,11 @@ from multihead.data.tokenizer import Tokenizer
 from helpers.scripts import assert_one_error_line, run_script
 
 TINY = (
-    "data.vocab_size=300", "data.block_size=32", "data.batch_size=8",
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.intermediate_size=64", "trainer.max_steps=3", "trainer.val_check_interval=3",
-    "module.scheduler.warmup_steps=1", "module.scheduler.cooldown_steps=1",
+    "experiment=lm_multi30k", "data.vocab_size=300", "data.block_size=32", "data.batch_size=8",
+    "model.hidden_size=32", "model.num_layers=1", "attention.num_heads=4",
+    "attention.num_kv_heads=2", "model.intermediate_size=64", "trainer.max_steps=3",
+    "trainer.val_check_interval=3", "module.scheduler.warmup_steps=1",
+    "module.scheduler.cooldown_steps=1",
 )  # fmt: skip
 
 
@@ -33,7 +35,7 @@ TINY = (
 def tiny_run(tmp_path_factory, multi30k_dir, cache_dir):
     run = tmp_path_factory.mktemp("lm") / "run"
     result = run_script(
-        "train_lm.py", *TINY, f"data.local_dir={multi30k_dir}", f"paths.cache_dir={cache_dir}",
+        "train.py", *TINY, f"data.local_dir={multi30k_dir}", f"paths.cache_dir={cache_dir}",
         f"hydra.run.dir={run}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -63,7 +65,7 @@ def test_a_tiny_training_writes_a_model_that_scores_its_reported_perplexity(
 
 def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
     result = run_script(
-        "train_lm.py", *TINY, "model.num_kv_heads=3", f"data.local_dir={multi30k_dir}",
+        "train.py", *TINY, "attention.num_kv_heads=3", f"data.local_dir={multi30k_dir}",
         f"paths.cache_dir={cache_dir}", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     assert_one_error_line(result, "num_kv_heads=3 must divide num_heads=4")

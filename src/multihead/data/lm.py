@@ -89,6 +89,15 @@ class LanguageModelDataModule(L.LightningDataModule):
         """The tokenizer's ids, special tokens included (after :meth:`setup`)."""
         return self.tokenizer.vocab_size
 
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def save_tokenizer(self, run_dir: str | Path) -> None:
+        """The tokenizer as ``<run_dir>/tokenizer.json``."""
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(Path(run_dir) / "tokenizer.json")
+
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(

@@ -31,7 +31,24 @@ def build_model(
         for section in per_sublayer.values():
             if section:
                 section.pop("backend", None)
-    if str(config["model"].get("_target_", "")).endswith("DecoderLM"):
+    target = str(config["model"].get("_target_", ""))
+    if target.endswith("build_llama_lm"):  # HF's Llama: its heads alone come from attention
+        # (its attention is HF's eager code: the backend is not the layer's to choose)
+        heads = ("num_heads", "num_kv_heads", "backend", "design_options")
+        asked = {k: v for k, v in attention.items() if k not in heads and v not in (None, {})}
+        for name, section in per_sublayer.items():
+            if any(v not in (None, {}) for v in (section or {}).values()):
+                asked[name] = section
+        if asked:
+            raise ValueError(
+                f"attention {asked}: the HF Llama LM (model=llama_lm) takes only its heads "
+                "from attention (num_heads, num_kv_heads)"
+            )
+        return instantiate(
+            config["model"], vocab_size=vocab_size, pad_id=pad_id,
+            num_heads=attention["num_heads"], num_kv_heads=attention["num_kv_heads"],
+        )  # fmt: skip
+    if target.endswith("DecoderLM"):
         for name in ("encoder_self_attention", "cross_attention"):
             given = {k: v for k, v in (per_sublayer[name] or {}).items() if v not in (None, {})}
             if given:

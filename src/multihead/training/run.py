@@ -91,6 +91,15 @@ def model_summary(model) -> dict[str, Any]:
     The head settings are the decoder self-attention's, the sublayer whose K/V heads the
     decoding cache holds; ``head_tag`` (also the run name) spells out all three kinds.
     """
+    if not hasattr(model, "head_config"):  # a Hugging Face causal LM (experiment=lm_multi30k)
+        config = model.config
+        H, G = config.num_attention_heads, config.num_key_value_heads
+        kind = "mha" if G == H else "mqa" if G == 1 else "gqa"
+        tag = f"{config.model_type}-{kind}{H}" + (f"kv{G}" if kind == "gqa" else "")
+        return {
+            "run_name": tag, "head_tag": tag, "kind": kind, "num_heads": H, "num_kv_heads": G,
+            "params/total": sum(p.numel() for p in model.parameters()),
+        }  # fmt: skip
     heads = model.head_config["decoder_self_attention"]
     fractions = [attn.active_head_fraction for *_, attn in model.attention_sublayers()]
     return {
@@ -151,13 +160,14 @@ def decode_summary(
     return result
 
 
-def build_loggers(cfg: DictConfig, model, wandb_id: str | None) -> list:
-    """The configured loggers; a wandb run is named and tagged after the built model."""
+def build_loggers(cfg: DictConfig, head_tag: str, wandb_id: str | None) -> list:
+    """The configured loggers; a wandb run is named and tagged after the built model's
+    heads (``head_tag``)."""
     loggers = []
     for logger_cfg in (cfg.get("logger") or {}).values():
         extra = {}
         if str(logger_cfg.get("_target_", "")).endswith("WandbLogger"):
-            extra = {"name": model.head_tag, "tags": model.head_tag.split("_")}
+            extra = {"name": head_tag, "tags": head_tag.split("_")}
             if wandb_id is not None:  # a resumed job continues its wandb run's charts
                 extra |= {"id": wandb_id, "resume": "allow"}
         loggers.append(instantiate(logger_cfg, **extra))
@@ -259,7 +269,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     summary = {**model_summary(model), "seed": cfg.seed}  # compare.py pairs runs by seed
     log.info("model: %s", summary)
 
-    loggers = build_loggers(cfg, model, wandb_id)
+    loggers = build_loggers(cfg, summary["head_tag"], wandb_id)
     callbacks = build_callbacks(cfg, loggers)
     precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     if precision["float32_matmul_precision"] is not None:
@@ -321,8 +331,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def train_language_model(cfg: DictConfig) -> dict[str, Any]:
-    """Train a decoder-only LM (``objective=causal_lm``: ``experiment=lm_long``, ``mqar``) as
-    ``cfg`` says, with the same loggers, callbacks, precision and resuming as translation.
+    """Train a decoder-only LM (``objective=causal_lm``: ``experiment=lm_long``, ``mqar``,
+    ``lm_multi30k``) as ``cfg`` says, with the same loggers, callbacks, precision and
+    resuming as translation. A Hugging Face model (``lm_multi30k``'s Llama, which
+    ``scripts/convert_lm.py`` converts) is also saved with ``save_pretrained`` as ``hf/``.
 
     Returns the run summary (also ``<run dir>/summary.json`` and wandb's run summary): the
     heads, parameter counts and KV-cache bytes per token, the final held-out figures (loss
@@ -344,7 +356,7 @@ def train_language_model(cfg: DictConfig) -> dict[str, Any]:
     module.run_config = config
     summary = {**model_summary(model), "seed": cfg.seed}
     log.info("model: %s", summary)
-    loggers = build_loggers(cfg, model, wandb_id)
+    loggers = build_loggers(cfg, summary["head_tag"], wandb_id)
     precision = trainer_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
@@ -368,6 +380,8 @@ def train_language_model(cfg: DictConfig) -> dict[str, Any]:
             summary["run/cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             summary["run/wandb_group"] = cfg.get("wandb_group")
             write_summary(run_dir, summary, trainer)
+            if hasattr(model, "save_pretrained"):  # a Hugging Face model: its own format too
+                model.save_pretrained(Path(run_dir) / "hf")
     finally:
         finish_wandb()
     log.info("run directory: %s", run_dir)
