@@ -29,13 +29,22 @@ def base(tmp_path: Path) -> list[str]:
     return [f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"]
 
 
+# The translation models; the decoder-only ones (decoder_lm, llama_lm) are tested below.
+TRANSLATION_MODELS = [m for m in options("model") if m.startswith("transformer")]
+LM_DATA = ("documents", "mqar", "lm_multi30k")  # tested in tests/data and tests/scripts
+
+
 @pytest.mark.parametrize("attention", options("attention"))
-@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("model", [*TRANSLATION_MODELS, "decoder_lm"])
 def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> None:
     """Every layer has the heads its preset names: H, G, the design and the design's options
     (each design's tag and formula are tested in tests/attention, so a new preset needs
-    nothing here)."""
-    cfg = compose_config("train", [f"model={model}", f"attention={attention}", *base(tmp_path)])
+    nothing here); the decoder-only LM takes every preset as the Transformer does."""
+    lm = ["experiment=lm_long"] if model == "decoder_lm" else []
+    overrides = [*lm, f"model={model}", f"attention={attention}", *base(tmp_path)]
+    cfg = compose_config("train", overrides)
+    if not lm and cfg.attention.get("rotary_dim") is not None:  # a preset with a rotary key
+        cfg = compose_config("train", [*overrides, "model.positional=rope"])
     net = build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
     heads = cfg.attention
     H, G = heads.num_heads, heads.num_kv_heads or heads.num_heads
@@ -47,11 +56,25 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
         assert (attn.head_config["kind"], attn.num_heads, attn.num_kv_heads) == (kind, H, G)
         assert type(attn.design) is (type(None) if design is None else design)
         assert asked.items() <= (attn.design.options if design else {}).items()
+    if lm:
+        assert net(torch.randint(4, 100, (2, 5))).shape == (2, 5, 100)
+        return
     logits = net(torch.randint(4, 100, (2, 5)), torch.randint(4, 100, (2, 4)))
     assert logits.shape == (2, 4, 100)
 
 
-@pytest.mark.parametrize("data", options("data"))
+def test_the_hf_llama_lm_takes_heads_alone_from_the_attention_group(tmp_path) -> None:
+    cfg = compose_config(
+        "train", ["experiment=lm_multi30k", "attention=gqa_h8_kv2", *base(tmp_path)]
+    )
+    net = build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
+    assert (net.config.num_attention_heads, net.config.num_key_value_heads) == (8, 2)
+    cfg = compose_config("train", ["experiment=lm_multi30k", "attention=mla", *base(tmp_path)])
+    with pytest.raises(ValueError, match="model=llama_lm\) takes only its heads from attention"):
+        build_model(OmegaConf.to_container(cfg, resolve=True), vocab_size=100, pad_id=0)
+
+
+@pytest.mark.parametrize("data", [d for d in options("data") if d not in LM_DATA])
 def test_data_options_instantiate(data, tmp_path) -> None:
     cfg = compose_config("train", [f"data={data}", *base(tmp_path)])
     dm = instantiate(cfg.data)
