@@ -370,8 +370,12 @@ def train_language_model(cfg: DictConfig) -> dict[str, Any]:
         logger.log_hyperparams({**config, **summary})
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # The held-out figures of the weights training ended with (the last validation of
+        # fit may be steps before the end); also what a resumed finished run reports.
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)
         if trainer.is_global_zero:
             summary.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+            summary.update({k: float(v) for k, v in final[0].items()})
             summary["data"] = getattr(datamodule, "stats", None)
             summary["steps"] = trainer.global_step
             summary |= {"run/start": started, "run/end": utc_now()}
