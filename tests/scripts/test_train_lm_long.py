@@ -39,14 +39,17 @@ def tiny(tmp_path_factory):
 def test_a_tiny_run_of_each_design_writes_what_it_measured(design, tiny, tmp_path):
     from multihead.training.run import train
 
+    # The last validation in fit comes at step 2 of 3: the summary must hold the final
+    # weights' figures all the same (the validation after fit).
     overrides = ["experiment=lm_long", f"attention={ATTENTION[design]}", *tiny]
+    overrides.append("trainer.val_check_interval=2")
     cfg = compose_config("train", [*overrides, f"paths.output_dir={tmp_path}"])
     summary = train(cfg)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary))
     assert summary["steps"] == 3 and summary["kind"] == design
     buckets = ["val/loss@0-63"]  # context 64: one bucket below the first edge
     assert all(b in summary for b in buckets) and "val/loss@64-255" not in summary
-    # The checkpoint rebuilds the trained model: its held-out loss is the one reported.
+    # The final checkpoint rebuilds the trained model: its held-out loss is the one reported.
     trained = load_trained_model(tmp_path / "checkpoints" / "last.ckpt")
     data = DocumentLMDataModule(
         **{k: v for k, v in cfg.data.items() if k not in ("_target_",)}
