@@ -76,5 +76,5 @@ def test_translation_runs_and_repeated_seeds_are_refused(lm_runs, tmp_path):
     (lm_runs / "translation").rmdir()
     write_run(lm_runs / "again", "gqa", 2, {"val/loss": 2.0, "val/loss@0-63": 2.0,
                                              "val/loss@64-127": 2.0})  # fmt: skip
-    with pytest.raises(ValueError, match="two gqa runs with seed 2"):
+    with pytest.raises(ValueError, match="two lm-gqa8-rope_sdpa runs with seed 2"):
         compare(tmp_path / "out", runs=lm_runs)

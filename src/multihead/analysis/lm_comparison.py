@@ -53,18 +53,24 @@ def figures(runs: list[RunResult], prefix: str) -> list[str]:
 
 
 def by_design(runs: list[RunResult]) -> dict[str, dict[Any, RunResult]]:
-    """``{design: {seed: run}}``; two runs of one design and seed are refused."""
-    designs: dict[str, dict[Any, RunResult]] = {}
+    """``{design: {seed: run}}``, a design being a run name (the heads and the design's
+    options, e.g. ``lm-mla8r24rope8_sdpa``) shown by its kind where the kind is unique;
+    two runs of one design and seed are refused."""
+    groups: dict[str, dict[Any, RunResult]] = {}
     for run in runs:
-        design = str(run.get("kind"))
-        seeds = designs.setdefault(design, {})
+        seeds = groups.setdefault(str(run.get("run_name")), {})
         if run.seed in seeds:
             raise ValueError(
-                f"two {design} runs with seed {run.seed}: {seeds[run.seed].source} and "
-                f"{run.source}; compare one run per design and seed"
+                f"two {run.get('run_name')} runs with seed {run.seed}: {seeds[run.seed].source} "
+                f"and {run.source}; compare one run per design and seed"
             )
         seeds[run.seed] = run
-    return dict(sorted(designs.items(), key=lambda kv: DESIGN_ORDER.get(kv[0], 9)))
+    kinds = [str(next(iter(s.values())).get("kind")) for s in groups.values()]
+    named = {
+        (kind if kinds.count(kind) == 1 else f"{kind} ({name})"): seeds
+        for kind, (name, seeds) in zip(kinds, groups.items(), strict=True)
+    }
+    return dict(sorted(named.items(), key=lambda kv: DESIGN_ORDER.get(kv[0].split()[0], 9)))
 
 
 def tests_against_mha(
