@@ -63,6 +63,8 @@ def test_each_design_is_tested_against_the_mha_run_of_its_seed(lm_runs, tmp_path
     mqa = next(line for line in section.splitlines() if line.startswith("| mqa"))
     assert mqa.endswith("| higher |")
     assert "| 128 x 2 | 1.00 (0.90-1.20) | 4.00 (1.00-5.00) |" in text
+    # Context use by hand: MHA seed 1: 1 - 1.80 / 2.50 = 28.00%.
+    assert "| mha | +28.00%, +25.49%, +26.59% |" in text
     csv_lines = paths[1].read_text().splitlines()
     assert len(csv_lines) == 1 + 9 and csv_lines[0].startswith("task,design,seed,val/loss")
 

@@ -165,6 +165,23 @@ def speed_section(rows: list[dict[str, Any]]) -> str:
     return _table(headers, lines)
 
 
+def context_use_section(designs, first: str, last: str) -> str:
+    """How much each design's loss falls from the first position bucket to the last: what
+    distant context is worth to it (per seed, and their mean)."""
+    rows = []
+    for design, seeds in designs.items():
+        gains = [
+            100 * (1 - number(r.get(last)) / number(r.get(first)))
+            for r in seeds.values()
+            if r.get(first) is not None and r.get(last) is not None
+        ]
+        if gains:
+            per_seed = ", ".join(f"{g:+.2f}%" for g in gains)
+            rows.append([design, per_seed, f"{statistics.fmean(gains):+.2f}%"])
+    what = f"Context use: the loss at {last.split('@')[1]} below the loss at {first.split('@')[1]}"
+    return f"**{what}**\n\n" + _table(["design", "per seed", "mean"], rows)
+
+
 def runs_section(designs) -> str:
     rows = []
     for design, seeds in designs.items():
@@ -234,6 +251,7 @@ def write_lm_comparison(
         every = [r for seeds in lm.values() for r in seeds.values()]
         keys = ["val/loss", *figures(every, "val/loss@")]
         parts += ["## The language model\n", runs_section(lm), ""]
+        parts += [context_use_section(lm, keys[1], keys[-1]), ""]
         parts += [quality_section(lm, keys, LOSS_MARGIN, "held-out loss, nats"), ""]
         csv_rows += [
             {"task": "lm", "design": d, "seed": s, **{k: r.get(k) for k in keys + ["val/ppl"]}}
