@@ -21,6 +21,7 @@ from multihead.analysis.plots import plot_bleu_against, plot_deltas, plot_valida
 from multihead.analysis.report import Report, comparison_markdown, make_report, write_csv
 from multihead.analysis.runs import (
     RunResult,
+    check_seed_configs,
     load_local_runs,
     load_wandb_group,
     write_speed_record,
@@ -116,6 +117,7 @@ def compare(
     else:
         results = load_wandb_group(group, project, entity)
         source = f"wandb {entity + '/' if entity else ''}{project}, group {group}"
+    check_seed_configs(results)  # a run name pools seeds of one configuration only
     notes = add_significance(
         results,
         hypotheses=hypotheses,
