@@ -224,16 +224,28 @@ def has_repeats(runs: list[RunResult]) -> bool:
     return len(set(names)) < len(names)
 
 
-# Config keys in which the seeds of one configuration may differ: the seed, and where a run
-# reads and writes (paths, the corpus's directory, loggers, its wandb group, a resume).
-NOT_THE_CONFIGURATION = ("seed", "module.seed", "ckpt_path", "wandb_group", "data.local_dir")
-NOT_THE_CONFIGURATION_PREFIXES = ("paths.", "logger.")
+# Config keys in which the seeds of one configuration may differ: a seed at any level, and
+# where a run reads and writes (any *dir or *dirpath, the loggers, its wandb group, a resume;
+# wandb keeps the config resolved, so these name each run's own directory there).
+NOT_THE_CONFIGURATION = ("ckpt_path", "wandb_group")
+NOT_THE_CONFIGURATION_PREFIXES = ("logger.",)
+
+
+def _not_the_configuration(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return (
+        leaf == "seed"
+        or leaf.endswith(("dir", "dirpath"))
+        or key in NOT_THE_CONFIGURATION
+        or key.startswith(NOT_THE_CONFIGURATION_PREFIXES)
+    )
 
 
 def check_seed_configs(runs: list[RunResult]) -> None:
     """Refuse to pool runs that share a run name (seeds of one configuration) but whose
-    configs differ in anything but :data:`NOT_THE_CONFIGURATION`, naming the first key that
-    differs. Runs without a kept config (``.hydra/config.yaml``, wandb's) are not checked."""
+    configs differ in anything but a seed and where they read and write
+    (:data:`NOT_THE_CONFIGURATION`), naming the first key that differs. Runs without a
+    kept config (``.hydra/config.yaml``, wandb's) are not checked."""
     for name, group in seed_groups(runs).items():
         kept = [run for run in group if run.config is not None]
         if len(kept) < 2:
@@ -242,9 +254,7 @@ def check_seed_configs(runs: list[RunResult]) -> None:
         for run in kept[1:]:
             other = _flat(run.config)
             for key in sorted(first.keys() | other.keys()):
-                if key in NOT_THE_CONFIGURATION or key.startswith(NOT_THE_CONFIGURATION_PREFIXES):
-                    continue
-                if first.get(key) != other.get(key):
+                if not _not_the_configuration(key) and first.get(key) != other.get(key):
                     raise ValueError(
                         f"runs {kept[0].source} and {run.source} share the run name {name!r} but "
                         f"their configs differ in {key} ({first.get(key)!r} against "
