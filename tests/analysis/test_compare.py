@@ -630,3 +630,27 @@ def test_a_long_context_file_that_is_not_the_benchmark_s_is_named(runs_dir, tmp_
     with pytest.raises(ValueError, match=r"long_context=.*rows.json: expected a list of rows"):
         compare(tmp_path / "out", runs=runs_dir, long_context=bad)
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_runs_of_one_name_whose_configs_differ_beyond_the_seed_are_not_pooled(tmp_path):
+    """Two settings of a design's option once shared a run name, and their runs were
+    averaged as two seeds of one model. Seeds, and where runs write, may differ."""
+    root = tmp_path / "runs"
+    configs = {
+        "a": "seed: 1\npaths:\n  log_dir: /a\nattention:\n  design_options:\n    cap: 5\n",
+        "b": "seed: 2\npaths:\n  log_dir: /b\nattention:\n  design_options:\n    cap: 5\n",
+        "c": "seed: 3\npaths:\n  log_dir: /c\nattention:\n  design_options:\n    cap: 3\n",
+    }
+    for job, config in configs.items():
+        (root / job / ".hydra").mkdir(parents=True)
+        (root / job / ".hydra" / "config.yaml").write_text(config)
+        (root / job / "summary.json").write_text(json.dumps(summary("mha", 4, 4)))
+    shutil.move(root / "c", tmp_path / "c")  # a and b: seeds of one configuration
+    runs, _ = compare(tmp_path / "out", runs=root)
+    assert len(runs) == 2
+    shutil.move(tmp_path / "c", root / "c")
+    with pytest.raises(ValueError) as error:
+        compare(tmp_path / "out", runs=root)
+    message = str(error.value)
+    assert "share the run name 'mha-h4-kv4-sdpa'" in message and "\n" not in message
+    assert "differ in attention.design_options.cap (5 against 3)" in message

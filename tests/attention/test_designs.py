@@ -164,11 +164,14 @@ def test_an_option_is_what_its_design_gets_even_another_designs_off_value(outsid
     assert layer.design.num_shared == 0 and layer.head_config["num_shared_heads"] == 0
 
 
-class Nameless(SharedHeads):
-    """Its options, the interface's default, leave out its option and (always) its name."""
+class Nameless(HeadDesign):
+    """No options of its own: its options, the interface's default, leave out its name."""
 
     name = attribute = "nameless"
-    options = HeadDesign.options
+    conversions = frozenset({"with_kv_heads"})
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None):
+        super().__init__()
 
 
 class WrongOption(SharedHeads):
@@ -209,3 +212,60 @@ def test_head_config_names_the_design_that_options_leaves_out(outside):
 def test_options_that_would_not_build_the_design_again_are_refused_when_built(design, message):
     with pytest.raises(ValueError, match=rf"head design '{design.name}' .*{message}"):
         MultiHeadAttention(E, H, design=design)
+
+
+class Optionless(SharedHeads):
+    """Takes an option, and keeps the interface's options, which return none."""
+
+    name = attribute = "optionless"
+    options = HeadDesign.options
+
+
+class Forgetful(SharedHeads):
+    """Its own options property, which leaves out its one option (default 3)."""
+
+    name = attribute = "forgetful"
+
+    @property
+    def options(self) -> dict[str, int]:
+        return {}
+
+
+def test_a_design_whose_options_are_the_interfaces_is_refused_when_registered(outside):
+    """It built without a word, and its head_config rebuilt it with its defaults."""
+    with pytest.raises(ValueError, match=r"'optionless' \(Optionless\) takes option "
+                       r"num_shared_heads but has no options property of its own"):  # fmt: skip
+        register_design("optionless", Optionless)
+    module = outside("outside_optionless", SCALED.replace("    @property\n    def options(self):"
+                     "\n        return {\"factor\": self.factor}\n", ""))  # fmt: skip
+    with pytest.raises(ValueError, match=r"'scaled' \(Scaled\) takes option factor but has no"):
+        MultiHeadAttention(E, H, design=f"{module}.Scaled")
+
+
+def test_a_design_built_with_an_option_its_options_leave_out_is_refused_by_name(outside):
+    """At its default the option may be left out (the default builds it again); set to
+    anything else it would be lost from head_config and from the run's tag."""
+    register_design("forgetful", Forgetful)
+    assert MultiHeadAttention(E, H, design="forgetful", num_shared_heads=3).design.num_shared == 3
+    with pytest.raises(ValueError, match=r"'forgetful' \(Forgetful\): its options property "
+                       r"leaves out num_shared_heads=1, which is not the default"):  # fmt: skip
+        MultiHeadAttention(E, H, design="forgetful", num_shared_heads=1)
+
+
+def test_runs_of_two_settings_of_an_option_get_two_tags(outside):
+    """Both were enc-mha4-shared3_..., so compare.py pooled two models as seeds of one; the
+    default, given or not, is one model and one tag."""
+    from helpers.models import tiny_model
+
+    register_design("shared3", SharedHeads)
+
+    def run_tag(**options) -> str:
+        design = {"design": "shared3", "design_options": options}
+        return tiny_model(attention={"num_heads": H, **design}).head_tag
+
+    assert (
+        run_tag()
+        == run_tag(num_shared_heads=3)
+        == "_".join(f"{part}-mha4-shared3" for part in ("enc", "dec", "cross")) + "_sdpa"
+    )
+    assert len({run_tag(), run_tag(num_shared_heads=1), run_tag(num_shared_heads=2)}) == 3

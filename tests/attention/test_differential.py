@@ -124,12 +124,15 @@ def test_head_mask_is_refused() -> None:
 
 def test_tag_config_and_conversion_keep_the_design() -> None:
     layer = diff_layer(4, 4, lambda_init=0.5)
-    assert layer.head_tag == "mha4-diff"
+    # A lambda_init of its own is another model than the paper's by depth: another tag.
+    assert MultiHeadAttention(E, 4, design="diff").head_tag == "mha4-diff"
+    assert layer.head_tag.startswith("mha4-diff-")
+    suffix = layer.head_tag.removeprefix("mha4-diff")
     assert layer.head_config == dict(
         kind="mha", num_heads=4, num_kv_heads=4, design="diff", lambda_init=0.5, norm_eps=1e-5
     )
     pooled = with_kv_heads(layer, 2)
-    assert pooled.head_tag == "gqa4kv2-diff" and pooled.design.lambda_init == 0.5
+    assert pooled.head_tag == f"gqa4kv2-diff{suffix}" and pooled.design.lambda_init == 0.5
     torch.testing.assert_close(pooled.design.lambda_q2, layer.design.lambda_q2, rtol=0, atol=0)
     assert MultiHeadAttention(E, 4, design="diff").design.lambda_init == lambda_init_at(0)
 

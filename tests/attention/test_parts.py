@@ -294,26 +294,21 @@ def test_a_design_without_attribute_is_named():
 # --------------------------------------------------------------------------- the interface
 class SigmoidAttention(HeadDesign):
     """Sigmoid attention (Ramapuram et al., 2024): ``sigmoid(Q K^T / sqrt(D) - log n) V``, ``n``
-    the key length. Cached decoding would give each step its own ``n`` (0.13 to 0.46 off the
-    full pass, issue 65): the design sees the cache and refuses it, naming itself."""
+    the key length. Cached decoding would give each step its own ``n``, the keys so far: the
+    design says it refuses the cache."""
 
     name = attribute = "sigmoid"
+    refuses_kv_cache = True
 
     def on_weights(self, weights, scores, mask):
         return torch.sigmoid(scores - math.log(scores.shape[-1]))
 
-    def attend(self, q, k, v, mask, call):
-        if call.kv_cache is not None:
-            raise ValueError(
-                f"head design {self.name!r} takes the key length n of the whole sentence, "
-                "which cached decoding does not see; decode without a KV cache"
-            )
-        return call.attend(q, k, v, mask)
 
-
-def test_a_design_sees_the_cache_and_may_refuse_cached_decoding():
+def test_a_design_that_refuses_the_cache_gets_none_in_self_attention():
+    """Refused by name in self-attention; cross-attention's cache holds the whole memory,
+    every key, so it is taken there and equals the full pass."""
     layer = MultiHeadAttention(16, 4, backend="math", design=SigmoidAttention()).eval()
-    x = torch.randn(2, 5, 16)
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
     q, k, v = layer.in_proj.qkv(x)  # (B, H, L, D): the formula by hand
     scores = q @ k.transpose(-1, -2) * layer.scale - math.log(5)
     scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
@@ -321,8 +316,11 @@ def test_a_design_sees_the_cache_and_may_refuse_cached_decoding():
     want = layer.out_proj(heads.transpose(1, 2).reshape(2, 5, 16))
     with torch.no_grad():
         torch.testing.assert_close(layer(x, is_causal=True), want)
-        with pytest.raises(ValueError, match="'sigmoid' takes the key length n of the whole"):
+        with pytest.raises(ValueError, match="'sigmoid' refuses a KV cache in self-attention"):
             layer(x[:, :1], is_causal=True, kv_cache=layer.make_kv_cache(2, 5))
+        cache = layer.make_kv_cache(2, 3)
+        steps = [layer(x[:, i : i + 1], memory, kv_cache=cache) for i in range(5)]
+        torch.testing.assert_close(torch.cat(steps, 1), layer(x, memory))
 
 
 class SeesTheCall(HeadDesign):
@@ -364,6 +362,10 @@ class OwnRotary(HeadDesign):
     def __init__(self, e, h, g, *, bias, device=None, dtype=None, rotary_dim=None):
         super().__init__()
         self.rotary_dim = rotary_dim
+
+    @property
+    def options(self):
+        return {"rotary_dim": self.rotary_dim}
 
 
 def test_a_design_that_takes_rotary_dim_gets_only_the_rotary_keywords_it_takes():

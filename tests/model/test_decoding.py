@@ -1,13 +1,16 @@
+import logging
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from multihead.attention import DESIGNS
 from multihead.model import beam_search, greedy_decode, max_output_lengths
 
-from helpers import HostReads
-from helpers.models import BOS, EOS, PAD, decoding_model, random_src, tiny_model
+from helpers import REPO_ROOT, HostReads
+from helpers.designs import write_sigmoid
+from helpers.models import BOS, EOS, PAD, VOCAB, decoding_model, random_src, tiny_model
 
 LIMITS = dict(max_len_a=1.0, max_len_b=4)
 BEAM = dict(length_penalty=1.0, **LIMITS)
@@ -98,6 +101,74 @@ def test_greedy_matches_uncached_reference(seed, positional):
     expected = [naive_greedy(model, row, _max_len(row, **LIMITS, max_positions=64)) for row in src]
     assert outputs == expected
     assert len({len(o) for o in outputs}) > 2  # the test covers varied stopping points
+
+
+# Every head design the docs name, as the Transformer's attention config: the package's
+# (docs/reuse.md's table), the example docs/examples/own_head_design.py, and sigmoid
+# attention (tests/helpers/designs.py, which docs/reuse.md cites), whose n is the key length
+# (it refuses the cache) or a number (it does not).
+SIGMOID = "sigmoid_attention.Sigmoid"
+DOCUMENTED_DESIGNS = {
+    "moh": {"design": "moh", "design_options": {"top_k_heads": 2, "num_shared_heads": 1}},
+    "talking_heads": {"design": "talking_heads", "backend": "math"},
+    "group_mlp": {"design": "group_mlp"},
+    "head_attention": {"design": "head_attention"},
+    "diff": {"design": "diff"},
+    "mla": {"design": "mla", "design_options": {"kv_latent_dim": 8}},
+    "head_temperature": {
+        "design": "own_head_design.HeadTemperature",
+        "design_options": {"start": 0.5},
+    },
+    "sigmoid-length": {"design": SIGMOID, "backend": "math"},
+    "sigmoid-4": {"design": SIGMOID, "backend": "math", "design_options": {"sigmoid_n": 4.0}},
+}
+
+
+@pytest.fixture
+def outside_designs(tmp_path, monkeypatch):
+    """The docs' example and sigmoid attention importable by path."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "docs" / "examples"))
+    monkeypatch.syspath_prepend(str(write_sigmoid(tmp_path)))
+
+
+def test_every_design_of_the_package_is_among_the_documented_ones():
+    ours = {name for name, cls in DESIGNS.items() if cls.__module__.startswith("multihead.")}
+    assert ours <= {config["design"] for config in DOCUMENTED_DESIGNS.values()}
+
+
+@pytest.mark.parametrize("design", DOCUMENTED_DESIGNS)
+def test_decoding_steps_are_the_full_pass_of_their_prefix(design, outside_designs):
+    """Through the searches' caches (make_decoder_cache), each step's logits equal the
+    uncached pass over the prefix so far. Sigmoid attention with n the key length was 0.38
+    off: its cached steps saw fewer keys; it now refuses the cache and is decoded by its
+    full prefix."""
+    model = tiny_model(attention={"num_heads": 4, **DOCUMENTED_DESIGNS[design]})
+    B, S, T = 3, 6, 5
+    src = random_src(B, S, seed=3)
+    tgt = torch.randint(3, VOCAB, (B, T))
+    tgt[:, 0] = BOS
+    with torch.no_grad():
+        memory, pad = model.encode(src)
+        caches = model.make_decoder_cache(B, T, S)
+        steps = [model.decode(tgt[:, t : t + 1], memory, pad, caches) for t in range(T)]
+        full = [model.decode(tgt[:, : t + 1], memory, pad)[:, -1:] for t in range(T)]
+    torch.testing.assert_close(torch.cat(steps, 1), torch.cat(full, 1), atol=1e-5, rtol=1e-4)
+
+
+def test_a_design_that_refuses_the_cache_decodes_as_the_uncached_reference(outside_designs, caplog):
+    """Greedy and beam search of sigmoid attention (n the key length) give what rerunning
+    the whole model at each step gives, and the model says once that it decodes so. (No
+    padding: its n counts the padded keys too, so a padded sentence is another input.)"""
+    model = decoding_model(1, attention={"num_heads": 4, **DOCUMENTED_DESIGNS["sigmoid-length"]})
+    src = random_src(6, 8, seed=7, min_len=8)
+    limits = [_max_len(row, **LIMITS, max_positions=64) for row in src]
+    with caplog.at_level(logging.INFO, logger="multihead.model.transformer"):
+        greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, **LIMITS)
+        beam = beam_search(model, src, bos_id=BOS, eos_id=EOS, beam_size=3, **BEAM)
+    assert greedy == [naive_greedy(model, row, n) for row, n in zip(src, limits, strict=True)]
+    assert beam == [naive_beam(model, row, n, 3, 1.0) for row, n in zip(src, limits, strict=True)]
+    said = [r for r in caplog.records if "recomputes the full prefix" in r.getMessage()]
+    assert len(said) == 1 and "'sigmoid'" in said[0].getMessage()
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -14,6 +14,7 @@ import os
 
 from multihead.checkpoints import read_checkpoint
 
+from helpers.designs import write_sigmoid
 from helpers.scripts import assert_one_error_line, run_script
 
 
@@ -42,49 +43,15 @@ def test_a_config_typo_is_hydras_message_without_a_traceback(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-# Sigmoid attention (Ramapuram et al., 2024) written outside the package, as a researcher
-# would: sigmoid(Q K^T / sqrt(D) - log n) in place of the softmax, through the math kernel's
-# hooks; its option n is the number of keys ("length") or a number.
-SIGMOID = """
-import math
-
-import torch
-
-from multihead.attention import HeadDesign
-
-
-class Sigmoid(HeadDesign):
-    name, attribute = "sigmoid", "sigmoid"
-
-    def __init__(self, embed_dim, num_heads, num_kv_heads, *, bias, device=None, dtype=None,
-                 sigmoid_n="length"):
-        super().__init__()
-        if sigmoid_n != "length" and not float(sigmoid_n) > 0:
-            raise ValueError(f"sigmoid_n must be 'length' or a positive number, got {sigmoid_n!r}")
-        self.sigmoid_n = sigmoid_n
-
-    @property
-    def options(self):
-        return {"sigmoid_n": self.sigmoid_n}
-
-    # The math kernel's hooks (so the layer runs on backend math only, refused elsewhere).
-    def on_logits(self, scores):  # (B, H, L, S), before the mask
-        n = scores.shape[-1] if self.sigmoid_n == "length" else float(self.sigmoid_n)
-        return scores - math.log(n)
-
-    def on_weights(self, weights, scores, mask):  # scores: masked, -inf gives no weight
-        return torch.sigmoid(scores)
-"""
-
-
 def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
     tmp_path, multi30k_dir, cache_dir
 ) -> None:
     """Its module is known to the two processes by its path alone (PYTHONPATH), its option
-    given on the command line; the checkpoint's config names the path."""
-    designs = tmp_path / "designs"
-    designs.mkdir()
-    (designs / "sigmoid_attention.py").write_text(SIGMOID)
+    given on the command line; the checkpoint's config names the path. With n the key
+    length it refuses the KV cache: validation's BLEU and evaluate.py decode it by the full
+    prefix at each step, and each process says so once (training stopped at the first
+    validation: the layer refused the cache)."""
+    designs = write_sigmoid(tmp_path / "designs")
     path = os.pathsep.join(p for p in (str(designs), os.environ.get("PYTHONPATH")) if p)
     run = tmp_path / "run"
     trained = run_script(
@@ -95,7 +62,10 @@ def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
         "++attention.design_options.sigmoid_n=length", env={"PYTHONPATH": path},
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
+    said = "decoding recomputes the full prefix at each step: head design 'sigmoid'"
+    assert (trained.stdout + trained.stderr).count(said) == 1
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["val/bleu"] >= 0  # validation decoded
     assert summary["run_name"] == "enc-mha4-sigmoid_dec-mha4-sigmoid_cross-mha4-sigmoid_math"
     ckpt = run / "checkpoints" / "last.ckpt"
     attention = read_checkpoint(ckpt)["multihead"]["config"]["attention"]
@@ -107,6 +77,7 @@ def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
         f"hydra.run.dir={scores}", env={"PYTHONPATH": path},
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert (evaluated.stdout + evaluated.stderr).count(said) == 1
     result = json.loads((scores / "scores.json").read_text())
     assert result["sentences"] == 4 and "bleu" in result
 

@@ -62,3 +62,32 @@ def test_a_backend_that_cannot_run_here_says_why(
     cfg = smoke_config("attention.backend=flash_attn", "trainer.max_steps=2")
     line = fails_in_one_line(train, capsys, cfg)
     assert "'flash_attn'" in line and why in line and "math" in line, line  # why; which can
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["attention.design=talking_heads"], "attention.backend=math"),
+        # flash takes no padding mask: the design's refusal comes first all the same
+        (["attention.design=talking_heads", "attention.backend=flash"], "attention.backend=math"),
+        (
+            ["attention.decoder_self_attention.design=talking_heads",
+             "attention.decoder_self_attention.backend=sdpa"],
+            "attention.decoder_self_attention.backend=math",
+        ),
+    ],
+)  # fmt: skip
+def test_a_design_and_its_backend_are_checked_before_the_data(
+    smoke_config, capsys, monkeypatch, overrides, key
+) -> None:
+    """A design of the math kernel's hooks on another backend failed after data loading
+    (12-17 s), without the override; with flash the padding-mask error came first."""
+    from multihead.data import TranslationDataModule
+
+    def no_data(self) -> None:
+        raise AssertionError("the data were loaded before the model's settings were checked")
+
+    monkeypatch.setattr(TranslationDataModule, "prepare_data", no_data)
+    line = fails_in_one_line(train, capsys, smoke_config(*overrides))
+    assert "head design 'talking_heads' runs on backend math only" in line, line
+    assert line.endswith(f"set {key}"), line

@@ -23,6 +23,7 @@ from multihead.analysis.plots import plot_bleu_against, plot_deltas, plot_valida
 from multihead.analysis.report import Report, comparison_markdown, make_report, write_csv
 from multihead.analysis.runs import (
     RunResult,
+    check_seed_configs,
     load_local_runs,
     load_wandb_group,
     write_speed_record,
@@ -133,6 +134,7 @@ def compare(
                 entity=entity, config={"source": source, "runs": len(results)},
             )  # fmt: skip
         return results, paths
+    check_seed_configs(results)  # a run name pools seeds of one configuration only
     long_context_rows = None if long_context is None else read_long_context(long_context)
     notes = add_significance(
         results,

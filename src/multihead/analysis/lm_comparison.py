@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from multihead.analysis.against_mha import SeedTest, seed_family
-from multihead.analysis.runs import RunResult, number
+from multihead.analysis.runs import RunResult, check_seed_configs, number
 
 # Margins for "equal", set before the runs: 0.02 nats of held-out loss (a 2% perplexity
 # ratio) and 2 points of MQAR accuracy.
@@ -243,6 +243,8 @@ def write_lm_comparison(
     """The comparison of the LM and MQAR runs in ``runs``, written into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for kind in ("lm", "mqar"):  # a run name pools seeds of one configuration only
+        check_seed_configs([r for r in runs if task(r) == kind])
     lm = by_design([r for r in runs if task(r) == "lm"])
     mqar = by_design([r for r in runs if task(r) == "mqar"])
     parts = ["# What each design costs and buys at long context\n"]

@@ -51,6 +51,7 @@ class RunResult:
     paired: Any = None  # a PairedResult against ``baseline``, the MHA run of its seed
     baseline: RunResult | None = None
     speed_setup: dict[str, Any] | None = None  # how its side-by-side speeds were measured
+    config: dict[str, Any] | None = None  # the run's config (Hydra's, or wandb's), if kept
 
     def get(self, key: str) -> Any:
         return self.summary.get(key)
@@ -112,9 +113,12 @@ def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
             summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{run_dir / SUMMARY_FILE}: not valid JSON ({err})") from None
+        config = hydra_config(run_dir)
         if "seed" not in summary:  # runs from before summary.json recorded it
-            summary["seed"] = hydra_seed(run_dir)
-        runs.append(RunResult(source=str(run_dir), summary=summary, directory=run_dir))
+            summary["seed"] = None if config is None else config.get("seed")
+        runs.append(
+            RunResult(source=str(run_dir), summary=summary, directory=run_dir, config=config)
+        )
         metrics_csv = run_dir / "csv" / "metrics.csv"
         if metrics_csv.is_file():
             runs[-1].curves, runs[-1].curve_source = read_metrics_csv(metrics_csv), "csv"
@@ -137,14 +141,15 @@ def write_speed_record(run: RunResult, speeds: dict[str, float], setup: dict[str
     return path
 
 
-def hydra_seed(run_dir: Path) -> Any:
-    """The ``seed`` of the config Hydra saved in ``run_dir/.hydra``; ``None`` without one."""
+def hydra_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config Hydra saved in ``run_dir/.hydra``, as written (unresolved); ``None``
+    without one."""
     saved = run_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(saved).get("seed")
+    return OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
 
 
 def load_wandb_group(group: str, project: str, entity: str | None = None) -> list[RunResult]:
@@ -167,7 +172,9 @@ def load_wandb_group(group: str, project: str, entity: str | None = None) -> lis
             rows = []
             for key in CURVE_KEYS:  # one call per key: history(keys=...) keeps rows with all keys
                 rows += api_run.history(keys=[STEP_KEY, key], pandas=False)
-            run = RunResult(source=f"{path}/{api_run.id}", summary=summary)
+            run = RunResult(
+                source=f"{path}/{api_run.id}", summary=summary, config=dict(api_run.config)
+            )
             run.curves, run.curve_source = curves_from_rows(rows), "wandb-api"
             runs.append(run)
     except wandb.errors.CommError as err:
@@ -215,6 +222,56 @@ def has_repeats(runs: list[RunResult]) -> bool:
     """Whether some configuration (run name) was run more than once, e.g. with two seeds."""
     names = [run.get("run_name") for run in runs]
     return len(set(names)) < len(names)
+
+
+# Config keys in which the seeds of one configuration may differ: a seed at any level, and
+# where a run reads and writes (any *dir or *dirpath, the loggers, its wandb group, a resume;
+# wandb keeps the config resolved, so these name each run's own directory there).
+NOT_THE_CONFIGURATION = ("ckpt_path", "wandb_group")
+NOT_THE_CONFIGURATION_PREFIXES = ("logger.",)
+
+
+def _not_the_configuration(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return (
+        leaf == "seed"
+        or leaf.endswith(("dir", "dirpath"))
+        or key in NOT_THE_CONFIGURATION
+        or key.startswith(NOT_THE_CONFIGURATION_PREFIXES)
+    )
+
+
+def check_seed_configs(runs: list[RunResult]) -> None:
+    """Refuse to pool runs that share a run name (seeds of one configuration) but whose
+    configs differ in anything but a seed and where they read and write
+    (:data:`NOT_THE_CONFIGURATION`), naming the first key that differs. Runs without a
+    kept config (``.hydra/config.yaml``, wandb's) are not checked."""
+    for name, group in seed_groups(runs).items():
+        kept = [run for run in group if run.config is not None]
+        if len(kept) < 2:
+            continue
+        first = _flat(kept[0].config)
+        for run in kept[1:]:
+            other = _flat(run.config)
+            for key in sorted(first.keys() | other.keys()):
+                if not _not_the_configuration(key) and first.get(key) != other.get(key):
+                    raise ValueError(
+                        f"runs {kept[0].source} and {run.source} share the run name {name!r} but "
+                        f"their configs differ in {key} ({first.get(key)!r} against "
+                        f"{other.get(key)!r}): runs of one name are pooled as seeds of one "
+                        "configuration; compare runs that differ in their seed alone"
+                    )
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``config``'s leaves by dotted key (``attention.design_options.cap``)."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def seed_groups(runs: list[RunResult]) -> dict[str, list[RunResult]]:

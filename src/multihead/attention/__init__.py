@@ -21,7 +21,13 @@ from multihead.attention.convert import (
     with_kv_heads,
     with_kv_latent,
 )
-from multihead.attention.designs import DESIGNS, Call, HeadDesign, register_design
+from multihead.attention.designs import (
+    DESIGNS,
+    Call,
+    DesignBackendError,
+    HeadDesign,
+    register_design,
+)
 from multihead.attention.kv_cache import CacheLayout, KVCache
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.masks import AttentionMask, build_attention_mask

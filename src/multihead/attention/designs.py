@@ -13,8 +13,10 @@ formula, through the math kernel's hooks), how the heads become the output
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import json
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import ClassVar, NamedTuple, Protocol
@@ -26,6 +28,14 @@ from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask
 from multihead.attention.positional import PositionalPart
 from multihead.attention.projection import QKVProjection
+
+
+class DesignBackendError(ValueError):
+    """A head design's refusal of its layer's backend; ``backends``: those that run it."""
+
+    def __init__(self, message: str, backends: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.backends = backends
 
 
 class AttentionLayer(Protocol):
@@ -53,7 +63,8 @@ class Call(NamedTuple):
         query: the layer's input ``(B, L, E)``.
         kv_cache: the call's cache, or ``None`` (a full pass). With one the queries are the
             last ``L`` of the keys (cached decoding: each step sees only the keys so far);
-            a design whose formula needs every key of the sentence refuses it, naming itself.
+            a design whose formula needs every key of the sentence says so
+            (:attr:`HeadDesign.refuses_kv_cache`) and never gets one in self-attention.
         positions: the queries' positions ``(L,)`` or ``(B, L)`` in self-attention (the
             call's ``position_ids``, else those after the cache's); ``None`` in
             cross-attention, whose queries and keys are positions of two sentences.
@@ -109,6 +120,11 @@ class HeadDesign(nn.Module):
     # masked_scores, mask) on the weights before dropout. Either needs backend math (check).
     on_logits: Callable[[Tensor], Tensor] | None = None
     on_weights: Callable[[Tensor, Tensor, AttentionMask], Tensor] | None = None
+    # Its formula needs every key of the sequence at once (e.g. the key length), which the
+    # steps of cached decoding do not see: the layer refuses a self-attention KV cache,
+    # naming it, and the Transformer's searches recompute the full prefix at each step.
+    # An instance may set it from its options (sigmoid attention with n the key length).
+    refuses_kv_cache: bool = False
 
     @property
     def options(self) -> dict[str, object]:
@@ -118,8 +134,11 @@ class HeadDesign(nn.Module):
 
     @property
     def tag(self) -> str:
-        """The part of the layer's ``head_tag`` it adds."""
-        return f"-{self.name}" if self.name else ""
+        """The part of the layer's ``head_tag`` it adds: ``-name``, and a digest of the
+        options that differ from its constructor's defaults (:func:`options_digest`), so that
+        runs of two settings get two run names. A design that spells its options in its own
+        tag overrides this (``-moh-k2s1``)."""
+        return f"-{self.name}{options_digest(self)}" if self.name else ""
 
     def check(self, layer: AttentionLayer) -> None:
         """Raise, naming the design, if it cannot work in ``layer`` (its backend, K/V heads,
@@ -127,10 +146,11 @@ class HeadDesign(nn.Module):
         ``math`` backend, the one that computes the formula written out."""
         hooks = [name for name in ("on_logits", "on_weights") if getattr(self, name) is not None]
         if hooks and layer.backend != "math":
-            raise ValueError(
+            raise DesignBackendError(
                 f"head design {self.name!r} runs on backend math only; got backend="
                 f"{layer.backend!r}: it changes the formula through the math kernel's hooks "
-                f"({', '.join(hooks)}), which only math computes"
+                f"({', '.join(hooks)}), which only math computes",
+                ("math",),
             )
 
     def project(
@@ -190,6 +210,7 @@ def register_design(name: str, cls: type[HeadDesign]) -> type[HeadDesign]:
     if not (isinstance(cls, type) and issubclass(cls, HeadDesign)):
         raise TypeError(f"register_design needs a HeadDesign subclass, got {cls!r}")
     check_attribute(cls)
+    check_options_property(cls)
     DESIGNS[name] = cls
     return cls
 
@@ -205,6 +226,77 @@ def check_attribute(design: type[HeadDesign] | HeadDesign) -> None:
             f"attribute `attribute`, the name the layer holds it under (a Python identifier, "
             f"e.g. attribute = {(cls.name or 'my_design')!r}); got {attribute!r}"
         )
+
+
+def check_options_property(cls: type[HeadDesign]) -> None:
+    """Refuse, when registered or loaded, a design whose constructor takes options of its
+    own but whose ``options`` property is the interface's, which returns none of them: its
+    ``head_config`` (checkpoints, conversions) and its tag would build and name it with
+    their defaults, whatever it was built with."""
+    own = list(_options(cls))
+    if own and cls.options is HeadDesign.options:
+        raise ValueError(
+            f"head design {cls.name or cls.__name__!r} ({cls.__qualname__}) takes option "
+            f"{', '.join(own)} but has no options property of its own; give it one that "
+            f"returns them as built (e.g. {{{own[0]!r}: self.{own[0]}}})"
+        )
+
+
+def check_built_options(design: HeadDesign, given: dict[str, object]) -> None:
+    """Refuse a design built from ``given`` options whose ``options`` property leaves out
+    one of them set to other than its default: the layer's ``head_config`` would build it
+    again with the default, and its tag would not tell the two apart. An option whose
+    default is ``None`` (worked out from the layer, e.g. MLA's ``qk_head_dim``: ``D``) may
+    be left out: the design leaves it out where it equals what ``None`` gives."""
+    cls, reported = type(design), design.options
+    defaults = _options(cls)
+    lost = [
+        k
+        for k, v in given.items()
+        if k not in reported and defaults.get(k) is not None and not _same(v, defaults.get(k))
+    ]
+    if lost:
+        raise ValueError(
+            f"head design {cls.name or cls.__name__!r} ({cls.__qualname__}): its options "
+            f"property leaves out {', '.join(f'{k}={given[k]!r}' for k in lost)}, which is not "
+            f"the default; it must return every option that changes what the layer computes"
+        )
+
+
+def _same(value: object, default: object) -> bool:
+    if value is default:
+        return True
+    if isinstance(value, Tensor) or isinstance(default, Tensor):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):
+        return False
+
+
+def options_digest(design: HeadDesign, spelled: tuple[str, ...] = ()) -> str:
+    """``"-"`` and six hex digits of a hash of ``design``'s options that differ from its
+    constructor's defaults, leaving out those its tag already spells (``spelled``) and the
+    rotary ones (``rotary_dim``, ``rope_*``: positions' options, which no tag spells);
+    ``""`` if none (a design at its defaults keeps its bare tag). Stable across
+    processes: the options as sorted JSON (tensors as lists)."""
+    defaults = _options(type(design))
+    differ = {
+        k: v
+        for k, v in design.options.items()
+        if k not in spelled
+        and k != "rotary_dim"
+        and not k.startswith("rope_")
+        and not _same(v, defaults.get(k, inspect.Parameter.empty))
+    }
+    if not differ:
+        return ""
+    text = json.dumps(differ, sort_keys=True, default=_json_value)
+    return "-" + hashlib.sha1(text.encode()).hexdigest()[:6]
+
+
+def _json_value(value: object) -> object:
+    return value.tolist() if isinstance(value, Tensor) else repr(value)
 
 
 def check_design(design: HeadDesign) -> None:
@@ -273,6 +365,7 @@ def design_class(design: str) -> type[HeadDesign]:
         known = list(DESIGNS.values())  # those registered before the import, the package's
         cls = _design_subclass(design, _import_path(design))
         check_attribute(cls)
+        check_options_property(cls)
         if not any(cls is registered for registered in known):  # else its name rebuilds it
             _LOADED_AS.setdefault(cls, design)
         return cls

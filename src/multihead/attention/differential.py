@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.designs import Call, HeadDesign, register_design
+from multihead.attention.designs import Call, HeadDesign, options_digest, register_design
 from multihead.attention.masks import AttentionMask
 
 
@@ -75,6 +75,12 @@ class DifferentialHeads(HeadDesign):
     @property
     def options(self) -> dict[str, float]:
         return {"lambda_init": self.lambda_init, "norm_eps": self.norm_eps}
+
+    @property
+    def tag(self) -> str:
+        """``-diff``, with a digest of ``lambda_init`` if given (not the paper's by depth) and
+        of ``norm_eps`` if not the default (:func:`~.designs.options_digest`)."""
+        return f"-{self.name}{options_digest(self, ('lambda_init',) if self.by_depth else ())}"
 
     def extra_repr(self) -> str:
         return f"lambda_init={self.lambda_init:.4g}, norm_eps={self.norm_eps:g}"

@@ -32,6 +32,7 @@ from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import (
     Call,
     HeadDesign,
+    check_built_options,
     check_design,
     design_arguments,
     resolve_design,
@@ -187,6 +188,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(design, type):
             factory = {"bias": bias, "device": device, "dtype": dtype}
             design = design(embed_dim, num_heads, num_kv_heads, **factory, **design_options)
+            check_built_options(design, design_options)
         self._design_name = None
         if design is not None:
             check_design(design)
@@ -330,6 +332,13 @@ class MultiHeadAttention(nn.Module):
         if head_mask is not None or self.head_mask is not None:
             head_mask = self._head_mask(head_mask)
         design = self.design
+        refuses = design is not None and design.refuses_kv_cache
+        if refuses and kv_cache is not None and key_value is None:
+            raise ValueError(
+                f"head design {design.name!r} refuses a KV cache in self-attention: its formula "
+                "needs every key of the sequence at once; decode by running the full prefix "
+                "at each step (the Transformer's searches do)"
+            )
 
         # 1. Positions of the new queries (self-attention), for the positional part or the
         # design: position_ids, else those after the positions in the cache.

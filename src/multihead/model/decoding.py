@@ -5,7 +5,10 @@ self-attention caches grow by one position, the cross-attention caches hold the 
 K/V projected on the first step (one row per sentence, shared by its beams), and the output
 projection runs on the new position only.
 A sentence that is finished leaves the running batch (its cache rows are dropped with
-:meth:`DecoderCache.select`), so late steps only pay for the sentences still decoding.
+:meth:`DecoderCache.select`), so late steps only pay for the sentences still decoding. A
+model whose decoder self-attention design refuses the cache gives a
+:class:`~multihead.model.transformer.FullPrefix` instead, and each step runs the whole
+prefix (``Transformer.make_decoder_cache`` says so once in the log).
 
 Every step works on whole-batch tensors; each sentence's choices depend on its own rows only,
 so a sentence decodes to the same tokens alone or in a padded batch (batch shapes change

@@ -71,3 +71,14 @@ def build_model(
         attention=attention,
         **per_sublayer,
     )
+
+
+def check_model_config(config: Mapping[str, Any]) -> None:
+    """Build the network a run config describes on the meta device, with a stand-in
+    vocabulary: every check of the model and its layers (each sublayer's head design with
+    its backend first), in no memory and before any data is loaded. Raises what building
+    raises."""
+    import torch
+
+    with torch.device("meta"):
+        build_model(config, vocab_size=8, pad_id=0)

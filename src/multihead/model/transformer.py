@@ -10,6 +10,7 @@ model.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,11 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.attention import BACKENDS, DesignBackendError, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
+
+log = logging.getLogger(__name__)
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 # The three attention sublayers. ("kind" means mha/gqa/mqa/mla, a layer's head_config["kind"].)
@@ -214,6 +217,42 @@ class DecoderCache:
         """Forget every position, self and cross (to decode a new batch of the same size)."""
         for cache in self.self_caches + self.cross_caches:
             cache.reset()
+
+
+class FullPrefix:
+    """What decoding keeps instead of a :class:`DecoderCache` when a decoder self-attention
+    design refuses the KV cache (:attr:`~multihead.attention.HeadDesign.refuses_kv_cache`):
+    the target tokens fed so far, ``(B, t)``. :meth:`Transformer.decode` runs the whole
+    prefix through the decoder at each step and returns the new positions' logits, so each
+    step computes the full pass of its prefix. Made by :meth:`Transformer.make_decoder_cache`;
+    the searches use it as a :class:`DecoderCache`.
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self.tokens: Tensor | None = None
+        self._batch_size = batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size if self.tokens is None else self.tokens.shape[0]
+
+    @property
+    def position(self) -> int:
+        """Target positions fed so far."""
+        return 0 if self.tokens is None else self.tokens.shape[1]
+
+    def extend(self, tgt_in: Tensor) -> Tensor:
+        """The prefix with ``tgt_in`` ``(B, T)`` appended: ``(B, t + T)``, kept."""
+        self.tokens = tgt_in if self.tokens is None else torch.cat([self.tokens, tgt_in], 1)
+        return self.tokens
+
+    def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep prefix rows ``rows`` (the memory's rows are the search's own to select)."""
+        if self.tokens is not None:
+            self.tokens = self.tokens[rows]
+
+    def reset(self) -> None:
+        self.tokens = None
 
 
 class OutputProjection(PackedLinear):
@@ -443,6 +482,17 @@ class Transformer(nn.Module):
             for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True)
         }
         _place_positions(self.attention_config, positional, d_model, cross_attention)
+        # Each sublayer's design with its backend first (a layer on the meta device, which
+        # holds no memory): a design that runs on one backend only is refused before any
+        # rule of the backend itself, naming the override that selects the one it needs.
+        for sublayer, override in zip(ATTENTION_SUBLAYERS, overrides, strict=True):
+            try:
+                config = _layer_arguments(self.attention_config[sublayer])
+                MultiHeadAttention(d_model, **config, device="meta")
+            except DesignBackendError as err:
+                own = override is not None and override.get("backend") is not None
+                key = f"attention.{sublayer}.backend" if own else "attention.backend"
+                raise ValueError(f"{sublayer}: {err}; set {key}={err.backends[0]}") from None
         # The encoder and cross-attention always mask padded source tokens: their backends
         # must take a padding mask (the registry says which do).
         padded = [name for name, backend in BACKENDS.items() if backend.padding_mask]
@@ -457,6 +507,7 @@ class Transformer(nn.Module):
                 )
         self.d_model = d_model
         self.pad_id = pad_id
+        self._said_full_prefix = False  # make_decoder_cache logs it once
         self.max_positions = max_positions
         self.norm_first = norm_first
 
@@ -551,7 +602,7 @@ class Transformer(nn.Module):
         tgt_in: Tensor,
         memory: Tensor,
         src_pad_mask: Tensor,
-        caches: DecoderCache | None = None,
+        caches: DecoderCache | FullPrefix | None = None,
         start_pos: int | None = None,
         maps: list[dict[str, Tensor]] | None = None,
     ) -> Tensor:
@@ -564,7 +615,9 @@ class Transformer(nn.Module):
                 sentence) all read memory row ``i``. With ``caches`` it is projected into
                 the cross-attention caches on the first call and only checked afterwards.
             src_pad_mask: ``(N, S)`` bool, True = padding.
-            caches: a :class:`DecoderCache` from :meth:`make_decoder_cache`, updated in place.
+            caches: a :class:`DecoderCache` from :meth:`make_decoder_cache`, updated in place;
+                or its :class:`FullPrefix`, to which ``tgt_in`` is appended and whose whole
+                prefix is run (``maps`` then has its every position).
             start_pos: position of ``tgt_in[:, 0]``. Defaults to the positions already in
                 ``caches`` (0 without caches); an explicit value must agree with them.
             maps: if given, one dict per layer with its ``"self"`` and ``"cross"`` attention
@@ -574,7 +627,16 @@ class Transformer(nn.Module):
             ``(B, T, V)`` logits. The output projection, the largest matmul when decoding,
             only runs on the positions fed, so an incremental step costs ``(B, 1, V)``.
         """
-        states = self._decoder_states(tgt_in, memory, src_pad_mask, caches, start_pos, maps)
+        if isinstance(caches, FullPrefix):  # a design that refuses the cache: the full pass
+            if start_pos is not None and start_pos != caches.position:
+                raise ValueError(
+                    f"start_pos={start_pos} disagrees with the {caches.position} positions fed"
+                )
+            T = tgt_in.shape[1]
+            prefix = caches.extend(tgt_in)  # (B, t + T)
+            states = self._decoder_states(prefix, memory, src_pad_mask, maps=maps)[:, -T:]
+        else:
+            states = self._decoder_states(tgt_in, memory, src_pad_mask, caches, start_pos, maps)
         return self.output_projection(states)  # (B, T, V)
 
     def _decoder_states(
@@ -623,8 +685,9 @@ class Transformer(nn.Module):
         src_len: int,
         *,
         num_sentences: int | None = None,
-    ) -> DecoderCache:
-        """Empty caches to decode ``batch_size`` rows.
+    ) -> DecoderCache | FullPrefix:
+        """Empty caches to decode ``batch_size`` rows; a :class:`FullPrefix` instead when a
+        decoder self-attention design refuses the KV cache (said once in the log).
 
         Args:
             batch_size: rows decoded together (sentences times beams).
@@ -633,12 +696,31 @@ class Transformer(nn.Module):
             num_sentences: ``N``, the rows of the memory (see :meth:`decode`); defaults to
                 ``batch_size``.
         """
+        refusing = self.cache_refused_by
+        if refusing:
+            if not self._said_full_prefix:
+                self._said_full_prefix = True
+                log.info(
+                    "decoding recomputes the full prefix at each step: head design %s refuses "
+                    "the KV cache in the decoder self-attention",
+                    ", ".join(repr(name) for name in refusing),
+                )
+            return FullPrefix(batch_size)
         layers = self.decoder_layers
         num_sentences = batch_size if num_sentences is None else num_sentences
         return DecoderCache(
             [layer.self_attn.make_kv_cache(batch_size, max_tgt_len) for layer in layers],
             [layer.cross_attn.make_kv_cache(num_sentences, src_len) for layer in layers],
         )
+
+    @property
+    def cache_refused_by(self) -> list[str]:
+        """The names of the decoder self-attention designs that refuse the KV cache
+        (:attr:`~multihead.attention.HeadDesign.refuses_kv_cache`); ``[]``: it decodes
+        with one."""
+        designs = [layer.self_attn.design for layer in self.decoder_layers]
+        names = [d.name for d in designs if d is not None and d.refuses_kv_cache]
+        return list(dict.fromkeys(names))
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Attention weights of every layer, from the ``math`` path, for diagnostics.

@@ -29,7 +29,7 @@ from multihead.checkpoints.averaging import average_checkpoints, recent_checkpoi
 from multihead.checkpoints.resume import resume_checkpoint
 from multihead.evaluation import translate
 from multihead.host import boot_id, cpu_model, host_name, utc_now
-from multihead.model import build_model
+from multihead.model import build_model, check_model_config
 from multihead.training.callbacks import RecentCheckpoints, TokenThroughput
 from multihead.training.checkpoint_io import AtomicCheckpointIO
 from multihead.training.precision import trainer_precision
@@ -250,13 +250,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ckpt_path, wandb_id = resume_checkpoint(cfg.get("ckpt_path"), Path(run_dir) / "checkpoints")
     if "wandb" in (cfg.get("logger") or {}):
         configure_wandb_mode(run_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    check_model_config(config)  # the model's settings (a design with its backend) before data
 
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
     datamodule.save_tokenizer(run_dir)
 
-    config = OmegaConf.to_container(cfg, resolve=True)
     model = build_model(config, datamodule.vocab_size, datamodule.pad_id)
     if cfg.get("init_from"):
         initialise_from(model, cfg.init_from, datamodule.tokenizer)
