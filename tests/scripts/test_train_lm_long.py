@@ -112,3 +112,16 @@ def test_the_long_context_benchmark_times_trained_checkpoints_interleaved(tiny, 
     per_token = {"mha": 2 * 8 * 8 * 4, "mqa": 2 * 1 * 8 * 4}
     for r in rows:
         assert r["cache_bytes"] == per_token[r["design"]] * r["batch"] * (r["context"] + 4)
+
+
+def test_a_design_and_its_backend_are_checked_before_the_corpus(tiny, tmp_path, monkeypatch):
+    from multihead.training.run import train
+
+    def no_data(self, stage=None) -> None:
+        raise AssertionError("the corpus was read before the model's settings were checked")
+
+    monkeypatch.setattr(DocumentLMDataModule, "setup", no_data)
+    overrides = ["experiment=lm_long", "attention.design=talking_heads", *tiny]
+    cfg = compose_config("train", [*overrides, f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="runs on backend math only.*; set attention.backend=math"):
+        train(cfg)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import BACKENDS, KVCache, MultiHeadAttention
+from multihead.attention import BACKENDS, DesignBackendError, KVCache, MultiHeadAttention
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.model.transformer import (
     OutputProjection,
@@ -106,6 +106,10 @@ class DecoderLM(nn.Module):
             token, positional="rope", max_positions=max_positions, dropout=dropout
         )
         layer = _layer_arguments(config)
+        try:  # a design that runs on one backend only: name the override that selects it
+            MultiHeadAttention(d_model, **layer, device="meta")
+        except DesignBackendError as err:
+            raise ValueError(f"{err}; set attention.backend={err.backends[0]}") from None
         self.blocks = nn.ModuleList(
             DecoderBlock(
                 d_model,

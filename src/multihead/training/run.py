@@ -345,6 +345,7 @@ def train_language_model(cfg: DictConfig) -> dict[str, Any]:
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
     run_dir = str(cfg.paths.output_dir)
+    check_model_config(OmegaConf.to_container(cfg, resolve=True))  # before the data
     ckpt_path, wandb_id = resume_checkpoint(cfg.get("ckpt_path"), Path(run_dir) / "checkpoints")
     if "wandb" in (cfg.get("logger") or {}):
         configure_wandb_mode(run_dir)
