@@ -132,9 +132,10 @@ def convert_attention(
     Transformer's ``tgt_in``; padding left out), the layers before it converted as chosen
     and those after as they were; else the layer's output error on its held-out calls. In
     our Transformer, whose config holds one layout per sublayer kind, a kind's first layer
-    chooses the layout for the others. A named option is used as it is: all named, no
-    selection, every batch fitted. Without calibration: the SVD, no balancing, per-group
-    keys. One log line (``logging``, INFO) says what each layer kept.
+    chooses the layout for the others. A tie (within 1e-6) goes to the weights alone. A
+    named option is used as it is: all named, no selection, every batch fitted. Without
+    calibration: the SVD, no balancing, per-group keys. One log line (``logging``, INFO)
+    says what each layer kept.
 
     Returns:
         Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
@@ -265,9 +266,9 @@ def _convert(
                     model.set_submodule(path, new)
                     score = scorer()
                 scored.append((score, choice, new))
-            # The lowest score; a tie (exact conversions: rounding apart) goes to the first
-            # in CHOICES' order, the weights alone before the data.
-            tie = min(score for score, _, _ in scored) * (1 + 1e-9) + 1e-12
+            # The lowest score; a tie (within 1e-6: exact conversions, fp32 rounding apart)
+            # goes to the first in CHOICES' order, the weights alone before the data.
+            tie = min(score for score, _, _ in scored) * (1 + 1e-6) + 1e-6
             score, choice, new = next(t for t in scored if t[0] <= tie)
             if scorer is not None:  # the next layers are scored with this one converted
                 model.set_submodule(path, new)
@@ -349,13 +350,9 @@ def _with_latent(
 
 def _label(choice: dict[str, Any]) -> str:
     """A latent choice in a few words: ``pca+bkv, shared key``."""
-    words = choice["factorisation"] + ("+bkv" if choice["balance_kv"] else "")
-    return (
-        words
-        + {None: "", "per_group": ", per-group keys", "shared": ", shared key"}[
-            choice.get("rotary_key")
-        ]
-    )
+    bkv = "+bkv" if choice["balance_kv"] else ""
+    keys = {None: "", "per_group": ", per-group keys", "shared": ", shared key"}
+    return f"{choice['factorisation']}{bkv}{keys[choice.get('rotary_key')]}"
 
 
 def _summary(row: dict[str, Any]) -> str:
