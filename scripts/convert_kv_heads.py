@@ -6,8 +6,10 @@ python scripts/convert_kv_heads.py ckpt=RUN/avg10.ckpt kv_latent_dim=16 rope_dim
     rotary_key=shared calibration_batches=8 out=mla.ckpt
 
 Each K/V head of the new layers is the mean of a group of the trained ones (GQA paper), or
-K/V come from a latent: a truncated SVD of the trained K/V weights, or with
-calibration_batches the PCA of their outputs on the run's first training batches (MLA);
+K/V come from a latent: a truncated SVD of the trained K/V weights, or the PCA of their
+outputs on the run's first training batches (MLA); with calibration_batches, the options
+left null (factorisation, balance_kv, rotary_key) are chosen per layer by the loss on the
+held-out quarter of those batches;
 the printed command uptrains the converted model (add distill_from=CKPT to distil from
 the original).
 """

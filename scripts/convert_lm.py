@@ -9,8 +9,12 @@ python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02
 (``replace_hf_attention``), then each layer is converted (``convert_attention``):
 
 * ``gqa``: ``with_kv_heads`` (mean-pooled K/V heads), 4, 2 and 1 K/V heads;
-* the MLA methods (``MLA_METHODS`` of ``multihead.analysis.conversion_study``, one ingredient
-  added at a time): ``mla_svd`` (partial RoPE + the weights' joint SVD: issue 56's MLA),
+* the MLA methods (``MLA_METHODS`` of ``multihead.analysis.conversion_study``):
+  ``mla_default`` (each layer's factorisation, K/V balancing and rotary key layout chosen by
+  ``convert_attention`` on the held-out quarter of the calibration batch, by the model's
+  loss; its choices and every candidate's loss in the row's ``chosen``), then the fixed
+  choices, one ingredient added at a time: ``mla_svd`` (partial RoPE + the weights' joint
+  SVD: issue 56's MLA),
   ``mla_pca`` (the latent from the PCA of the K/V outputs on the calibration batch),
   ``mla_pca_bkv`` (+ K/V balancing), ``mla_pca_bkv_shared`` (+ one rotary key shared by all
   heads instead of one per K/V group). A latent of ``r`` beside ``rope_dim`` rotated
@@ -140,7 +144,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     total = results["train_steps"]
-    styles = dict(zip(METHODS, ("--", "-", "-.", ":", (0, (5, 1, 1, 1, 1, 1))), strict=True))
+    dashes = ("--", "-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 1)))
+    styles = dict(zip(METHODS, dashes, strict=True))
     for row in results["rows"]:
         steps = sorted(int(s) for s in row["ppl"])
         frac = [100 * s / total for s in steps]
@@ -307,6 +312,9 @@ def main() -> None:
         start = time.time()
         m, report = convert(model, kind, value, calibration, **options)
         errors = {key: [row[key] for row in report] for key in ("k_error", "v_error", "out_error")}
+        if any("candidates" in layer for layer in report):  # the default: what it measured
+            errors["chosen"] = [{**layer["latent"], "candidates": layer["candidates"]}
+                                for layer in report]  # fmt: skip
         ppl = uptrain(m, datamodule, max(steps), every, args.anneal, args.lr, teacher)
         row = {
             "name": name, "method": kind, "value": value, **MLA_METHODS.get(kind, {}), **options,

@@ -11,7 +11,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from multihead.analysis.conversion_study import check_study, run_study, uptrain_steps
+from multihead.analysis.conversion_study import (
+    MLA_METHODS,
+    check_study,
+    mla_options,
+    run_study,
+    uptrain_steps,
+)
 from multihead.checkpoints import load_trained_model
 from multihead.checkpoints.conversion import convert_kv_heads, training_batches
 from multihead.model import build_model
@@ -71,14 +77,16 @@ def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
 ) -> None:
     """Issue 67: the PCA of the outputs on the run's first 2 training batches and one shared
     rotary key of 32 numbers (4 groups x 8 rotary features: nothing dropped) are exact at
-    full rank; the record and the printed overrides rebuild it; refusals in one line."""
+    full rank, K/V balancing measured (issue 74: the record names what each layer kept); the
+    record and the printed overrides rebuild it; refusals in one line."""
     ckpt = torch.load(rope_run, map_location="cpu", weights_only=False)
     batches = training_batches(ckpt, 2, str(multi30k_dir))
     assert len(batches) == 2 and all(src.dim() == tgt.dim() == 2 for src, tgt in batches)
     full = {"decoder_self_attention": 32, "cross_attention": 32}  # 2GD - 32 = 32; E = 32
     written, overrides = convert_kv_heads(
         rope_run, None, tmp_path / "shared.ckpt", kv_latent_dim=full, rope_dim=32,
-        rotary_key="shared", calibration_batches=2, local_dir=str(multi30k_dir),
+        rotary_key="shared", factorisation="pca", calibration_batches=2,
+        local_dir=str(multi30k_dir),
     )  # fmt: skip
     old, new = load_trained_model(rope_run).model, load_trained_model(written).model
     assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope32"
@@ -88,7 +96,16 @@ def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
     info = torch.load(written, map_location="cpu", weights_only=False)["multihead"]
     assert {k: info["converted_from"][k] for k in ("rotary_key", "factorisation",
             "calibration_batches", "balance_kv")} == {"rotary_key": "shared",
-            "factorisation": None, "calibration_batches": 2, "balance_kv": False}  # fmt: skip
+            "factorisation": "pca", "calibration_batches": 2, "balance_kv": None}  # fmt: skip
+    # Exact either way, so the tie goes to no balancing; every converted layer is named.
+    chosen = info["converted_from"]["chosen"]
+    assert set(chosen) == {f"decoder_layers.{i}.{a}" for a in ("cross_attn", "self_attn")
+                           for i in (0, 1)}  # fmt: skip
+    assert chosen["decoder_layers.0.self_attn"] == {
+        "factorisation": "pca",
+        "balance_kv": False,
+        "rotary_key": "shared",
+    }
     composed = compose_config(
         "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
     )
@@ -102,6 +119,20 @@ def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
     with pytest.raises(ValueError, match=r"calibration_batches must be >= 1, got -1"):
         convert_kv_heads(rope_run, None, tmp_path / "x.ckpt", kv_latent_dim=8,
                          calibration_batches=-1)  # fmt: skip
+
+
+def test_the_fixed_methods_name_every_choice_and_the_default_none() -> None:
+    """Issue 74: a fixed row is exactly its choices (nothing measured); mla_default leaves
+    them all to the measurement, on the calibration batches, with per-group keys' rope_dim."""
+    for method, options in MLA_METHODS.items():
+        if method != "mla_default":
+            assert set(options) == {"factorisation", "balance_kv", "rotary_key"}
+    assert mla_options("unused.ckpt", "mla_default", 4, "high", 8, "data") == {
+        "calibration_batches": 8,
+        "local_dir": "data",
+        "rope_dim": 4,
+        "selection": "high",
+    }
 
 
 def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:

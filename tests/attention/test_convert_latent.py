@@ -58,7 +58,8 @@ def test_calibrated_conversion_at_full_rank_is_the_source_layer_for_any_input(
     kept = 8 if rope_dim is None else rope_dim  # numbers of the rotary key(s), per group or shared
     rank = min(2 * G * 8 - (G * kept if rotary_key == "per_group" else kept), 32)
     mla = with_kv_latent(source, rank, rope_dim=rope_dim, rotary_key=rotary_key,
-                         calibration=calibration, balance_kv=balance_kv)  # fmt: skip
+                         calibration=calibration, factorisation="pca",
+                         balance_kv=balance_kv)  # fmt: skip
     with torch.no_grad():
         want = source(x, is_causal=True)
     full, cache = decodes_as_the_full_pass(mla, x)
@@ -95,7 +96,7 @@ def test_the_latent_is_the_projection_on_the_outputs_principal_directions(balanc
     with torch.no_grad():
         layer.in_proj.blocks()[1].mul_(3)  # K outweighs V, as trained K does
     x = torch.randn(4, 16, 32, dtype=torch.float64) @ torch.randn(32, 32, dtype=torch.float64)
-    mla = with_kv_latent(layer, 10, calibration=x, balance_kv=balance_kv)
+    mla = with_kv_latent(layer, 10, calibration=x, factorisation="pca", balance_kv=balance_kv)
     _, w_k, w_v = (w.detach() for w in layer.in_proj.blocks())
     rows = x.reshape(-1, 32)
     # BKV's scale: the RMS of K's outputs over V's, on the (damped) calibration inputs.
@@ -154,37 +155,31 @@ def test_the_calibrated_conversion_has_at_most_0_8_of_the_weight_only_error_held
         return out, rel(k_lat, k), rel(v_lat, v)
 
     weights = errors(eighth)
-    calibrated = errors(
-        with_kv_latent(source, 8, rope_dim=2, calibration=calibration, factorisation="pca")
-    )  # not this layer's default
+    calibrated = errors(with_kv_latent(source, 8, rope_dim=2, calibration=calibration,
+                                       factorisation="pca"))  # fmt: skip
     print(f"seed {seed}: weight-only (out, K, V) {weights}, calibrated {calibrated}")
     assert calibrated[0] <= 0.8 * weights[0]
     assert calibrated[1] <= 0.8 * weights[1] and calibrated[2] <= 0.8 * weights[2]
-    exact = with_kv_latent(source, 64, rope_dim=16, calibration=calibration)  # full rank
+    exact = with_kv_latent(source, 64, rope_dim=16, calibration=calibration, factorisation="pca")
     with torch.no_grad():
         want = source(held_out, is_causal=True)
         assert ((exact(held_out, is_causal=True) - want).norm() / want.norm()).item() < 1e-12
 
 
-@pytest.mark.parametrize(
-    "rotary_dim, rope_dim, rotary_key, default",
-    [(0, None, "per_group", "pca"), (8, 8, "per_group", "pca"), (8, 4, "per_group", "svd"),
-     (8, 16, "shared", "pca"), (8, 8, "shared", "svd")],
-)  # fmt: skip
-def test_the_default_under_calibration_is_the_pca_only_where_no_rotated_feature_enters_the_latent(
-    rotary_dim, rope_dim, rotary_key, default
-):
-    """Measured on trained models (docs/results.md): the PCA where the latent takes nothing
-    that rotated, the weights' SVD where it does; the two differ on every layer here."""
-    layer = rotary_layer(2, rotary_dim=rotary_dim) if rotary_dim else rotary_layer(2, None)
-    x = torch.randn(4, 8, 32, dtype=torch.float64) @ torch.randn(32, 32, dtype=torch.float64)
-    options = {"rope_dim": rope_dim, "rotary_key": rotary_key} if rotary_dim else {}
-    chosen, pca, svd = (
-        with_kv_latent(layer, 6, calibration=x, factorisation=f, **options).kv_latent.down.weight
-        for f in (None, "pca", "svd")
-    )
-    assert not torch.allclose(pca, svd)
-    assert torch.equal(chosen, pca if default == "pca" else svd)
+def test_the_layer_function_builds_what_it_is_told_and_refuses_calibration_it_would_ignore():
+    """with_kv_latent chooses nothing (convert_attention measures): its default is the weights'
+    SVD, the same layer as factorisation="svd" named; calibration that neither the PCA nor
+    selection="norm" reads is refused, not dropped."""
+    layer = rotary_layer(2, rotary_dim=8)
+    x = torch.randn(4, 8, 32, dtype=torch.float64)
+    default, svd = (with_kv_latent(layer, 6, rope_dim=4, **f).kv_latent.down.weight
+                    for f in ({}, {"factorisation": "svd"}))  # fmt: skip
+    assert torch.equal(default, svd)
+    pca = with_kv_latent(layer, 6, rope_dim=4, factorisation="pca", calibration=x)
+    assert not torch.allclose(pca.kv_latent.down.weight, svd)
+    with pytest.raises(ValueError, match=r"^calibration would be ignored: factorisation='svd' re"):
+        with_kv_latent(layer, 6, rope_dim=4, calibration=x)
+    with_kv_latent(layer, 6, rope_dim=4, selection="norm", calibration=x)  # "norm" reads it
 
 
 # ------------------------------------------------------------------ the shared rotary key
@@ -246,7 +241,7 @@ def test_the_shared_keys_approximation_costs_less_as_it_keeps_more():
     errors = []
     for rope_dim in (2, 8, 16, 32):
         mla = with_kv_latent(source, min(64 - rope_dim, 32), rope_dim=rope_dim,
-                             rotary_key="shared", calibration=x)  # fmt: skip
+                             rotary_key="shared", calibration=x, factorisation="pca")  # fmt: skip
         with torch.no_grad():
             errors.append(((mla(x, is_causal=True) - want).norm() / want.norm()).item())
     assert errors[0] > errors[1] > errors[2] > 1e-3 and errors[3] < 1e-10
@@ -280,10 +275,12 @@ def test_the_shared_keys_approximation_costs_less_as_it_keeps_more():
         ({"rotary_key": "shared", "kv_latent_dim": 25}, ValueError,
          "rank 24 of the K/V stack of 'gqa4kv2-rope' (E = 32, 2GD - rope_dim = 24)"),
         ({"balance_kv": 1}, TypeError, "balance_kv must be a bool, got 1"),
+        ({"kv_latent_dim": 16.5}, TypeError, "kv_latent_dim must be an integer, got 16.5"),
+        ({"kv_latent_dim": 0}, ValueError, "kv_latent_dim must be >= 1, got 0"),
     ],
     ids=["int_calibration", "width", "empty", "nan", "list", "pca_alone", "factorisation",
          "rotary_key", "shared_selection", "fold_per_group", "fold_blocks", "fold_whole",
-         "shared_wide", "shared_rank", "bkv_bool"],
+         "shared_wide", "shared_rank", "bkv_bool", "rank_float", "rank_zero"],
 )  # fmt: skip
 def test_bad_latent_options_and_calibration_are_named(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):

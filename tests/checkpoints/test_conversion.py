@@ -239,6 +239,11 @@ def test_refuses_to_overwrite_and_bad_head_counts(trained, tmp_path) -> None:
     assert out.read_bytes() == b"precious"
     with pytest.raises(ValueError, match="cannot pool 4 K/V heads into 3"):
         convert_checkpoint(trained, 3)
+    with pytest.raises(  # issue 74: it wrote the same model in silence
+        ValueError, match=r"^num_kv_heads=4 would leave decoder_layers.0.self_attn as it is: it "
+        r"has 4 K/V heads already$"
+    ):  # fmt: skip
+        convert_checkpoint(trained, 4)
     with pytest.raises(ValueError, match="unknown scope 'encoder'"):
         convert_checkpoint(trained, 2, "encoder")
 

@@ -5,6 +5,8 @@ replace_hf_attention; each is checked against the model before the conversion.""
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
 import re
 import warnings
 
@@ -113,7 +115,8 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
     # Partial RoPE, 2 of 4 pairs kept by "norm": the model changes (2 pairs stop turning),
     # but at full rank (K's 2 * 4 unrotated features and V's 2 * 8) K and V before RoPE do not.
     partial = copy.deepcopy(swapped)
-    report = convert_attention(partial, kv_latent=24, rope_dim=4, selection="norm", calibration=ids)
+    report = convert_attention(partial, kv_latent=24, rope_dim=4, selection="norm",
+                               rotary_key="per_group", calibration=ids)  # fmt: skip
     assert all(row["k_error"] < 1e-12 and row["v_error"] < 1e-12 for row in report)
     assert [row["bytes_after"] for row in report] == [(24 + 2 * 4) * 4] * 2
     # GQA, 2 groups of D = 8 features all rotated: every one kept, the latent holds V (16).
@@ -220,8 +223,8 @@ def test_refusals_name_the_arguments_as_passed():
 def test_a_calibration_batch_of_the_wrong_shape_is_refused_naming_the_shape(shape):
     """A raw matmul error came from inside the layer."""
     with pytest.raises(
-        ValueError, match=re.escape(f"calibration gives layers.0.self_attn.attn an input of "
-                                    f"shape {shape}, where it reads (B, S, 32)")
+        ValueError, match=re.escape(f"calibration {shape} torch.float32 gives layers.0.self_attn."
+                                    f"attn an input of shape {shape}, where it reads (B, S, 32)")
     ):  # fmt: skip
         convert_attention(swapped_encoder(), kv_heads=2, calibration=torch.randn(shape))
 
@@ -261,9 +264,12 @@ def test_a_list_of_batches_calibrates_on_every_real_token_and_no_padding():
         for src, _ in batches:
             memory, src_pad = model.encode(src)
             memories.append(memory[~src_pad])  # (real tokens, E)
-    reference = with_kv_latent(model.decoder_layers[0].cross_attn, 12,
+    reference = with_kv_latent(model.decoder_layers[0].cross_attn, 12, factorisation="pca",
                                calibration=torch.cat(memories))  # fmt: skip
-    report = convert_attention(model, kv_latent=12, calibration=batches, scope=["cross_attention"])
+    # Every choice named: nothing measured, every batch fitted.
+    report = convert_attention(model, kv_latent=12, calibration=batches, factorisation="pca",
+                               balance_kv=False, scope=["cross_attention"])  # fmt: skip
+    assert all("candidates" not in row for row in report)
     converted = model.decoder_layers[0].cross_attn
     torch.testing.assert_close(converted.kv_latent.down.weight, reference.kv_latent.down.weight)
     torch.testing.assert_close(converted.kv_latent.up.weight, reference.kv_latent.up.weight)
@@ -281,7 +287,7 @@ def test_the_shared_keys_errors_are_those_of_the_latent_and_of_the_output():
     x = torch.randn(5, 9, 32, dtype=torch.float64)
     model = OneLayer(copy.deepcopy(source))
     (row,) = convert_attention(model, kv_latent=12, rope_dim=4 * 2, rotary_key="shared",
-                               calibration=x, factorisation="pca")  # fmt: skip
+                               calibration=x, factorisation="pca", balance_kv=False)  # fmt: skip
     latent = model.attn.kv_latent
     rows = x.reshape(-1, 32)
     k = (rows @ source.in_proj.blocks()[1].detach().T).view(-1, G, D)  # (N, G, D)
@@ -310,7 +316,9 @@ def test_the_shared_keys_errors_are_those_of_the_latent_and_of_the_output():
     [
         ({"input_id": "ids"}, r"^calibration \{'input_id': \(2, 8\) torch.int64\} does not run "
          r"LlamaForCausalLM: .*input_id"),
-        ("floats", r"^calibration \(2, 8\) torch.float32 does not run LlamaForCausalLM: "),
+        ("floats", r"^calibration \(2, 8\) torch.float32 gives model.embed_tokens \(an "
+         r"embedding\) floats where it reads token ids: pass the token ids \(integers\), not "
+         r"floats$"),
         ([], r"^calibration is an empty list; pass at least one batch$"),
         ("empty", r"^calibration holds an empty tensor of shape \(0, 8\)$"),
     ],
@@ -345,3 +353,165 @@ def test_a_layer_the_calibration_never_reaches_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"^calibration never reaches unused: pass the model's"):
         convert_attention(TwoLayers(), kv_latent=8, calibration=torch.randn(2, 5, 32))
+
+
+# -------------------------------------- the latent's choices, measured on held-out calibration
+def held_out_error(source, converted, x):
+    """The relative Frobenius error of ``converted``'s causal output against ``source``'s."""
+    with torch.no_grad():
+        want = source(x, is_causal=True)
+        return ((converted(x, is_causal=True) - want).norm() / want.norm()).item()
+
+
+def isotropic_layer_and_inputs(seed):
+    """Inputs of no preferred direction (N(0, I)), few of them: the weights' SVD is the PCA
+    of their true distribution, and the PCA of 24 samples in E = 32 adds only its noise."""
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(32, 4, dtype=torch.float64).eval()
+    return layer, torch.randn(8, 4, 32, dtype=torch.float64)
+
+
+def subspace_layer_and_inputs(seed):
+    """Inputs near a 4-dimensional subspace (plus 5% noise), K weights 3x V's: what the
+    latent must carry lies where the inputs are, not where the weights are largest."""
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(32, 4, dtype=torch.float64).eval()
+    with torch.no_grad():
+        layer.in_proj.blocks()[1].mul_(3)
+    basis = torch.randn(4, 32, dtype=torch.float64)
+    x = torch.randn(8, 4, 4, dtype=torch.float64) @ basis
+    return layer, x + 0.05 * torch.randn(8, 4, 32, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_default_keeps_the_factorisation_with_the_lower_held_out_error_in_either_layer(seed):
+    """Two layers where the SVD wins in one and the PCA in the other. The reference, written
+    here: the calibration's last quarter of sequences (2 of 8) held out, each factorisation
+    fitted on the rest by with_kv_latent and scored by the layer's output error on the held-out
+    sequences. The default's layer is within 2% of the better one's error, the report names
+    it, and its candidates' scores are those errors."""
+    winners = {}
+    for name, build in [("isotropic", isotropic_layer_and_inputs),
+                        ("subspace", subspace_layer_and_inputs)]:  # fmt: skip
+        source, x = build(seed)
+        fit, held = x[:6], x[6:]
+        errors = {}
+        for f in ("svd", "pca"):
+            named = with_kv_latent(source, 8, factorisation=f,
+                                   calibration=fit if f == "pca" else None)  # fmt: skip
+            errors[f] = held_out_error(source, named, held)
+        model = OneLayer(copy.deepcopy(source))
+        (row,) = convert_attention(model, kv_latent=8, balance_kv=False, calibration=x)
+        best = min(errors, key=errors.get)
+        assert held_out_error(source, model.attn, held) <= 1.02 * errors[best]
+        assert row["latent"] == {"factorisation": best, "balance_kv": False}
+        assert row["scored_by"] == "held-out out_error"
+        scores = {c["factorisation"]: c["score"] for c in row["candidates"]}
+        assert scores == pytest.approx(errors, rel=1e-9)
+        winners[name] = best
+        print(name, errors)
+    assert winners == {"isotropic": "svd", "subspace": "pca"}
+
+
+def test_with_the_whole_model_the_choices_are_scored_by_its_held_out_loss_and_logged(caplog):
+    """An HF Llama and token ids: the first layer's eight candidates (SVD or PCA, with or
+    without BKV, per-group keys of 2 or one shared key of 2 x 2) scored by the model's loss on
+    the 2 held-out sequences of 8, the other layer as it was. The reference: each candidate
+    built by with_kv_latent on that layer's inputs over the 6 fitting sequences and put in a
+    copy of the model, scored by HF's own loss (labels = the ids)."""
+    model, swapped, _ = _swapped_llama()
+    ids = torch.randint(2, 64, (8, 8), generator=torch.Generator().manual_seed(2))
+    fit, held = ids[:6], ids[6:]
+    first = swapped.model.layers[0].self_attn.attn
+    inputs = []
+    handle = first.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    with torch.no_grad():
+        swapped(fit)
+    handle.remove()
+    want = {}
+    for f, balance, key in itertools.product(("svd", "pca"), (False, True),
+                                             ("per_group", "shared")):  # fmt: skip
+        layer = with_kv_latent(first, 6, factorisation=f, balance_kv=balance, rotary_key=key,
+                               rope_dim=2 if key == "per_group" else 4,
+                               calibration=inputs[0] if f == "pca" else None)  # fmt: skip
+        candidate = copy.deepcopy(swapped)
+        candidate.model.layers[0].self_attn.attn = layer
+        with torch.no_grad():
+            want[f, balance, key] = candidate(held, labels=held).loss.item()
+    with caplog.at_level(logging.INFO, logger="multihead.checkpoints.conversion"):
+        report = convert_attention(model, kv_latent=6, rope_dim=2, calibration=ids)
+    row = report[0]
+    assert row["scored_by"] == "held-out loss"
+    got = {(c["factorisation"], c["balance_kv"], c["rotary_key"]): c["score"]
+           for c in row["candidates"]}  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-6)  # HF's loss: fp32 logits, ours fp64
+    best = min(want, key=want.get)
+    assert (row["latent"]["factorisation"], row["latent"]["balance_kv"],
+            row["latent"]["rotary_key"]) == best  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if "convert_attention kept" in r.message]
+    assert line.startswith(
+        "convert_attention kept, by the loss on 2 of 8 sequences of the calibration held out: "
+        "model.layers.0.self_attn.attn "
+    )
+    assert "model.layers.1.self_attn.attn" in line and "\n" not in line
+
+
+def test_named_choices_are_used_as_they_are_with_every_batch_fitted():
+    """factorisation, balance_kv and rotary_key all named: no candidates, no split; the layer
+    is with_kv_latent's on all the calibration inputs."""
+    model, swapped, _ = _swapped_llama()
+    ids = torch.randint(2, 64, (4, 8), generator=torch.Generator().manual_seed(3))
+    first = swapped.model.layers[0].self_attn.attn
+    inputs = []
+    handle = first.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    with torch.no_grad():
+        swapped(ids)
+    handle.remove()
+    reference = with_kv_latent(first, 6, rope_dim=4, rotary_key="shared", factorisation="pca",
+                               balance_kv=True, calibration=inputs[0])  # fmt: skip
+    report = convert_attention(model, kv_latent=6, rope_dim=4, rotary_key="shared",
+                               factorisation="pca", balance_kv=True, calibration=ids)  # fmt: skip
+    assert all("candidates" not in row for row in report)
+    assert report[0]["latent"] == {"factorisation": "pca", "balance_kv": True,
+                                   "rotary_key": "shared"}  # fmt: skip
+    converted = model.model.layers[0].self_attn.attn.kv_latent
+    torch.testing.assert_close(converted.down.weight, reference.kv_latent.down.weight)
+    torch.testing.assert_close(converted.up.weight, reference.kv_latent.up.weight)
+
+
+# --------------------------------------------------------- the last silent paths (issue 74)
+def test_kv_heads_already_there_is_refused_naming_the_count():
+    """512 -> 512 bytes in silence: a model already at 2 K/V heads converted to 2."""
+    model = swapped_encoder()
+    convert_attention(model, kv_heads=2)
+    with pytest.raises(
+        ValueError, match=r"^kv_heads=2 would leave layers.0.self_attn.attn as it is: it has 2 "
+        r"K/V heads already$"
+    ):  # fmt: skip
+        convert_attention(model, kv_heads=2)
+
+
+def test_token_ids_of_a_wrong_shape_get_a_public_error_naming_their_shape():
+    """(B, S, 3) ids raised the private class _Refused."""
+    model, _, _ = _swapped_llama()
+    with pytest.raises(ValueError) as refused:
+        convert_attention(model, kv_latent=6, rope_dim=2,
+                          calibration=torch.randint(2, 64, (2, 8, 3)))  # fmt: skip
+    assert type(refused.value) is ValueError
+    assert str(refused.value).startswith("calibration (2, 8, 3) torch.int64 gives model.layers.0")
+    assert model.model.layers[0].self_attn.attn.head_tag == "gqa4kv2-rope"
+
+
+def test_calibration_it_cannot_split_or_a_bad_balance_kv_is_refused_in_one_line():
+    model, _, ids = _swapped_llama()
+    with pytest.raises(
+        ValueError, match=r"^calibration \(1, 8\) torch.int64 is one sequence, which cannot be "
+        r"split into a part to fit and a part to score the latent's choices on: pass two or "
+        r"more, or name factorisation, balance_kv and rotary_key$"
+    ):  # fmt: skip
+        convert_attention(model, kv_latent=6, rope_dim=2, calibration=ids[:1])
+    # All named: one sequence is enough (nothing is measured).
+    convert_attention(copy.deepcopy(model), kv_latent=6, rope_dim=2, calibration=ids[:1],
+                      factorisation="pca", balance_kv=False, rotary_key="per_group")  # fmt: skip
+    with pytest.raises(TypeError, match=r"^balance_kv must be a bool or None, got 'yes'$"):
+        convert_attention(model, kv_latent=6, balance_kv="yes", calibration=ids)

@@ -84,7 +84,7 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     result = run_script(
         "convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
         "--fractions", "0.34", "0.67",  # 1 and 2 of the 3 steps
-        "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "--distill",
+        "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "mla_default", "--distill",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
@@ -103,6 +103,15 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     assert shared["value"] + shared["rope_dim"] == 16 and shared["kv_bytes_per_token"] == 16 * 4
     assert (shared["rotary_key"], shared["balance_kv"]) == ("shared", True)
     assert len(shared["out_error"]) == 1 and 0 <= shared["out_error"][0] < 1
+    # The default (issue 74): its one layer's choices measured, each candidate's loss kept.
+    (chosen,) = rows["mla_default 1/2"]["chosen"]
+    assert len(chosen["candidates"]) == 8 and chosen["factorisation"] in ("svd", "pca")
+    kept = next(
+        c["score"]
+        for c in chosen["candidates"]
+        if all(c[k] == chosen[k] for k in ("factorisation", "balance_kv", "rotary_key"))
+    )
+    assert kept <= min(c["score"] for c in chosen["candidates"]) * (1 + 1e-6) + 1e-6  # ties
     # MLA 1/4: 8 numbers, only rope_dim 2 leaves a latent (r = 4); at 1/8 none does
     assert (rows["mla_svd 1/4"]["value"], rows["mla_svd 1/4"]["rope_dim"]) == (4, 2)
     assert (

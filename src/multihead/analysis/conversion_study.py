@@ -15,7 +15,10 @@ rotary key(s) and the rest the latent; in cross-attention, all latent. The MLA m
 weights' SVD with per-group keys (partial RoPE; issue 56's method), ``mla_pca`` the PCA of
 the K/V outputs on the run's first ``calibration_batches`` training batches, ``mla_pca_bkv``
 K/V balancing, ``mla_pca_bkv_shared`` one rotary key shared by all heads, of the per-group
-keys' ``G * rope_dim`` numbers. ``distill`` uptrains every row, the MHA control too, with
+keys' ``G * rope_dim`` numbers; ``mla_default`` names none of them: each layer's
+factorisation, balancing and key layout are chosen by the loss on the held-out quarter of
+the calibration batches (:func:`~multihead.checkpoints.conversion.convert_attention`).
+``distill`` uptrains every row, the MHA control too, with
 the KL to the trained checkpoint added to its loss (``distill_from``). The uptraining
 schedule does not depend on its length (no cooldown), so the checkpoint at step ``n`` of
 the longest run is what an ``n``-step run would give: one run per row serves every fraction.
@@ -39,13 +42,16 @@ from multihead.checkpoints.conversion import (
 from multihead.checkpoints.io import load_trained_model, read_checkpoint
 from multihead.evaluation import evaluate_checkpoint
 
-# The MLA conversions of the ablation, one ingredient added at a time: convert_attention's
-# options (convert_lm.py's rows too). "shared" keys get the per-group keys' G * rope_dim.
+# The MLA conversions: convert_attention's options (convert_lm.py's rows too): the fixed
+# choices of the ablation, one ingredient added at a time, and mla_default, which names none,
+# so each layer's are measured on the calibration batches. "shared" keys get the per-group
+# keys' G * rope_dim.
 MLA_METHODS = {
-    "mla_svd": {"factorisation": "svd"},
-    "mla_pca": {"factorisation": "pca"},
-    "mla_pca_bkv": {"factorisation": "pca", "balance_kv": True},
+    "mla_svd": {"factorisation": "svd", "balance_kv": False, "rotary_key": "per_group"},
+    "mla_pca": {"factorisation": "pca", "balance_kv": False, "rotary_key": "per_group"},
+    "mla_pca_bkv": {"factorisation": "pca", "balance_kv": True, "rotary_key": "per_group"},
     "mla_pca_bkv_shared": {"factorisation": "pca", "balance_kv": True, "rotary_key": "shared"},
+    "mla_default": {},
 }
 METHODS = ("gqa", *MLA_METHODS)
 FIELDS = (
@@ -238,7 +244,7 @@ def mla_options(
     if method not in MLA_METHODS:
         return {}
     options = dict(MLA_METHODS[method])
-    if options["factorisation"] == "pca":
+    if options.get("factorisation") != "svd":  # the PCA, or the default's measurement
         options |= {"calibration_batches": calibration_batches, "local_dir": local_dir}
     if options.get("rotary_key") == "shared":  # the per-group keys' numbers, in one key
         model = load_trained_model(str(ckpt)).model

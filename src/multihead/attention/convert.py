@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from multihead.attention.checks import check_positive_int
 from multihead.attention.designs import design_arguments
 from multihead.attention.layer import MultiHeadAttention
 from multihead.attention.projection import QKVProjection
@@ -61,6 +62,8 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
     G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
     _check_design(layer, "with_kv_heads")
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
+        raise TypeError(f"num_kv_heads must be an integer, got {num_kv_heads!r}")
     if num_kv_heads <= 0 or G % num_kv_heads != 0:  # no argument named: callers name it apart
         raise ValueError(f"cannot pool {G} K/V heads into {num_kv_heads}: it must divide {G}")
     new = rebuild(layer, num_kv_heads=num_kv_heads, **design_arguments(layer.design))
@@ -113,8 +116,7 @@ class _Split(NamedTuple):
 def with_kv_latent(
     layer: MultiHeadAttention, kv_latent_dim: int, *, rope_dim: int | None = None,
     selection: str = "high", rotary_key: str = "per_group", freqfold: int | None = None,
-    calibration: Tensor | None = None, factorisation: str | None = None,
-    balance_kv: bool = False,
+    calibration: Tensor | None = None, factorisation: str = "svd", balance_kv: bool = False,
 ) -> MultiHeadAttention:  # fmt: skip
     """An MLA copy of an MHA/GQA/MQA ``layer`` with a ``kv_latent_dim`` latent.
 
@@ -130,13 +132,12 @@ def with_kv_latent(
       source inputs ``(..., E)``, every row a sample), the eigenvectors of
       ``W (Sigma + d I) W^T`` with ``Sigma`` the inputs' second moment and ``d`` =
       :data:`PCA_DAMPING` times its mean eigenvalue;
-    * ``None``: ``"pca"`` given ``calibration`` where the latent takes no feature that
-      rotated (no rotary positions, or every rotary feature kept in the key), else
-      ``"svd"``. Measured on trained models (``docs/results.md``, "Conversions that read
-      the data"): the PCA helps where nothing rotates (translation's cross-attention alone
-      at 1/8, right after conversion: +4.2 BLEU over the SVD) and hurts where the latent
-      takes features that rotated (its rotary self-attention alone, with BKV: -9.3; the
-      rotary LM: higher perplexity), though it lowers the layers' K/V errors.
+
+    Which of them (and BKV, and the rotary key's layout) suits a model is measured, not
+    assumed: :func:`~multihead.checkpoints.conversion.convert_attention` converts with each
+    and keeps the one that computes best on held-out calibration (``docs/reuse.md``); this
+    function builds the one it is told. ``calibration`` that neither ``"pca"`` nor
+    ``selection="norm"`` reads is refused (it would be ignored).
 
     Either way ``W_DKV`` has unit rows and the up-projection carries the scale (``W_UKV =
     U S`` and ``W_DKV = V^T`` for the SVD). ``balance_kv`` (TransMLA's BKV): K's rows are
@@ -178,6 +179,7 @@ def with_kv_latent(
     """
     _check_design(layer, "with_kv_latent")
     _check_unpruned(layer, "with_kv_latent")
+    check_positive_int("kv_latent_dim", kv_latent_dim)
     E, H, G, D = layer.embed_dim, layer.num_heads, layer.num_kv_heads, layer.head_dim
     rope = layer.positions
     if rope is not None and not isinstance(rope, RotaryPositions):
@@ -207,16 +209,21 @@ def with_kv_latent(
     if shared:
         freqfold = _freqfold(layer, rope_dim, freqfold)
     x = _calibration_rows(layer, calibration)  # (N, E) fp64, or None
-    if factorisation is None:  # measured: the PCA pays where no feature stops rotating
-        factorisation = "pca" if x is not None and rope_dim == widest else "svd"
     if factorisation not in FACTORISATIONS:
         raise ValueError(f"factorisation must be 'svd' or 'pca', got {factorisation!r}")
     if factorisation == "pca" and x is None:
         raise ValueError("factorisation='pca' needs calibration, the layer's inputs (B, S, E)")
     if not isinstance(balance_kv, bool):
         raise TypeError(f"balance_kv must be a bool, got {balance_kv!r}")
-    if selection == "norm" and x is None and rope_dim:
+    norm = selection == "norm" and bool(rope_dim)  # per-group pairs chosen on the inputs
+    if norm and x is None:
         raise ValueError("selection='norm' needs calibration, the layer's inputs (B, S, E)")
+    if x is not None and factorisation != "pca" and not norm:
+        raise ValueError(
+            f"calibration would be ignored: factorisation={factorisation!r} reads the weights "
+            "alone (factorisation='pca' and selection='norm' read it; convert_attention "
+            "chooses among the factorisations by measuring)"
+        )
     # The stack's rank: G(D - rope_dim) K rows and G D V rows per group (GQA's repeats add
     # none), or with a shared key G D K rows less the rope_dim it takes out; E columns. Above
     # it the latent's last numbers are always zero, and the cache may outgrow the layer's.

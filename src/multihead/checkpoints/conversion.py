@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,15 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from multihead.attention import MultiHeadAttention
 from multihead.attention.checks import check_positive_int
 from multihead.attention.convert import rotary_index, with_kv_heads, with_kv_latent
 from multihead.checkpoints.io import load_trained_model, read_checkpoint, save_new, weights_only
 from multihead.model.transformer import ATTENTION_SUBLAYERS, Transformer, sublayer_config
+
+log = logging.getLogger(__name__)
 
 # The GQA paper converts the decoder; "all" also converts the encoder self-attention.
 SCOPES = {
@@ -79,16 +83,23 @@ def _target(
 
 # What a latent's options are when not passed: an option set otherwise is refused where it
 # would be ignored (pooled K/V heads; no rotary layer in scope), not dropped without a word.
-LATENT_DEFAULTS = {"factorisation": None, "balance_kv": False}
-ROTARY_DEFAULTS = {"rope_dim": None, "selection": "high", "rotary_key": "per_group",
+LATENT_DEFAULTS = {"factorisation": None, "balance_kv": None}
+ROTARY_DEFAULTS = {"rope_dim": None, "selection": "high", "rotary_key": None,
                    "freqfold": None}  # fmt: skip
+# The latent's choices left unset (None): with calibration, each layer is converted with every
+# combination of them and keeps the one that computes best on held-out calibration; without,
+# the first (the weights' SVD, no balancing, per-group keys: nothing to measure on).
+CHOICES = {"factorisation": ("svd", "pca"), "balance_kv": (False, True),
+           "rotary_key": ("per_group", "shared")}  # fmt: skip
+HELD_OUT = 4  # one part in 4 of the calibration (at least one batch or sequence) is held out
 
 
 def convert_attention(
     model: nn.Module, *, kv_heads: int | None = None, kv_latent: int | None = None,
-    rope_dim: int | None = None, selection: str = "high", rotary_key: str = "per_group",
-    freqfold: int | None = None, factorisation: str | None = None, balance_kv: bool = False,
-    calibration: Any = None, scope: str | Sequence[str] | None = None,
+    rope_dim: int | None = None, selection: str = "high", rotary_key: str | None = None,
+    freqfold: int | None = None, factorisation: str | None = None,
+    balance_kv: bool | None = None, calibration: Any = None,
+    scope: str | Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Convert every attention layer of ``model`` in place: to ``kv_heads`` pooled K/V heads
     (:func:`~multihead.attention.convert.with_kv_heads`) or to a ``kv_latent`` K/V latent
@@ -105,19 +116,38 @@ def convert_attention(
     ``model(calibration)``, or a list of such batches (each called in turn): our
     Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` or
     ``{"input_ids": ..}``. Each layer's K/V source inputs on them, padding left out where
-    the call has a ``key_padding_mask``, are the latent's calibration (``factorisation``
-    ``"pca"`` by default with them where no rotated feature enters the latent), choose
+    the call has a ``key_padding_mask``, are the latent's calibration (``"pca"``), choose
     ``selection="norm"``'s pairs and measure the errors below. Bad calibration (a batch
     the model refuses, an empty one, a layer it never reaches) is refused in one line,
     before any layer changes.
 
+    **The latent's choices are measured, not assumed.** ``factorisation`` (``"svd"`` or
+    ``"pca"``), ``balance_kv`` and, in a rotary layer, ``rotary_key`` (per-group keys of
+    ``rope_dim`` each, or one shared key of ``G rope_dim``: the same cache) left ``None``
+    are chosen with ``calibration``: the last quarter of its batches (of a single batch, of
+    its sequences; at least one) is held out, each layer is converted with every
+    combination of them fitted on the rest, and keeps the one with the lowest score on the
+    held-out part: the model's next-token cross-entropy where its output has logits
+    ``(B, S, V)`` and the batches token ids (an HF causal LM's ``input_ids``, our
+    Transformer's ``tgt_in``; padding left out), the layers before it converted as chosen
+    and those after as they were; else the layer's output error on its held-out calls. In
+    our Transformer, whose config holds one layout per sublayer kind, a kind's first layer
+    chooses the layout for the others. A tie (within 1e-6) goes to the weights alone. A
+    named option is used as it is: all named, no selection, every batch fitted. Without
+    calibration: the SVD, no balancing, per-group keys. One log line (``logging``, INFO)
+    says what each layer kept.
+
     Returns:
         Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
-        per token, fp32), and with ``calibration``: ``k_error`` and ``v_error``, the relative
-        Frobenius error of K and V (per query head, before RoPE and without biases, which
-        move exactly; a rotary key's part counted exact, being moved, not approximated), and
-        ``out_error``, the relative error of the layer's output; each on the layer's own
-        calibration inputs (not the converted model's), right after the conversion.
+        per token, fp32); for a latent, ``latent``, the choices it got
+        (``factorisation``, ``balance_kv``, a rotary layer's ``rotary_key``), and where they
+        were measured ``scored_by`` (``"held-out loss"`` or ``"held-out out_error"``) and
+        ``candidates``, each combination with its ``score``; with ``calibration``:
+        ``k_error`` and ``v_error``, the relative Frobenius error of K and V (per query head,
+        before RoPE and without biases, which move exactly; a rotary key's part counted
+        exact, being moved, not approximated), and ``out_error``, the relative error of the
+        layer's output; each on the layer's own calibration inputs (all of them; not the
+        converted model's), right after the conversion.
     """
     options = {"rope_dim": rope_dim, "selection": selection, "rotary_key": rotary_key,
                "freqfold": freqfold, "factorisation": factorisation,
@@ -139,7 +169,8 @@ def _convert(
     if not per_kind:
         _target(kv_heads, kv_latent, names)
     asked = f"{names[0]}={kv_heads}" if kv_heads is not None else f"{names[1]}={kv_latent}"
-    if isinstance(model, Transformer):
+    transformer = isinstance(model, Transformer)
+    if transformer:
         kinds = resolve_scope("decoder" if scope is None else scope)
         layers = [(p, a, k) for k, _, p, a in model.attention_sublayers() if k in kinds]
     elif scope is not None:  # another model's layers have no kinds to choose from
@@ -169,6 +200,10 @@ def _convert(
                 f"{path} {has} ({attn.head_tag!r}), which {asked} does not convert; "
                 "it converts MHA/GQA/MQA layers"
             )
+        if kv_heads is not None and attn.num_kv_heads == kv_heads:
+            raise ValueError(
+                f"{asked} would leave {path} as it is: it has {kv_heads} K/V heads already"
+            )
     # The options a conversion would drop, refused by name (an option at its default
     # cannot be told from one not passed).
     rotary = {k: options[k] for k in ROTARY_DEFAULTS}
@@ -183,33 +218,230 @@ def _convert(
     ignored = [f"{k}={v!r}" for k, v in ignored.items() if v != defaults[k]]
     if ignored:
         raise ValueError(f"{' and '.join(ignored)} would be ignored: {why}")
-    calls = {} if calibration is None else _layer_calls(model, layers, calibration)
-    sources = {path: _source_rows(found) for path, found in calls.items()}  # (1, N, E) each
-    converted = {}  # every layer first, so that a refusal leaves the model as it was
-    for path, attn, kind in layers:
-        if kv_heads is not None:
-            converted[path] = with_kv_heads(attn, kv_heads)
-        else:
-            own = latent | (rotary if attn.positions is not None else {})  # cross-attention: none
+    if options["balance_kv"] is not None and not isinstance(options["balance_kv"], bool):
+        raise TypeError(f"balance_kv must be a bool or None, got {options['balance_kv']!r}")
+    unset = [k for k in CHOICES if options[k] is None]
+    measure = (
+        kv_heads is None
+        and calibration is not None
+        and bool(
+            {"factorisation", "balance_kv"} & set(unset)
+            or ("rotary_key" in unset and any(a.positions is not None for _, a, _ in layers))
+        )
+    )
+    batches = None if calibration is None else _batches(calibration)
+    fit, held, held_words = _split(batches) if measure else (batches, None, "")
+    whole = batches[0] if measure and len(batches) == 1 else None  # its sequences split
+    calls = {} if calibration is None else _layer_calls(model, layers, fit, whole)
+    held_calls = {} if held is None else _layer_calls(model, layers, held, whole)
+    fit_rows = {path: _source_rows(found) for path, found in calls.items()}  # (1, N, E) each
+    for path, found in held_calls.items():
+        calls[path] = calls[path] + found  # the report's errors: on all the calibration
+    sources = {path: _source_rows(found) for path, found in calls.items()}
+    converted, report_choices = {}, {}  # every layer first: a refusal leaves the model as it was
+    originals = {path: attn for path, attn, _ in layers}
+    mode = model.training
+    try:
+        scorer = _loss_scorer(model.eval(), held) if measure else None
+        layouts: dict[str, str] = {}  # our Transformer: a sublayer kind's layout, its first's
+        for path, attn, kind in layers:
+            if kv_heads is not None:
+                converted[path] = with_kv_heads(attn, kv_heads)
+                continue
             r = kv_latent[kind] if per_kind else kv_latent
-            converted[path] = with_kv_latent(attn, r, calibration=sources.get(path), **own)
-    if isinstance(model, Transformer):  # one set of options per sublayer kind in its config
+            fixed = {k: options[k] for k in CHOICES if options[k] is not None}
+            if kind in layouts:
+                fixed["rotary_key"] = layouts[kind]
+            candidates = _candidates(attn, fixed, measure)
+            if len(candidates) == 1:  # named, or nothing to measure on: every batch fitted
+                converted[path] = _with_latent(attn, r, candidates[0], options, sources.get(path))
+                report_choices[path] = {"latent": candidates[0]}
+                continue
+            scored = []
+            for choice in candidates:
+                new = _with_latent(attn, r, choice, options, fit_rows[path])
+                if scorer is None:
+                    score = _out_error(attn, new, held_calls[path])
+                else:
+                    model.set_submodule(path, new)
+                    score = scorer()
+                scored.append((score, choice, new))
+            # The lowest score; a tie (within 1e-6: exact conversions, fp32 rounding apart)
+            # goes to the first in CHOICES' order, the weights alone before the data.
+            tie = min(score for score, _, _ in scored) * (1 + 1e-6) + 1e-6
+            score, choice, new = next(t for t in scored if t[0] <= tie)
+            if scorer is not None:  # the next layers are scored with this one converted
+                model.set_submodule(path, new)
+            converted[path] = new
+            if transformer and "rotary_key" in choice:
+                layouts[kind] = choice["rotary_key"]
+            report_choices[path] = {
+                "latent": choice,
+                "scored_by": "held-out out_error" if scorer is None else "held-out loss",
+                "candidates": [{**c, "score": s} for s, c, _ in scored],
+            }
+    finally:
+        for path, attn in originals.items():
+            model.set_submodule(path, attn)
+        model.train(mode)
+    if transformer:  # one set of options per sublayer kind in its config
         options = {kind: _shared_options(kind, [converted[p] for p, _, k in layers if k == kind])
                    for kind in kinds}  # fmt: skip
     report = []
     for path, attn, _ in layers:
         new = converted[path]
         row = {"layer": path, "bytes_before": attn.kv_cache_bytes_per_token(),
-               "bytes_after": new.kv_cache_bytes_per_token()}  # fmt: skip
+               "bytes_after": new.kv_cache_bytes_per_token(),
+               **report_choices.get(path, {})}  # fmt: skip
         if path in calls:
             row |= _kv_errors(attn, new, sources[path])
             row["out_error"] = _out_error(attn, new, calls[path])
         model.set_submodule(path, new)
         report.append(row)
-    if isinstance(model, Transformer):
+    if transformer:
         for kind in kinds:
             model.attention_config[kind].update(options[kind])
+    measured = [row for row in report if "candidates" in row]
+    if measured:
+        log.info(
+            "convert_attention kept, by the %s on %s of the calibration held out: %s",
+            measured[0]["scored_by"].removeprefix("held-out "),
+            held_words,
+            "; ".join(_summary(row) for row in measured),
+        )
     return report
+
+
+def _candidates(attn: MultiHeadAttention, fixed: dict[str, Any], measure: bool) -> list[dict]:
+    """The latent choices to build for ``attn``: the ``fixed`` ones as they are, every value
+    of each other one of :data:`CHOICES` where ``measure``, else its first."""
+    names = [k for k in CHOICES if k != "rotary_key" or attn.positions is not None]
+    values = [
+        [fixed[k]] if k in fixed else list(CHOICES[k] if measure else CHOICES[k][:1]) for k in names
+    ]
+    return [
+        dict(zip(names, combination, strict=True)) for combination in itertools.product(*values)
+    ]
+
+
+def _with_latent(
+    attn: MultiHeadAttention, r: int, choice: dict[str, Any], options: dict[str, Any],
+    rows: Tensor | None,
+) -> MultiHeadAttention:  # fmt: skip
+    """``attn`` with a latent of ``r`` by ``choice``, the rotary ``options`` where they apply:
+    a layout left to measure (``options["rotary_key"]`` None) gives its per-group keys
+    ``rope_dim`` and ``selection``, its shared key ``G rope_dim`` (the same cache) and
+    ``freqfold``; calibration ``rows`` passed where the choice reads them."""
+    own = dict(choice)
+    if attn.positions is not None:
+        rotary = {k: options[k] for k in ("rope_dim", "selection", "freqfold")}
+        if options["rotary_key"] is None:  # the layout measured: each its own options
+            if choice["rotary_key"] == "shared":
+                kept = (
+                    attn.positions.rotary_dim if rotary["rope_dim"] is None else rotary["rope_dim"]
+                )
+                rotary = {"rope_dim": attn.num_kv_heads * kept, "freqfold": rotary["freqfold"]}
+            else:
+                rotary = {"rope_dim": rotary["rope_dim"], "selection": rotary["selection"]}
+        own |= {k: v for k, v in rotary.items() if v != ROTARY_DEFAULTS[k]}
+    reads = own["factorisation"] == "pca" or own.get("selection") == "norm"
+    return with_kv_latent(attn, r, calibration=rows if reads else None, **own)
+
+
+def _label(choice: dict[str, Any]) -> str:
+    """A latent choice in a few words: ``pca+bkv, shared key``."""
+    bkv = "+bkv" if choice["balance_kv"] else ""
+    keys = {None: "", "per_group": ", per-group keys", "shared": ", shared key"}
+    return f"{choice['factorisation']}{bkv}{keys[choice.get('rotary_key')]}"
+
+
+def _summary(row: dict[str, Any]) -> str:
+    """A measured layer's choice and its score against the candidates' range."""
+    scores = [c["score"] for c in row["candidates"]]
+    return (
+        f"{row['layer']} {_label(row['latent'])} ({min(scores):.4g}; the "
+        f"{len(scores)} candidates {min(scores):.4g}-{max(scores):.4g})"
+    )
+
+
+def _split(batches: list) -> tuple[list, list, str]:
+    """The calibration ``batches`` as a fitting and a held-out list, and the held-out part in
+    words: the last quarter of the batches, or of a single batch's sequences (each tensor's
+    rows), at least one."""
+    if len(batches) != 1:
+        n = max(1, len(batches) // HELD_OUT)
+        return batches[:-n], batches[-n:], f"{n} of {len(batches)} batches"
+    (batch,) = batches
+    sizes = [len(x) for x in _parts(batch) if isinstance(x, Tensor) and x.dim()]
+    if not sizes or sizes[0] < 2:
+        raise ValueError(
+            f"calibration {_describe(batch)} is one sequence, which cannot be split into a part "
+            "to fit and a part to score the latent's choices on: pass two or more, or name "
+            "factorisation, balance_kv and rotary_key"
+        )
+    B = sizes[0]
+    cut = B - max(1, B // HELD_OUT)
+
+    def rows(part: slice) -> Any:
+        take = lambda x: x[part] if isinstance(x, Tensor) and x.dim() and len(x) == B else x  # noqa: E731
+        if isinstance(batch, Mapping):
+            return {k: take(v) for k, v in batch.items()}
+        return tuple(take(x) for x in batch) if isinstance(batch, tuple) else take(batch)
+
+    return [rows(slice(0, cut))], [rows(slice(cut, B))], f"{B - cut} of {B} sequences"
+
+
+def _token_targets(model: nn.Module, batch: Any) -> tuple[Tensor, Tensor] | None:
+    """The token ids ``(B, S)`` a batch's logits predict and which of them count (not
+    padding): our Transformer's ``tgt_in``, an HF model's ``input_ids`` (its
+    ``attention_mask``); ``None`` where the batch holds none."""
+    if isinstance(model, Transformer) and isinstance(batch, tuple) and len(batch) == 2:
+        ids = batch[1]
+        return ids, ids != model.pad_id
+    mask = None
+    if isinstance(batch, Mapping):
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    else:
+        ids = batch
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        return None
+    return ids, (torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool())
+
+
+def _loss_scorer(model: nn.Module, batches: list) -> Any:
+    """A function giving ``model``'s next-token cross-entropy (mean over the counted tokens)
+    on ``batches`` as the model is when called, or ``None`` where the batches hold no token
+    ids or the model's output no logits ``(B, S, V)`` for them."""
+    targets = [_token_targets(model, batch) for batch in batches]
+    if any(t is None for t in targets):
+        return None
+
+    def loss() -> float | None:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch, (ids, counted) in zip(batches, targets, strict=True):
+                out = _run(model, batch)
+                logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+                if not (isinstance(logits, Tensor) and logits.dim() == 3
+                        and logits.shape[:2] == ids.shape):  # fmt: skip
+                    return None
+                keep = counted[:, 1:]  # the token predicted counts
+                ce = F.cross_entropy(
+                    logits[:, :-1][keep].double(), ids[:, 1:][keep], reduction="sum"
+                )
+                total, count = total + ce.item(), count + int(keep.sum())
+        return total / count if count else None
+
+    return loss if loss() is not None else None
+
+
+def _run(model: nn.Module, batch: Any) -> Any:
+    """``model`` called on one calibration batch: a tuple spread, a mapping by keyword."""
+    if isinstance(batch, tuple):
+        return model(*batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch)
 
 
 def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, Any]:
@@ -225,21 +457,45 @@ def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, An
     return found[0]
 
 
-def _layer_calls(
-    model: nn.Module, layers: list[tuple[str, MultiHeadAttention, Any]], calibration: Any
-) -> dict[str, list[tuple[tuple, dict]]]:
-    """``{path: [(args, kwargs), ...]}``: every call of each layer on ``calibration`` (one
-    batch or a list of them); bad calibration refused in one line."""
+def _batches(calibration: Any) -> list:
+    """``calibration`` (one batch or a list of them) as a list of batches; an empty list or
+    an empty tensor refused in one line."""
     batches = calibration if isinstance(calibration, list) else [calibration]
     if not batches:
         raise ValueError("calibration is an empty list; pass at least one batch")
     for batch in batches:
-        parts = batch.values() if isinstance(batch, Mapping) else (
-            batch if isinstance(batch, tuple) else (batch,))  # fmt: skip
-        for part in parts:
+        for part in _parts(batch):
             if isinstance(part, Tensor) and part.numel() == 0:
                 raise ValueError(f"calibration holds an empty tensor of shape {tuple(part.shape)}")
+    return batches
+
+
+def _parts(batch: Any) -> tuple:
+    """A calibration batch's values: a mapping's, a tuple's items, or the batch itself."""
+    if isinstance(batch, Mapping):
+        return tuple(batch.values())
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _layer_calls(
+    model: nn.Module, layers: list[tuple[str, MultiHeadAttention, Any]], batches: list,
+    whole: Any = None,
+) -> dict[str, list[tuple[tuple, dict]]]:  # fmt: skip
+    """``{path: [(args, kwargs), ...]}``: every call of each layer on the calibration
+    ``batches``; bad calibration refused in one line, naming the batch (``whole`` where the
+    batches are the parts of one)."""
     seen: dict[str, list[tuple[tuple, dict]]] = {p: [] for p, _, _ in layers}
+    running = [None]  # the batch being run, for the refusals' words
+
+    def embedding(path: str):
+        def check(module, args):
+            if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+                raise _Refused(
+                    f"calibration {_describe(running[0])} gives {path} (an embedding) floats "
+                    "where it reads token ids: pass the token ids (integers), not floats"
+                )
+
+        return check
 
     def hook(path: str):
         def record(module, args, kwargs):
@@ -249,29 +505,32 @@ def _layer_calls(
             for x in (query, key_value):
                 if x is not None and (x.dim() != 3 or x.shape[-1] != module.embed_dim):
                     raise _Refused(
-                        f"calibration gives {path} an input of shape {tuple(x.shape)}, where it "
-                        f"reads (B, S, {module.embed_dim}): pass the model's own inputs"
+                        f"calibration {_describe(running[0])} gives {path} an input of shape "
+                        f"{tuple(x.shape)}, where it reads (B, S, {module.embed_dim}): pass the "
+                        "model's own inputs"
                     )
             seen[path].append((args, kwargs))
 
         return record
 
     handles = [a.register_forward_pre_hook(hook(p), with_kwargs=True) for p, a, _ in layers]
+    handles += [
+        m.register_forward_pre_hook(embedding(p))
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Embedding)
+    ]
     try:
         with torch.no_grad():
             for batch in batches:
+                running[0] = batch if whole is None else whole
                 try:
-                    if isinstance(batch, tuple):
-                        model(*batch)
-                    elif isinstance(batch, Mapping):
-                        model(**batch)
-                    else:
-                        model(batch)
-                except _Refused:
-                    raise
+                    _run(model, batch)
+                except _Refused as refused:  # the class is ours: the user gets a ValueError
+                    raise ValueError(str(refused)) from None
                 except (TypeError, ValueError, RuntimeError, IndexError) as error:  # the model's
                     raise ValueError(
-                        f"calibration {_describe(batch)} does not run {type(model).__name__}: "
+                        f"calibration {_describe(running[0])} does not run "
+                        f"{type(model).__name__}: "
                         f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
                     ) from error
     finally:
@@ -283,8 +542,8 @@ def _layer_calls(
     return seen
 
 
-class _Refused(ValueError):
-    """A calibration input refused by the hook, passed on as it is."""
+class _Refused(Exception):
+    """A calibration input refused by a hook, raised again as a ``ValueError``."""
 
 
 def _describe(batch: Any) -> str:
@@ -420,10 +679,10 @@ def convert_checkpoint(
     kv_latent_dim: int | Mapping[str, int] | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
-    rotary_key: str = "per_group",
+    rotary_key: str | None = None,
     freqfold: int | None = None,
     factorisation: str | None = None,
-    balance_kv: bool = False,
+    balance_kv: bool | None = None,
     calibration_batches: int = 0,
     local_dir: str | None = None,
 ) -> dict[str, Any]:
@@ -442,7 +701,8 @@ def convert_checkpoint(
             in ``scope`` (e.g. a rotary self-attention's latent beside its rotary keys, and
             a wider one in cross-attention, for the same cache).
         rope_dim, selection, rotary_key, freqfold, factorisation, balance_kv: see
-            :func:`convert_attention` (the rotary ones for the kinds with rotary layers).
+            :func:`convert_attention` (the rotary ones for the kinds with rotary layers;
+            ``None``: measured on the calibration batches, whose loss scores each choice).
         calibration_batches: calibrate on this many of the run's own first training
             batches (:func:`training_batches`; ``0``: none, the weights alone).
         local_dir: the data's directory here, for the calibration batches.
@@ -475,7 +735,7 @@ def convert_checkpoint(
     calibration = None
     if calibration_batches:
         calibration = training_batches(ckpt, calibration_batches, local_dir)
-    _convert(
+    report = _convert(
         model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind,
         calibration=calibration, scope=kinds, names=("num_kv_heads", "kv_latent_dim"), **latent,
     )  # fmt: skip
@@ -519,6 +779,12 @@ def convert_checkpoint(
             else {}
         ),
         **({"changed_keys": changed} if any(changed.values()) else {}),
+        # What the measurement chose, per layer, where it chose.
+        **(
+            {"chosen": {row["layer"]: row["latent"] for row in report if "candidates" in row}}
+            if any("candidates" in row for row in report)
+            else {}
+        ),
     }
     converted["multihead"] = extra
     return converted
