@@ -13,9 +13,11 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Every attention call of a model that dispatches through the interface (Llama, Qwen2,
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
   positions and cache. A backend that cannot run raises ``BackendUnavailableError``. A
-  keyword the model passes that the kernels do not read (logit softcapping, attention sinks,
-  a position bias, a sparse indexer's top-k keys: anything not in :data:`HONOURED`) raises
-  ``ValueError`` at the call, naming it. A model that builds an attention module computing
+  keyword the model passes that changes the scores or selects the keys (logit softcapping,
+  attention sinks, a position bias, a sparse indexer's top-k keys: anything not in
+  :data:`HONOURED`) raises ``ValueError`` at the call, naming it; the cache's bookkeeping
+  (``cache_position``) and the call's other keywords that HF's own sdpa function ignores
+  pass. A model that builds an attention module computing
   its attention in its own code (Bloom, Falcon, GIT's text attention, ...) raises
   ``ValueError`` when it is built or switched by ``set_attn_implementation``
   (:func:`routes_through_interface`). Nothing falls back in silence.
@@ -87,9 +89,12 @@ HONOURED = frozenset({
     # sdpa read the packing from the mask HF builds from position_ids, as the kernels do.
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
     # The model call's keywords that HF passes down every layer, about its cache (written
-    # before the call), its outputs or its loss.
+    # before the call), its outputs or its loss. cache_position: where the new keys go in the
+    # cache (HF's documented decoding loop over a StaticCache passes it); HF's own sdpa
+    # function ignores it, as every one of these. deterministic: flash-attn's choice of
+    # backward kernel (ModernBERT's), not the attention's math.
     "use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
-    "logits_to_keep",
+    "logits_to_keep", "cache_position", "deterministic",
 })  # fmt: skip
 
 # What the keywords known to change the attention are, for the refusal's message.
