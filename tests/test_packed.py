@@ -94,3 +94,38 @@ def test_a_used_model_deep_copies_and_pickles_without_its_onednn_copy():
         assert other[0]._packed is None
         with torch.no_grad():
             torch.testing.assert_close(other(x), want)
+
+
+def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: [p.data.mul_(3.0) for p in m.parameters()] and m.eval(),  # the documented call
+        lambda m: [setattr(p, "data", p.data * 3.0) for p in m.parameters()],
+        lambda m: m.load_state_dict({k: v * 3.0 for k, v in m.state_dict().items()}, assign=True),
+        lambda m: m.to(torch.bfloat16).float(),  # the new weight may land at the old address
+    ],
+    ids=["data.mul_-then-eval", "data=", "assign", "bf16-float"],
+)
+def test_the_copy_follows_its_parameter(change):
+    model = _model().eval()
+    pack_linears(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model(x)  # makes the copies
+        change(model)
+        torch.testing.assert_close(model(x), _reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_under_cpu_autocast_the_layer_computes_as_nn_linear_there():
+    model = _model().eval()
+    reference = _model().eval()
+    pack_linears(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+        got, want = model(x), reference(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

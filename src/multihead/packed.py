@@ -8,14 +8,24 @@ Reordering costs about as much as the product, so it is done once and kept.
 
 :class:`PackedLinear` is an ``nn.Linear`` (same parameters, same ``state_dict``) whose
 forward uses the reordered copy when it can and ``F.linear`` otherwise: with autograd on,
-in training mode, off the CPU, or in a dtype other than the weight's. The copy is dropped
-whenever the weight may change: at a call with autograd on (an optimiser step needs one
-first; a fused step changes the weight without moving its version counter) and at
-``train()``/``eval()``; and it is made again when the weight's version counter moved
-(``load_state_dict``, an in-place edit under ``no_grad``).
+in training mode, under CPU autocast (``F.linear`` is what autocast casts), off the CPU, or
+in a dtype other than the weight's.
+
+The copy follows its weight. It is made again when the parameter is another object
+(``load_state_dict(assign=True)``), its storage moved (``p.data = new``, a cast), or its
+dtype, device or version counter changed (``load_state_dict``, an in-place edit under
+``no_grad``); the copy holds the storage it was made from, so a new weight cannot reuse its
+address. It is dropped when the weight may change without a trace: at a call with autograd
+on (an optimiser step needs one first; a fused step changes the weight without moving its
+version counter), at ``train()``/``eval()`` and at a cast (``.to``, ``.float()``). What no
+check sees is an in-place edit of ``p.data`` (``p.data.copy_(new)``): ``.data`` has a
+version counter of its own. After one, ``model.eval()`` (or ``prepare_for_decoding(model)``
+again) makes every copy anew.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -41,31 +51,66 @@ class PackedLinear(nn.Linear):
     """
 
     _packed: Tensor | None = None  # the reordered weight
+    _packed_from: Tensor | None = None  # the weight it was reordered from: its storage, kept
+    _packed_param: weakref.ref | None = None  # the parameter it was reordered from
     _packed_version: int = -1  # the weight's version counter when it was reordered
 
     def __getstate__(self) -> dict:
         # Copies and pickles leave the oneDNN copy behind (torch cannot copy its storage);
         # the copy's first call without autograd makes its own.
         state = super().__getstate__()
-        state.pop("_packed", None)
-        state.pop("_packed_version", None)
+        for attribute in _PACKED:
+            state.pop(attribute, None)
         return state
 
+    def _drop(self) -> None:
+        self._packed = self._packed_from = self._packed_param = None
+
     def train(self, mode: bool = True) -> PackedLinear:
-        self._packed = None  # training may change the weight without a trace: reorder again
+        self._drop()  # training may change the weight without a trace: reorder again
         return super().train(mode)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._drop()  # a cast or a move: the old weight's copy and storage are not kept
+        return super()._apply(fn, recurse)
+
+    def _is_current(self, weight: Tensor) -> bool:
+        """Whether the copy was made from ``weight`` as it is now: the same parameter, the
+        same storage (held by ``_packed_from``, so no new tensor can take its address), dtype,
+        device and version."""
+        source = self._packed_from
+        return (
+            self._packed is not None
+            and self._packed_param() is weight
+            and weight.data_ptr() == source.data_ptr()
+            and weight.dtype == source.dtype
+            and weight.device == source.device
+            and weight.shape == source.shape
+            and weight._version == self._packed_version
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
         if torch.is_grad_enabled():
-            self._packed = None  # a step may follow that changes the weight without a trace
+            self._drop()  # a step may follow that changes the weight without a trace
             return F.linear(x, weight, self.bias)
-        if self.training or x.dtype != weight.dtype or not can_pack(weight):
+        if (
+            self.training
+            or torch.is_autocast_enabled("cpu")
+            or x.dtype != weight.dtype
+            or not can_pack(weight)
+        ):
             return F.linear(x, weight, self.bias)
-        if self._packed is None or self._packed_version != weight._version:
+        if not self._is_current(weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._packed_from = weight.detach()
+            self._packed_param = weakref.ref(weight)
             self._packed_version = weight._version
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+# What a PackedLinear holds beside nn.Linear's state: left behind by copies, freed by unpacking.
+_PACKED = ("_packed", "_packed_from", "_packed_param", "_packed_version")
 
 
 def pack_linears(model: nn.Module) -> list[str]:
@@ -91,7 +136,7 @@ def unpack_linears(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            for attribute in ("_packed", "_packed_version"):  # the copy, freed
+            for attribute in _PACKED:  # the copy, freed
                 module.__dict__.pop(attribute, None)
             names.append(name)
     return names

@@ -20,7 +20,12 @@ from transformers import AutoModelForCausalLM, BloomConfig  # noqa: E402
 from multihead.attention.alibi import ALiBi  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
-from helpers.hf import max_token_difference, padded_batch  # noqa: E402
+from helpers.hf import (  # noqa: E402
+    assert_saves_as_it_loads,
+    max_token_difference,
+    padded_batch,
+    perturbed,
+)
 
 TOLERANCE = 1e-5
 
@@ -76,3 +81,12 @@ def test_blooms_sliced_output_projection_is_refused() -> None:
     model = eager_bloom(pretraining_tp=2, slow_but_exact=True)
     with pytest.raises(ValueError, match=r"'transformer.h.0.self_attention': slow_but_exact"):
         hf.replace_hf_attention(model)
+
+
+def test_a_swapped_bloom_saves_in_hf_layout_and_reloads_through_stock_from_pretrained(tmp_path):
+    """BLOOM's ``query_key_value`` holds each head's q, k, v rows together; the layer stacks
+    them: saved back in HF's order, the stock model has the swapped model's logits."""
+    ours = perturbed(hf.replace_hf_attention(copy.deepcopy(eager_bloom().eval())))
+    assert_saves_as_it_loads(
+        ours, hf.replace_hf_attention, tmp_path, *padded_batch(), tolerance=TOLERANCE
+    )

@@ -31,7 +31,12 @@ from transformers import (  # noqa: E402
 from multihead.attention.latent import LatentKV  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
-from helpers.hf import max_token_difference, padded_batch  # noqa: E402
+from helpers.hf import (  # noqa: E402
+    assert_saves_as_it_loads,
+    max_token_difference,
+    padded_batch,
+    perturbed,
+)
 
 TOLERANCE = 1e-5
 COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
@@ -219,3 +224,14 @@ def test_a_model_cast_after_it_was_built_is_refused_for_its_inv_freq() -> None:
     with pytest.raises(ValueError, match="inv_freq in torch.bfloat16"):
         swapped(model)
     swapped(eager_model("v3")).to(torch.bfloat16)(padded_batch()[0])  # swapped first: runs
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_a_swapped_model_saves_in_hf_layout_and_reloads_through_stock_from_pretrained(
+    family, tmp_path
+) -> None:
+    """The MLA layer's Q, latent, up-projection and rotary rows (YaRN's attention_factor
+    folded in) written back in HF's layout. Before: HF's ``from_pretrained`` left the
+    attention at random (3.8 off)."""
+    ours = perturbed(swapped(eager_model(family).eval()))
+    assert_saves_as_it_loads(ours, swapped, tmp_path, *padded_batch(), tolerance=TOLERANCE)

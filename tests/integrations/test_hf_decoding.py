@@ -10,12 +10,19 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from multihead.integrations import huggingface as hf  # noqa: E402
 from multihead.integrations.hf_decoding import AppendLayer  # noqa: E402
-from multihead.packed import PackedLinear  # noqa: E402
+from multihead.packed import PackedLinear, can_pack  # noqa: E402
 
 COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
 COMMON |= dict(initializer_range=0.2, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -110,3 +117,107 @@ def test_prepare_for_decoding_packs_every_linear_and_keeps_the_logits():
 def test_prepare_for_decoding_refuses_a_model_without_linear_layers():
     with pytest.raises(ValueError, match="Embedding has no nn.Linear to pack"):
         hf.prepare_for_decoding(torch.nn.Embedding(4, 4))
+
+
+# ---------------------------------------------- a prepared model follows its weights
+GQA = dict(num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, **COMMON)),
+    "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(**GQA, **COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**GQA, **COMMON)),  # Q/K/V biases
+    "llama-tied": lambda: LlamaForCausalLM(LlamaConfig(**GQA, tie_word_embeddings=True, **COMMON)),
+}
+
+
+def _prepared_and_twin(family: str):
+    """A model on ``"multihead"`` prepared for decoding, with its copies made (one decode),
+    and an unprepared twin: the reference for every weight change below."""
+    hf.register()
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    # Fresh tensors, version 0, as from_pretrained loads them.
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    model.set_attn_implementation("multihead")
+    twin = copy.deepcopy(model)
+    hf.prepare_for_decoding(model)
+    with torch.no_grad():
+        model(_left_padded()[0])
+    assert model.lm_head._packed is not None
+    return model, twin
+
+
+def _new_weights(family: str) -> dict[str, torch.Tensor]:
+    """Other weights for the same model: a build from another seed."""
+    torch.manual_seed(1)
+    return FAMILIES[family]().state_dict()
+
+
+def _set_data(model, new):
+    for name, p in model.named_parameters():
+        p.data = new[name].clone()
+
+
+def _copy_data_then_prepare_again(model, new):
+    # .data has a version counter of its own: no check sees this edit; the documented call
+    # after it makes the copies anew.
+    for name, p in model.named_parameters():
+        p.data.copy_(new[name])
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        hf.prepare_for_decoding(model)
+
+
+def _load_assigned(model, new):
+    model.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+
+
+CHANGES = {
+    "p.data=": _set_data,
+    "p.data.copy_": _copy_data_then_prepare_again,
+    "load_state_dict(assign=True)": _load_assigned,
+    "to(bf16).float()": lambda model, new: model.to(torch.bfloat16).float(),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prepared_model_computes_with_its_weights_after_they_change(family, change):
+    """After each change applied to both, the prepared model's logits and greedy tokens are
+    its unprepared twin's (before the fix: up to 10 off and other tokens, the old weights)."""
+    model, twin = _prepared_and_twin(family)
+    new = _new_weights(family)
+    for m in (model, twin):
+        CHANGES[change](m, new)
+    ids, mask = _left_padded()
+    with torch.no_grad():
+        got, want = (m(ids, attention_mask=mask).logits for m in (model, twin))
+    assert (got - want)[mask.bool()].abs().max() < 1e-5
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, **settings), twin.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prepared_model_cast_to_bf16_decodes_as_the_unprepared_one(family):
+    """``.to(bfloat16)`` after a decode: before the fix, oneDNN was handed the fp32 copy
+    (RuntimeError: could not create a primitive descriptor for the inner product)."""
+    model, twin = _prepared_and_twin(family)
+    for m in (model, twin):
+        m.to(torch.bfloat16)
+    ids, mask = _left_padded()
+    with torch.no_grad():
+        got, want = (m(ids, attention_mask=mask).logits.float() for m in (model, twin))
+    assert (got - want)[mask.bool()].abs().max() < 1e-5
+    # oneDNN ran in bf16 where this CPU has it natively.
+    assert (model.lm_head._packed is not None) == can_pack(model.lm_head.weight)
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, **settings), twin.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prepared_model_honours_cpu_autocast(family):
+    """Under ``autocast(bfloat16)`` the prepared linears compute as ``F.linear`` does there
+    (before the fix: in fp32, 0.14 off the unprepared model under the same autocast)."""
+    model, twin = _prepared_and_twin(family)
+    ids, mask = _left_padded()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = (m(ids, attention_mask=mask).logits.float() for m in (model, twin))
+    assert (got - want)[mask.bool()].abs().max() < 1e-5

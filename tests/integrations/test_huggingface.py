@@ -36,10 +36,16 @@ from multihead.attention import (  # noqa: E402
     available_backends,
     prune_heads,
     with_kv_heads,
+    with_kv_latent,
 )
 from multihead.integrations import huggingface as hf  # noqa: E402
 
-from helpers.hf import max_token_difference, padded_batch  # noqa: E402
+from helpers.hf import (  # noqa: E402
+    assert_saves_as_it_loads,
+    max_token_difference,
+    padded_batch,
+    perturbed,
+)
 
 COMMON = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
 COMMON |= dict(initializer_range=0.2)
@@ -170,6 +176,108 @@ def test_greedy_generation_equals_eager_with_hf_cache(family: str, path: str, ca
         want = generate(eager, ids[rows], mask[rows], cache_implementation=cache)
         assert all(len(set(row[8:].tolist())) >= 3 for row in want)  # the test can tell
         assert torch.equal(generate(ours, ids[rows], mask[rows], cache_implementation=cache), want)
+
+
+def _static_cache_loop(model, ids, steps: int = 8):
+    """HF's documented decoding loop over a ``StaticCache`` (docs "Caching", "Cache
+    position"): the prompt, then one token at a time, each call given ``cache_position``.
+    Returns the greedy tokens ``(B, steps)`` and each step's last logits ``(B, steps, V)``."""
+    from transformers import StaticCache
+
+    B, L = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=L + steps)
+    cache_position = torch.arange(L)
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(ids, cache=cache, cache_position=cache_position, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            tokens.append(out.logits[:, -1:].argmax(-1))  # (B, 1)
+            cache_position = cache_position[-1:] + 1
+            out = model(tokens[-1], cache=cache, cache_position=cache_position, use_cache=True)
+    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize(
+    ("family", "path", "backend"),
+    [("llama", "interface", "sdpa"), ("llama", "interface", "math"), ("qwen2", "interface", "sdpa")]
+    + [("llama", "swap", "sdpa"), ("mistral", "swap", "sdpa")],
+)
+def test_hf_documented_static_cache_loop_with_cache_position_equals_eager(family, path, backend):
+    """``cache_position=`` places the new keys in the cache before the attention function
+    runs; HF's own sdpa function ignores it. Before, the interface refused it by name."""
+    eager = eager_model(family).eval()
+    ours = through(eager, path, backend)
+    ids = padded_batch()[0][:1]  # (1, 8), no padding
+    want_tokens, want = _static_cache_loop(eager, ids)
+    got_tokens, got = _static_cache_loop(ours, ids)
+    assert len(set(want_tokens[0].tolist())) >= 3  # the loop's tokens change: a test that tells
+    assert torch.equal(got_tokens, want_tokens) and (got - want).abs().max() < TOLERANCE
+
+
+# What the keywords HF's sdpa function ignores and the kernels take as they are could hold.
+_PASSED_VALUES = {
+    "sliding_window": 3, "position_ids": torch.arange(8)[None],
+    "cu_seq_lens_q": torch.tensor([0, 8]), "cu_seq_lens_k": torch.tensor([0, 8]),
+    "max_length_q": 8, "max_length_k": 8,
+    "seq_idx": torch.zeros(1, 8, dtype=torch.int32), "use_cache": True,
+    "output_hidden_states": True, "output_router_logits": True,
+    "num_items_in_batch": torch.tensor(8), "logits_to_keep": 1,
+    "cache_position": torch.arange(8), "deterministic": True,
+}  # fmt: skip
+
+
+def test_every_keyword_passed_is_one_hf_sdpa_function_ignores_too() -> None:
+    """The list that passes, against HF's own sdpa function: it never reads these keywords
+    (its source), its output is the same with each as without, and so is ours (within
+    float error of HF's). ``output_attentions`` is honoured through the math path
+    (``test_attention_weights_match_eager``)."""
+    import inspect
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert set(_PASSED_VALUES) == hf.HONOURED - {"output_attentions"}
+    source = inspect.getsource(sdpa_attention_forward)
+    module = eager_model("llama").model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    k, v = torch.randn(2, 1, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]  # HF's: True = attend
+    plain = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+    ours = hf.attention_function("sdpa")
+    for name, value in _PASSED_VALUES.items():
+        assert name not in source
+        theirs = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3, **{name: value})[0]
+        assert torch.equal(theirs, plain)
+        got = ours(module, q, k, v, mask, scaling=0.3, **{name: value})[0]
+        assert (got - theirs).abs().max() < TOLERANCE, name
+
+
+@pytest.mark.parametrize("name", hf.FEATURES)
+def test_a_keyword_that_changes_the_scores_is_refused_by_name(name) -> None:
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=rf"^LlamaAttention passes {name}= \(.+\), which backend"):
+        hf.attention_function("sdpa")(
+            eager_model("llama").model.layers[0].self_attn, q, q, q, None, **{name: torch.ones(1)}
+        )
+
+
+def test_the_refused_keywords_change_what_hf_computes() -> None:
+    """Two of the refused list against HF's own functions: Gemma 2's eager attention with
+    ``softcap`` and HF's sdpa function with ``position_bias`` compute other outputs than
+    without them (DeepSeek-V3.2's ``indices``: ``test_sparse_attention_is_refused_...``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = eager_model("llama").model.layers[0].self_attn  # 4 heads, 2 K/V heads
+    q = 3 * torch.randn(1, 4, 6, 8, generator=torch.Generator().manual_seed(0))
+    k, v = 3 * torch.randn(2, 1, 2, 6, 8, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(1, 4, 6, 6, generator=torch.Generator().manual_seed(2))
+    for function, changed in ((eager_attention_forward, dict(softcap=2.0)),
+                              (sdpa_attention_forward, dict(position_bias=bias))):  # fmt: skip
+        plain = function(module, q, k, v, None, scaling=1.0)[0]
+        assert (
+            function(module, q, k, v, None, scaling=1.0, **changed)[0] - plain
+        ).abs().max() > 0.1
 
 
 def test_a_cache_that_forgets_fails_the_generation_test(monkeypatch) -> None:
@@ -459,3 +567,54 @@ def test_the_swap_refuses_cross_attention_and_replaces_nothing() -> None:
 def test_the_swap_refuses_a_model_without_a_supported_attention() -> None:
     with pytest.raises(ValueError, match="no attention module to replace in Linear"):
         hf.replace_hf_attention(torch.nn.Linear(4, 4))
+
+
+# ------------------------------------------------------------ a swapped model saves as it loads
+@pytest.mark.parametrize("family", SWAPPED)
+def test_a_swapped_model_saves_in_hf_names_and_reloads_through_stock_from_pretrained(
+    family, tmp_path
+) -> None:
+    """Before: ``save_pretrained`` wrote the layer's names (``self_attn.attn.in_proj...``)
+    and HF's ``from_pretrained`` left the attention at random (10.2 off on Llama)."""
+    ours = perturbed(through(eager_model(family).eval(), "swap"))
+    assert_saves_as_it_loads(
+        ours, hf.replace_hf_attention, tmp_path, *padded_batch(), tolerance=TOLERANCE
+    )
+
+
+def test_a_swapped_model_loads_a_stock_models_state_dict() -> None:
+    ours = through(eager_model("llama").eval(), "swap")
+    other = perturbed(eager_model("llama").eval())
+    ours.load_state_dict(other.state_dict())
+    assert max_token_difference(ours, other, *padded_batch()) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("convert", "tag"),
+    [
+        (lambda attn: with_kv_heads(attn, 1), "'mqa4-rope'"),
+        (lambda attn: with_kv_latent(attn, 8), "'mla4"),
+        (lambda attn: prune_heads(attn, [0, 1]), "'mqa2"),
+    ],
+    ids=["kv-heads", "mla", "pruned"],
+)
+def test_a_converted_layer_refuses_hf_format_by_name_and_reloads_the_projects_way(
+    convert, tag, tmp_path
+) -> None:
+    """A layer HF's module has no weights for (other heads, another design) is refused by
+    ``save_pretrained``, naming it; ``state_dict`` keeps its own names, and the documented
+    reload (build, swap, convert again, ``load_state_dict``) gives the same logits."""
+
+    def built():
+        model = through(eager_model("llama").eval(), "swap")
+        model.model.layers[1].self_attn.attn = convert(model.model.layers[1].self_attn.attn)
+        return model
+
+    ours = perturbed(built())
+    with pytest.raises(ValueError, match=rf"^cannot save 'model.layers.1.self_attn' .*{tag}"):
+        ours.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
+    torch.save(ours.state_dict(), tmp_path / "weights.pt")
+    again = built()
+    again.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    assert max_token_difference(again, ours, *padded_batch()) < TOLERANCE

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DiffLlamaConfig  # noqa: E402
 from multihead.attention.differential import lambda_init_at  # noqa: E402
 from multihead.integrations import huggingface as hf  # noqa: E402
 
-from helpers.hf import max_token_difference  # noqa: E402
+from helpers.hf import assert_saves_as_it_loads, max_token_difference, perturbed  # noqa: E402
 
 TOLERANCE = 1e-5
 
@@ -98,3 +98,12 @@ def test_greedy_generation_equals_eager_with_the_dynamic_cache() -> None:
         want = eager.generate(ids[rows], cache_implementation="dynamic", **args)
         assert all(len(set(row[8:].tolist())) >= 3 for row in want)  # the test can tell
         assert torch.equal(ours.generate(ids[rows], cache_implementation="dynamic", **args), want)
+
+
+def test_a_swapped_diffllama_saves_in_hf_names_and_reloads_through_stock_from_pretrained(
+    tmp_path,
+) -> None:
+    """The lambda vectors, held by the layer's differential design, saved as HF's."""
+    ours = perturbed(swapped(eager_diffllama().eval()))
+    ids, mask = left_padded_batch()
+    assert_saves_as_it_loads(ours, hf.replace_hf_attention, tmp_path, ids, mask, TOLERANCE)

@@ -15,7 +15,8 @@ Both are exported by :mod:`multihead.integrations.huggingface`::
   cropping and batch selection work on it (they rebind the layer's tensors; the next update
   copies them into a new buffer).
 * :func:`prepare_for_decoding`: every ``nn.Linear`` of the model becomes a
-  :class:`~multihead.packed.PackedLinear`, whose weight is reordered once for oneDNN.
+  :class:`~multihead.packed.PackedLinear`, whose weight is reordered once for oneDNN
+  (and again whenever the weight changes; after ``p.data.copy_(new)``, call it again).
   At batch 8 a step's projections are matrix products of 8 rows, which MKL runs at a small
   fraction of the GEMM peak (docs/benchmarks.md, "Long-context decoding").
 """
@@ -103,8 +104,15 @@ class AppendCache(DynamicCache):
 def prepare_for_decoding(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for decoding on the CPU, in place: eval mode, and every plain
     ``nn.Linear`` a :class:`~multihead.packed.PackedLinear` (the same parameters and
-    ``state_dict``; its weight reordered for oneDNN at its first call without autograd,
-    again after any change to it).
+    ``state_dict``; its weight reordered for oneDNN at its first call without autograd).
+
+    The reordered copies follow the weights: a copy is made again when its parameter is
+    replaced (``load_state_dict(assign=True)``), rebound (``p.data = new``), cast or moved
+    (``.to(torch.bfloat16)`` decodes in bf16, ``.float()`` back in fp32), or edited in place
+    (``load_state_dict``, an optimiser step, ``p.copy_(new)`` under ``no_grad``). Under CPU
+    autocast the layers compute as ``nn.Linear`` does there. The one edit no check sees is
+    one through ``.data`` (``p.data.copy_(new)``): call ``prepare_for_decoding(model)`` again
+    after it, which makes every copy anew.
 
     Memory: the reordered copies hold as much again as the linear weights. Training
     afterwards is unaffected (with autograd on, the layers are ``nn.Linear``'s), and

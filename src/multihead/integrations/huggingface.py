@@ -13,9 +13,11 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Every attention call of a model that dispatches through the interface (Llama, Qwen2,
   Mistral, GPT-2, ...) then runs the named backend, on HF's own projections, rotary
   positions and cache. A backend that cannot run raises ``BackendUnavailableError``. A
-  keyword the model passes that the kernels do not read (logit softcapping, attention sinks,
-  a position bias, a sparse indexer's top-k keys: anything not in :data:`HONOURED`) raises
-  ``ValueError`` at the call, naming it. A model that builds an attention module computing
+  keyword the model passes that changes the scores or selects the keys (logit softcapping,
+  attention sinks, a position bias, a sparse indexer's top-k keys: anything not in
+  :data:`HONOURED`) raises ``ValueError`` at the call, naming it; the cache's bookkeeping
+  (``cache_position``) and the call's other keywords that HF's own sdpa function ignores
+  pass. A model that builds an attention module computing
   its attention in its own code (Bloom, Falcon, GIT's text attention, ...) raises
   ``ValueError`` when it is built or switched by ``set_attn_implementation``
   (:func:`routes_through_interface`). Nothing falls back in silence.
@@ -28,7 +30,12 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   on the layer's differential design (:func:`_from_diffllama`), BLOOM, whose ALiBi the
   layer adds itself (:class:`BloomAttentionAdapter`), and DeepSeek-V2/V3, on the layer's MLA
   design, which caches the latent alone and decodes with absorbed weights (HF's module
-  re-expands the cached latent at every step; see :func:`_from_deepseek`).
+  re-expands the cached latent at every step; see :func:`_from_deepseek`). A swapped model
+  saves as it loads: its ``state_dict`` is the stock model's, in HF's names and layout
+  (:class:`HFLayout`), so ``save_pretrained`` writes what the stock class's
+  ``from_pretrained`` loads, and it loads a stock ``state_dict``; a layer converted to what
+  HF's module has no weights for keeps its own names, and ``save_pretrained`` refuses it by
+  name (:func:`check_hf_format`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
@@ -42,7 +49,9 @@ import inspect
 import re
 import sys
 import warnings
-from functools import cache
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, partial
 
 import torch
 from torch import Tensor, nn
@@ -87,9 +96,12 @@ HONOURED = frozenset({
     # sdpa read the packing from the mask HF builds from position_ids, as the kernels do.
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
     # The model call's keywords that HF passes down every layer, about its cache (written
-    # before the call), its outputs or its loss.
+    # before the call), its outputs or its loss. cache_position: where the new keys go in the
+    # cache (HF's documented decoding loop over a StaticCache passes it); HF's own sdpa
+    # function ignores it, as every one of these. deterministic: flash-attn's choice of
+    # backward kernel (ModernBERT's), not the attention's math.
     "use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch",
-    "logits_to_keep",
+    "logits_to_keep", "cache_position", "deterministic",
 })  # fmt: skip
 
 # What the keywords known to change the attention are, for the refusal's message.
@@ -418,6 +430,115 @@ class _CacheLayer:
         return self.cache.update(k, v, self.layer_idx)
 
 
+# --------------------------------------------------------------------------- HF's layout
+@dataclass(frozen=True)
+class HFLayout:
+    """How a swapped module's weights are its HF module's: the names and layout that
+    ``state_dict`` of a swapped model gives (so ``save_pretrained`` writes what the stock
+    class's ``from_pretrained`` loads) and that ``load_state_dict`` takes back. The
+    converters read HF's weights through ``from_hf`` too: one map each way per family.
+
+    Attributes:
+        module: the HF attention class replaced, e.g. ``"LlamaAttention"``.
+        shapes: its ``state_dict``'s names and shapes.
+        to_hf: the adapter's own ``state_dict`` (names relative to the adapter) to HF's;
+            raises ``KeyError`` for a name it has no place for.
+        from_hf: HF's (names relative to the HF module) to the adapter's own.
+    """
+
+    module: str
+    shapes: dict[str, tuple[int, ...]]
+    to_hf: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    from_hf: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+
+    def write(self, own: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """``own`` in HF's names and layout, or ``None`` when the layer no longer has HF's
+        weights: a conversion changed its heads, its design or its layout."""
+        try:
+            theirs = self.to_hf(own)
+        except (KeyError, RuntimeError):  # a weight HF has no place for, or another shape
+            return None
+        return theirs if {k: tuple(v.shape) for k, v in theirs.items()} == self.shapes else None
+
+
+def _layout(module: nn.Module, to_hf: Callable, from_hf: Callable) -> HFLayout:
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return HFLayout(type(module).__name__, shapes, to_hf, from_hf)
+
+
+def _renamed(weights: dict[str, Tensor], prefixes: dict[str, str]) -> dict[str, Tensor]:
+    """``weights`` with each name's prefix replaced by its entry in ``prefixes``; a name
+    that starts with none raises ``KeyError``."""
+    out = {}
+    for name, tensor in weights.items():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is None:
+            raise KeyError(name)
+        out[prefixes[prefix] + name[len(prefix) :]] = tensor
+    return out
+
+
+def _inverse(prefixes: dict[str, str]) -> dict[str, str]:
+    return {theirs: ours for ours, theirs in prefixes.items()}
+
+
+def _write_hf_layout(adapter: HFAttentionAdapter, state_dict, prefix: str, metadata) -> None:
+    """A ``state_dict`` post-hook of every adapter: its weights under HF's names, in HF's
+    layout, where the layer still has HF's weights (:meth:`HFLayout.write`); else its own."""
+    if adapter.layout is None:
+        return
+    own = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    theirs = adapter.layout.write(own)
+    if theirs is None:
+        return
+    for name in own:
+        del state_dict[prefix + name]
+    state_dict.update({prefix + k: v for k, v in theirs.items()})
+
+
+def _read_hf_layout(adapter: HFAttentionAdapter, state_dict, prefix: str, *args) -> None:
+    """A ``load_state_dict`` pre-hook of every adapter: HF's names and layout (a swapped
+    model's ``state_dict``, or the stock model's) become the layer's own."""
+    layout = adapter.layout
+    if layout is None or not all(prefix + k in state_dict for k in layout.shapes):
+        return
+    theirs = {k: state_dict.pop(prefix + k) for k in layout.shapes}
+    state_dict.update({prefix + k: v for k, v in layout.from_hf(theirs).items()})
+
+
+def check_hf_format(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the first swapped layer of ``model`` whose weights HF's
+    module has no place for (a layer converted to other heads or another design): HF's
+    ``from_pretrained`` would leave them at random. Run by ``save_pretrained`` of every
+    model once :func:`replace_hf_attention` has run."""
+    for name, module in model.named_modules():
+        if not isinstance(module, HFAttentionAdapter):
+            continue
+        layout = module.layout
+        if layout is None or set(module.state_dict()) != set(layout.shapes):
+            target = "an HF module" if layout is None else layout.module
+            raise ValueError(
+                f"cannot save {name!r} in HF's format: its layer is {module.attn.head_tag!r}, "
+                f"which {target} has no weights for; save torch.save(model.state_dict()) and "
+                "load it into the model built, swapped and converted again (docs/reuse.md)"
+            )
+
+
+def _check_hf_format_at_save() -> None:
+    """Make ``PreTrainedModel.save_pretrained`` run :func:`check_hf_format` first (once)."""
+    if getattr(PreTrainedModel.save_pretrained, "_multihead", False):
+        return
+    save = PreTrainedModel.save_pretrained
+
+    def save_pretrained(self, *args, **kwargs):
+        check_hf_format(self)
+        return save(self, *args, **kwargs)
+
+    save_pretrained._multihead = True
+    save_pretrained.__doc__ = save.__doc__
+    PreTrainedModel.save_pretrained = save_pretrained
+
+
 class HFAttentionAdapter(nn.Module):
     """An HF attention module's call around a :class:`MultiHeadAttention`.
 
@@ -439,15 +560,22 @@ class HFAttentionAdapter(nn.Module):
         layer_idx: the module's index in HF's cache.
         resid_dropout: the dropout the HF module applies after its output projection
             (GPT-2's ``resid_dropout``), kept as it was; ``None``: none (Llama).
+        layout: how the weights are the HF module's (:class:`HFLayout`): the adapter's
+            ``state_dict`` is in HF's names and layout while the layer has HF's weights, and
+            ``load_state_dict`` takes them; ``None``: its own names only.
     """
 
     def __init__(
-        self, attn: MultiHeadAttention, *, layer_idx: int, resid_dropout: nn.Module | None = None
-    ) -> None:
+        self, attn: MultiHeadAttention, *, layer_idx: int, resid_dropout: nn.Module | None = None,
+        layout: HFLayout | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.attn = attn
         self.layer_idx = layer_idx
         self.resid_dropout = nn.Identity() if resid_dropout is None else resid_dropout
+        self.layout = layout
+        self.register_state_dict_post_hook(_write_hf_layout)
+        self.register_load_state_dict_pre_hook(_read_hf_layout)
 
     def forward(
         self,
@@ -483,6 +611,16 @@ def _copy_into(ours: nn.Parameter, theirs: Tensor) -> None:
     ours.requires_grad_(theirs.requires_grad)
 
 
+def _load_hf(adapter: HFAttentionAdapter, module: nn.Module) -> None:
+    """The adapter's parameters := ``module``'s weights read through the adapter's layout
+    (:meth:`HFLayout.from_hf`), frozen where HF's are; a parameter the adapter holds as the
+    module's own object (the Llama family's projections) stays as it is."""
+    for name, theirs in adapter.layout.from_hf(module.state_dict(keep_vars=True)).items():
+        ours = adapter.get_parameter(name)
+        if ours is not theirs:
+            _copy_into(ours, theirs)
+
+
 def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     """GPT-2's attention as an adapter with the same weights, copied.
 
@@ -500,14 +638,26 @@ def _from_gpt2(module: GPT2Attention, backend: str) -> HFAttentionAdapter:
     )  # fmt: skip
     # 1/sqrt(D), or 1, over layer_idx + 1 under scale_attn_by_inverse_layer_idx.
     attn.scale = module.scaling
-    _copy_into(attn.in_proj.weight, module.c_attn.weight.T)
-    _copy_into(attn.in_proj.bias, module.c_attn.bias)
-    _copy_into(attn.out_proj.weight, module.c_proj.weight.T)
-    _copy_into(attn.out_proj.bias, module.c_proj.bias)
     adapter = HFAttentionAdapter(
-        attn, layer_idx=module.layer_idx, resid_dropout=module.resid_dropout
-    )
+        attn, layer_idx=module.layer_idx, resid_dropout=module.resid_dropout,
+        layout=_layout(module, _gpt2_to_hf, _gpt2_from_hf),
+    )  # fmt: skip
+    _load_hf(adapter, module)
     return adapter.train(module.training)
+
+
+_GPT2 = {"attn.in_proj.": "c_attn.", "attn.out_proj.": "c_proj."}
+
+
+def _gpt2_to_hf(own: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The layer's ``nn.Linear`` weights ``(out, in)`` as GPT-2's ``Conv1D`` ones ``(in, out)``."""
+    theirs = _renamed(own, _GPT2)
+    return {k: v.T.contiguous() if k.endswith("weight") else v for k, v in theirs.items()}
+
+
+def _gpt2_from_hf(theirs: dict[str, Tensor]) -> dict[str, Tensor]:
+    own = _renamed(theirs, _inverse(_GPT2))
+    return {k: v.T if k.endswith("weight") else v for k, v in own.items()}
 
 
 def _from_llama(
@@ -560,8 +710,18 @@ def _from_llama(
         module.q_proj, module.k_proj, module.v_proj, heads, kv_heads
     )
     attn.out_proj = module.o_proj
-    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
+    layout = _layout(
+        module, partial(_renamed, prefixes=_LLAMA), partial(_renamed, prefixes=_inverse(_LLAMA))
+    )
+    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx, layout=layout)
     return adapter.train(module.training)
+
+
+# The Llama family's names: the layer holds HF's own modules under its own names.
+_LLAMA = {
+    "attn.in_proj.q_proj.": "q_proj.", "attn.in_proj.k_proj.": "k_proj.",
+    "attn.in_proj.v_proj.": "v_proj.", "attn.out_proj.": "o_proj.",
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- BLOOM (ALiBi)
@@ -620,22 +780,37 @@ def _from_bloom(module: BloomAttention, backend: str) -> BloomAttentionAdapter:
             f"slow_but_exact=True with pretraining_tp={module.pretraining_tp} (BLOOM's sliced "
             "output projection without its bias) is not supported"
         )
-    E, H, D = module.hidden_size, module.num_heads, module.head_dim
+    E, H = module.hidden_size, module.num_heads
     weight = module.query_key_value.weight
     attn = MultiHeadAttention(
         E, H, dropout=module.attention_dropout.p, backend=backend, positions=ALiBi(H),
         device=weight.device, dtype=weight.dtype,
     )  # fmt: skip
-    _copy_into(attn.in_proj.weight, weight.view(H, 3, D, E).transpose(0, 1).reshape(3 * E, E))
-    _copy_into(
-        attn.in_proj.bias, module.query_key_value.bias.view(H, 3, D).transpose(0, 1).flatten()
-    )
-    _copy_into(attn.out_proj.weight, module.dense.weight)
-    _copy_into(attn.out_proj.bias, module.dense.bias)
+    layout = _layout(module, partial(_bloom_to_hf, heads=H), partial(_bloom_from_hf, heads=H))
     adapter = BloomAttentionAdapter(
-        attn, layer_idx=module.layer_idx, resid_dropout=nn.Dropout(module.hidden_dropout)
-    )
+        attn, layer_idx=module.layer_idx, resid_dropout=nn.Dropout(module.hidden_dropout),
+        layout=layout,
+    )  # fmt: skip
+    _load_hf(adapter, module)
     return adapter.train(module.training)
+
+
+_BLOOM = {"attn.in_proj.": "query_key_value.", "attn.out_proj.": "dense."}
+
+
+def _bloom_to_hf(own: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+    """The layer's stacked rows (all q, all k, all v) as BLOOM's (each head's q, k, v)."""
+    theirs = _renamed(own, _BLOOM)
+    for name in ("query_key_value.weight", "query_key_value.bias"):
+        theirs[name] = theirs[name].unflatten(0, (3, heads, -1)).transpose(0, 1).flatten(0, 2)
+    return theirs
+
+
+def _bloom_from_hf(theirs: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+    own = _renamed(theirs, _inverse(_BLOOM))
+    for name in ("attn.in_proj.weight", "attn.in_proj.bias"):
+        own[name] = own[name].unflatten(0, (heads, 3, -1)).transpose(0, 1).flatten(0, 2)
+    return own
 
 
 # --------------------------------------------------------------------------- DiffLlama
@@ -650,8 +825,11 @@ def _from_diffllama(module: DiffLlamaAttention, backend: str) -> HFAttentionAdap
     )  # fmt: skip
     # Built on the meta device with the projections: the lambda vectors get storage here.
     adapter.attn.design.to_empty(device=module.q_proj.weight.device)
-    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-        _copy_into(getattr(adapter.attn.design, name), getattr(module, name))
+    names = _LLAMA | {f"attn.{adapter.attn.design.attribute}.lambda_": "lambda_"}
+    adapter.layout = _layout(
+        module, partial(_renamed, prefixes=names), partial(_renamed, prefixes=_inverse(names))
+    )
+    _load_hf(adapter, module)  # the lambdas; the projections are the module's own
     return adapter
 
 
@@ -732,26 +910,74 @@ def _from_deepseek(
         rope_inv_freq=rotary.inv_freq, device=weight.device, dtype=weight.dtype,
     )  # fmt: skip
     latent = attn.design
-    q_up = module.q_proj if q_rank is None else module.q_b_proj
-    q_w = q_up.weight.view(H, dn + dr, -1)  # (H, dn + dr, E or q_lora_rank)
-    _copy_into(attn.in_proj.weight, q_w[:, :dn].reshape(H * dn, -1))
-    _copy_into(latent.q_rope.weight, q_w[:, dn:].reshape(H * dr, -1) * factor)
-    _copy_into(latent.down.weight, weight[:r])
-    _copy_into(latent.k_rope.weight, weight[r:] * factor)
     if bias:  # on kv_a_proj_with_mqa, q_a_proj and o_proj; none on the Q rows
-        _copy_into(latent.down.bias, module.kv_a_proj_with_mqa.bias[:r])
-        _copy_into(latent.k_rope.bias, module.kv_a_proj_with_mqa.bias[r:] * factor)
         attn.in_proj.register_parameter("bias", None)
         latent.q_rope.register_parameter("bias", None)
-    kv_w = module.kv_b_proj.weight.view(H, dn + dv, r)  # (H, dn + dv, r): K rows, V rows
-    w_uk, w_uv = kv_w[:, :dn].flatten(0, 1), kv_w[:, dn:].flatten(0, 1)  # (H dn, r), (H dv, r)
-    _copy_into(latent.up.weight, torch.cat((w_uk, w_uv)))
     latent.norm = module.kv_a_layernorm
     if q_rank is not None:
         latent.q_down, latent.q_norm = module.q_a_proj, module.q_a_layernorm
     attn.out_proj = module.o_proj
-    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx)
+    sizes = dict(
+        latent=latent.attribute, heads=H, nope=dn, factor=factor, low_rank=q_rank is not None
+    )
+    layout = _layout(
+        module, partial(_deepseek_to_hf, value=dv, **sizes), partial(_deepseek_from_hf, **sizes)
+    )
+    adapter = HFAttentionAdapter(attn, layer_idx=module.layer_idx, layout=layout)
+    _load_hf(adapter, module)  # Q, the latent's down and up, the rotary rows; the rest is HF's
     return adapter.train(module.training)
+
+
+def _deepseek_names(latent: str, low_rank: bool) -> dict[str, str]:
+    """The DeepSeek weights the layer holds as HF's own modules, by name."""
+    names = {"attn.out_proj.": "o_proj.", f"attn.{latent}.norm.": "kv_a_layernorm."}
+    if low_rank:
+        names |= {f"attn.{latent}.q_down.": "q_a_proj.", f"attn.{latent}.q_norm.": "q_a_layernorm."}
+    return names
+
+
+def _deepseek_to_hf(
+    own: dict[str, Tensor], *, latent: str, heads: int, nope: int, value: int, factor: float,
+    low_rank: bool,
+) -> dict[str, Tensor]:  # fmt: skip
+    """The layer's MLA weights in HF's DeepSeek layout (:func:`_from_deepseek`, reversed)."""
+    own, part = dict(own), f"attn.{latent}."
+    q = own.pop("attn.in_proj.weight").unflatten(0, (heads, nope))  # (H, dn, ·)
+    q_rope = own.pop(part + "q_rope.weight").unflatten(0, (heads, -1)) / factor  # (H, dr, ·)
+    theirs = {
+        f"{'q_b_proj' if low_rank else 'q_proj'}.weight": torch.cat((q, q_rope), 1).flatten(0, 1)
+    }
+    for name in ("weight", "bias"):
+        if part + "down." + name in own:  # (r, ·) over (dr, ·)
+            rope = own.pop(part + "k_rope." + name) / factor
+            theirs[f"kv_a_proj_with_mqa.{name}"] = torch.cat((own.pop(part + "down." + name), rope))
+    w_uk, w_uv = own.pop(part + "up.weight").split([heads * nope, heads * value])  # (H dn|dv, r)
+    kv = (w_uk.unflatten(0, (heads, nope)), w_uv.unflatten(0, (heads, value)))
+    theirs["kv_b_proj.weight"] = torch.cat(kv, 1).flatten(0, 1)  # each head's K rows, V rows
+    return theirs | _renamed(own, _deepseek_names(latent, low_rank))
+
+
+def _deepseek_from_hf(
+    theirs: dict[str, Tensor], *, latent: str, heads: int, nope: int, factor: float,
+    low_rank: bool,
+) -> dict[str, Tensor]:  # fmt: skip
+    """HF's DeepSeek weights in the layer's MLA layout (:func:`_from_deepseek`)."""
+    theirs, part = dict(theirs), f"attn.{latent}."
+    q = theirs.pop("q_b_proj.weight" if low_rank else "q_proj.weight").unflatten(0, (heads, -1))
+    own = {  # (H, dn + dr, ·): each head's dn rows, then its dr rotary rows
+        "attn.in_proj.weight": q[:, :nope].flatten(0, 1),
+        part + "q_rope.weight": q[:, nope:].flatten(0, 1) * factor,
+    }
+    r = theirs["kv_a_layernorm.weight"].shape[0]
+    for name in ("weight", "bias"):  # (r + dr, ·): the latent's rows, the rotary key's
+        kv_a = theirs.pop(f"kv_a_proj_with_mqa.{name}", None)
+        if kv_a is not None:
+            own[part + "down." + name], own[part + "k_rope." + name] = kv_a[:r], kv_a[r:] * factor
+    kv_b = theirs.pop("kv_b_proj.weight").unflatten(0, (heads, -1))  # (H, dn + dv, r)
+    own[part + "up.weight"] = torch.cat(
+        (kv_b[:, :nope].flatten(0, 1), kv_b[:, nope:].flatten(0, 1))
+    )
+    return own | _renamed(theirs, _inverse(_deepseek_names(latent, low_rank)))
 
 
 def _check_deepseek_rotary(model: nn.Module) -> None:
@@ -870,6 +1096,7 @@ def replace_hf_attention(model: nn.Module, *, backend: str = DEFAULT_BACKEND) ->
             called with ``output_attentions=True`` (:func:`_refuse_output_attentions`).
     """
     register()
+    _check_hf_format_at_save()
     adapters, copied = {}, set()
     for name, module in model.named_modules():
         convert = CONVERTERS.get(type(module))
