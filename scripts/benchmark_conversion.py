@@ -25,6 +25,8 @@ import copy
 import statistics
 import time
 
+import multihead.cli  # noqa: F401  (names the train extra when it is missing)
+
 import torch
 
 from multihead.checkpoints.conversion import convert_attention

@@ -61,7 +61,13 @@ class RotaryPositions(PositionalPart):
         if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
         n = rotary_dim // 2
-        freqs = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float64)
+        # A config value checked here, on the CPU whatever device the layer is built on (a
+        # model built on the meta device to check its settings reads these numbers).
+        freqs = (
+            None
+            if inv_freq is None
+            else torch.as_tensor(inv_freq, dtype=torch.float64, device="cpu")
+        )
         if freqs is not None and (freqs.dim() > 2 or freqs.shape[-1:] != (n,) or freqs.min() <= 0):
             raise ValueError(f"inv_freq must be positive, ({n},) or (n, {n}), got {inv_freq!r}")
         inv_freq = None if freqs is None else tuple(map(tuple, freqs.view(-1, n).tolist()))
