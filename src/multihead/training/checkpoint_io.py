@@ -1,4 +1,5 @@
-"""The checkpoint writer Lightning uses during ``fit``: atomic, as every file written here."""
+"""The checkpoint writer Lightning uses during ``fit``: atomic, as every file written here;
+and the record that makes a checkpoint self-contained (:func:`multihead_record`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,23 @@ import os
 from typing import Any
 
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from multihead.checkpoints import write_atomically
+from multihead.checkpoints import FORMAT_VERSION, write_atomically
+
+
+def multihead_record(module, tokenizer) -> dict[str, Any]:
+    """A checkpoint's ``multihead`` entry: the format, the run's wandb id, its resolved
+    config and the tokenizer (``None`` where the tokens are their ids, MQAR), which rebuild
+    the model anywhere (:func:`multihead.checkpoints.load_trained_model`)."""
+    wandb_ids = [lg.version for lg in module.loggers if isinstance(lg, WandbLogger)]
+    return {
+        "format_version": FORMAT_VERSION,
+        "wandb_id": wandb_ids[0] if wandb_ids else None,
+        "config": module.run_config,
+        "tokenizer": None if tokenizer is None else tokenizer.to_str(),
+    }
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 
-from multihead.checkpoints import FORMAT_VERSION
 from multihead.model.lm import DecoderLM
+from multihead.training.checkpoint_io import multihead_record
 from multihead.training.loss import distillation_kl
 
 IGNORE = -100
@@ -195,10 +194,4 @@ class LanguageModelModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint is self-contained: config (+ tokenizer) rebuild the model anywhere.
-        wandb_ids = [lg.version for lg in self.loggers if isinstance(lg, WandbLogger)]
-        checkpoint["multihead"] = {
-            "format_version": FORMAT_VERSION,
-            "wandb_id": wandb_ids[0] if wandb_ids else None,
-            "config": self.run_config,
-            "tokenizer": None if self.tokenizer is None else self.tokenizer.to_str(),
-        }
+        checkpoint["multihead"] = multihead_record(self, self.tokenizer)

@@ -8,12 +8,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 
-from multihead.checkpoints import FORMAT_VERSION
 from multihead.evaluation import corpus_scores
 from multihead.model import decode
+from multihead.training.checkpoint_io import multihead_record
 from multihead.training.loss import distillation_kl, linear_cross_entropy
 
 # With on_non_finite_loss=skip, this many bad batches in a row stop the run all the same.
@@ -376,12 +375,8 @@ class TranslationModule(pl.LightningModule):
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint is self-contained: config + tokenizer rebuild the model anywhere.
-        wandb_ids = [lg.version for lg in self.loggers if isinstance(lg, WandbLogger)]
         checkpoint["multihead"] = {
-            "format_version": FORMAT_VERSION,
-            "wandb_id": wandb_ids[0] if wandb_ids else None,
-            "config": self.run_config,
-            "tokenizer": self.tokenizer.to_str(),
+            **multihead_record(self, self.tokenizer),
             "val_runs": self._val_runs,
         }
 
