@@ -100,25 +100,25 @@ def datamodule(wheels, tmp_path_factory):
 
 def test_the_datamodule_gives_windows_of_the_context_from_the_held_out_documents(datamodule):
     dm = datamodule
-    assert dm.windows["train"].shape[1] == 128 and dm.windows["validation"].shape == (4, 128)
+    assert dm.blocks["train"].shape[1] == 128 and dm.blocks["validation"].shape == (4, 128)
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (2, 128) and batch.dtype.is_floating_point is False
     # Every held-out window is text of a held-out document.
-    held = "".join(dm.tokenizer.decode(w.tolist()) for w in dm.windows["validation"])
+    held = "".join(dm.tokenizer.decode(w.tolist()) for w in dm.blocks["validation"])
     root = next(dm.cache_dir.glob("python-packages-v1-*"))
     held_text = (root / "validation.jsonl").read_text()
     train_text = (root / "train.jsonl").read_text()
-    for w in dm.windows["validation"]:
+    for w in dm.blocks["validation"]:
         piece = dm.tokenizer.decode(w.tolist())[:60]
         assert json.dumps(piece)[1:-1] in held_text
         assert json.dumps(piece)[1:-1] not in train_text
     assert held
-    assert dm.stats["train"]["windows"] == len(dm.windows["train"])
+    assert dm.stats["train"]["windows"] == len(dm.blocks["train"])
 
 
 def test_a_run_longer_than_the_corpus_is_refused(wheels, datamodule):
     where, pins = wheels
-    windows = len(datamodule.windows["train"])
+    windows = len(datamodule.blocks["train"])
     dm = DocumentLMDataModule(
         context=128, vocab_size=300, batch_size=2, steps=windows, val_windows=4,
         cache_dir=datamodule.cache_dir, packages=pins, find_links=str(where),

@@ -56,7 +56,7 @@ def test_a_tiny_run_of_each_design_writes_what_it_measured(design, tiny, tmp_pat
     )  # fmt: skip
     data.setup()
     with torch.no_grad():
-        windows = data.windows["validation"]
+        windows = data.blocks["validation"]
         loss = position_losses(trained.model(windows), windows).mean().item()
     assert loss == pytest.approx(summary["val/loss"], rel=1e-5)
     assert summary["kv_cache/bytes_per_token"] == trained.model.kv_cache_bytes_per_token()

@@ -19,10 +19,8 @@ import json
 import logging
 from pathlib import Path
 
-import lightning.pytorch as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from multihead.data.code_corpus import (
     PACKAGES,
@@ -31,6 +29,7 @@ from multihead.data.code_corpus import (
     build_code_corpus,
     load_code_corpus,
 )
+from multihead.data.lm import BlockDataModule
 from multihead.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ def bucket_names(edges: list[int], context: int) -> list[str]:
     return [f"{lo}-{hi - 1}" for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-class DocumentLMDataModule(L.LightningDataModule):
+class DocumentLMDataModule(BlockDataModule):
     """Windows of long documents for a causal LM.
 
     Args:
@@ -118,7 +117,7 @@ class DocumentLMDataModule(L.LightningDataModule):
         self.packages = PACKAGES if packages is None else tuple(Package(**p) for p in packages)
         self.find_links = find_links
         self.tokenizer: Tokenizer | None = None
-        self.windows: dict[str, torch.Tensor] = {}
+        self.blocks: dict[str, torch.Tensor] = {}
         self.card: dict = {}
 
     def _load(self):
@@ -170,7 +169,7 @@ class DocumentLMDataModule(L.LightningDataModule):
             if split == "validation":
                 order = np.random.default_rng(self.data_seed).permutation(len(windows))
                 windows = windows[np.sort(order[: self.val_windows])]
-            self.windows[split] = torch.from_numpy(windows)
+            self.blocks[split] = torch.from_numpy(windows)
             self.stats[split] = {
                 "documents": len(ids),
                 "documents_longer_than_context": int((lengths > self.context).sum()),
@@ -185,32 +184,10 @@ class DocumentLMDataModule(L.LightningDataModule):
                 ),
             }
         reads = None if self.steps is None else self.steps * self.batch_size
-        if reads is not None and reads > len(self.windows["train"]):
+        if reads is not None and reads > len(self.blocks["train"]):
             raise ValueError(
                 f"trainer.max_steps={self.steps} x data.batch_size={self.batch_size} = {reads} "
-                f"windows, more than the corpus's {len(self.windows['train'])} at "
+                f"windows, more than the corpus's {len(self.blocks['train'])} at "
                 f"context={self.context}: a run would read windows twice"
             )
         logger.info("document windows: %s", json.dumps(self.stats))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_id
-
-    def save_tokenizer(self, run_dir: str | Path) -> None:
-        """The tokenizer as ``<run_dir>/tokenizer.json``."""
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(Path(run_dir) / "tokenizer.json")
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.windows["train"], batch_size=self.batch_size, shuffle=True, generator=generator
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.windows["validation"], batch_size=self.batch_size)

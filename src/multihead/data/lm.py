@@ -1,4 +1,5 @@
-"""Language-model data: the sentences of a parallel corpus, both languages, as one stream.
+"""Language-model data: what every causal LM's data module shares (:class:`BlockDataModule`),
+and the sentences of a parallel corpus, both languages, as one stream.
 
 Every sentence of a split's ``src`` and ``tgt`` columns becomes ``<bos> ids <eos>``; the
 sentences are concatenated in corpus order and cut into blocks of ``block_size`` tokens
@@ -31,7 +32,41 @@ def pack_blocks(sentences: list[list[int]], *, bos_id: int, eos_id: int, block_s
     return torch.tensor(stream[: n * block_size]).view(n, block_size)  # (N, block_size)
 
 
-class LanguageModelDataModule(L.LightningDataModule):
+class BlockDataModule(L.LightningDataModule):
+    """What every causal LM's data shares: ``(N, T)`` blocks per split in :attr:`blocks`
+    (filled by a subclass's ``setup``), batched as ``(B, T)`` long tensors, the training
+    split shuffled by ``seed``; the tokenizer, its size and padding id, saved beside a run."""
+
+    tokenizer: Tokenizer | None
+    blocks: dict[str, torch.Tensor]
+    batch_size: int
+    seed: int
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's ids, special tokens included (after :meth:`setup`)."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def save_tokenizer(self, run_dir: str | Path) -> None:
+        """The tokenizer as ``<run_dir>/tokenizer.json``."""
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(Path(run_dir) / "tokenizer.json")
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.blocks["train"], batch_size=self.batch_size, shuffle=True, generator=generator
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.blocks["validation"], batch_size=self.batch_size)
+
+
+class LanguageModelDataModule(BlockDataModule):
     """Blocks of both languages' sentences of a parallel corpus, for a causal LM.
 
     Args:
@@ -83,26 +118,3 @@ class LanguageModelDataModule(L.LightningDataModule):
             self.blocks[split] = pack_blocks(
                 sentences, bos_id=tok.bos_id, eos_id=tok.eos_id, block_size=self.block_size
             )
-
-    @property
-    def vocab_size(self) -> int:
-        """The tokenizer's ids, special tokens included (after :meth:`setup`)."""
-        return self.tokenizer.vocab_size
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_id
-
-    def save_tokenizer(self, run_dir: str | Path) -> None:
-        """The tokenizer as ``<run_dir>/tokenizer.json``."""
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(Path(run_dir) / "tokenizer.json")
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.blocks["train"], batch_size=self.batch_size, shuffle=True, generator=generator
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.blocks["validation"], batch_size=self.batch_size)
