@@ -33,9 +33,12 @@ def build_model(
                 section.pop("backend", None)
     target = str(config["model"].get("_target_", ""))
     if target.endswith("build_llama_lm"):  # HF's Llama: its heads alone come from attention
-        # (its attention is HF's eager code: the backend is not the layer's to choose)
-        heads = ("num_heads", "num_kv_heads", "backend", "design_options")
+        # Its attention is HF's eager code, not the layer: a backend other than the attention
+        # group's default would be accepted and never honoured, so it is refused.
+        heads = ("num_heads", "num_kv_heads", "design_options")
         asked = {k: v for k, v in attention.items() if k not in heads and v not in (None, {})}
+        if asked.get("backend") == "sdpa":  # the group's default, which every preset carries
+            del asked["backend"]
         for name, section in per_sublayer.items():
             if any(v not in (None, {}) for v in (section or {}).values()):
                 asked[name] = section
