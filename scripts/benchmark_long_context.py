@@ -523,7 +523,7 @@ def checkpoint_entries(args) -> list[Entry]:
             limit = max(model.embedding.max_positions, context + steps + 1)
             model.embedding.max_positions = model.max_positions = limit
             caches = model.make_cache(batch, context + steps + 1)
-            for cache in caches:
+            for cache in caches.kv:
                 cache.k.uniform_(-1, 1)
                 if not cache.share_kv:
                     cache.v.uniform_(-1, 1)
@@ -534,7 +534,7 @@ def checkpoint_entries(args) -> list[Entry]:
             model(torch.zeros(batch, 1, dtype=torch.long, device=args.device), caches)
 
         def held(caches):
-            return sum(c.k.nbytes + (0 if c.share_kv else c.v.nbytes) for c in caches)
+            return sum(c.k.nbytes + (0 if c.share_kv else c.v.nbytes) for c in caches.kv)
 
         def need(context, batch, model=model):
             return model.kv_cache_bytes_per_token() * batch * (context + args.steps + 2)

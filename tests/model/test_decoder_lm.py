@@ -1,13 +1,13 @@
 """DecoderLM: the four designs of the long-context comparison from one family, differing in
-attention alone; cached decoding equals the full pass; the cache holds the bytes counted by
-hand; bad values refused by name."""
+attention alone; the short convolution against a hand sum; cached decoding equals the full
+pass; the cache holds the bytes counted by hand; bad values refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from multihead.model.lm import DecoderLM
+from multihead.model.lm import DecoderLM, ShortConv
 
 E, H, LAYERS, V = 64, 8, 2, 97
 DESIGNS = {  # attention, and the numbers each block caches per token, counted by hand
@@ -26,6 +26,19 @@ def build(design: str, **kwargs) -> DecoderLM:
         vocab_size=V, d_model=E, ffn_dim=128, num_layers=LAYERS, max_positions=64,
         attention=DESIGNS[design][0], **kwargs,
     ).eval()  # fmt: skip
+
+
+def test_the_short_convolution_mixes_each_feature_over_its_last_k_inputs_only():
+    torch.manual_seed(0)
+    conv, x = ShortConv(6, 3), torch.randn(2, 9, 6)
+    w, b = conv.conv.weight[:, 0], conv.conv.bias  # (E, K), (E,)
+    padded = torch.cat([torch.zeros(2, 2, 6), x], dim=1)  # zeros before the start
+    expected = torch.stack(
+        [sum(w[:, j] * padded[:, t + j] for j in range(3)) + b for t in range(9)], dim=1
+    )
+    out, past = conv(x)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(past, x[:, -2:])  # what the next position needs, no more
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -63,3 +76,6 @@ def test_the_positions_come_from_the_cache_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
         DecoderLM(vocab_size=V, d_model=E, ffn_dim=8, num_layers=0, max_positions=8,
                   attention={"num_heads": 2})  # fmt: skip
+    with pytest.raises(ValueError, match="conv_kernel must be a positive integer, got 0"):
+        DecoderLM(vocab_size=V, d_model=E, ffn_dim=8, num_layers=1, max_positions=8,
+                  conv_kernel=0, attention={"num_heads": 2})  # fmt: skip

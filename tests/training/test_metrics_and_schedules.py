@@ -1,4 +1,4 @@
-"""sacreBLEU wrappers and the inverse-sqrt schedule, against hand-computed values."""
+"""sacreBLEU wrappers and the warmup schedules (inverse-sqrt, constant), against hand-computed values."""
 
 from __future__ import annotations
 
@@ -64,3 +64,21 @@ def test_inverse_sqrt_cooldown_anneals_to_zero_at_total_steps() -> None:
         ValueError, match="cooldown_steps=200 needs total_steps >= .*got total_steps=250"
     ):
         InverseSqrtWarmup(optimizer, warmup_steps=100, cooldown_steps=200, total_steps=250)
+
+
+def test_constant_decay_holds_the_peak_until_the_cooldown() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = InverseSqrtWarmup(
+        optimizer, warmup_steps=100, decay="constant", cooldown_steps=200, total_steps=500
+    )
+    lrs = []
+    for _ in range(500):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[50] == pytest.approx(0.5)
+    assert lrs[100] == lrs[299] == pytest.approx(1.0)  # stable between warmup and cooldown
+    assert lrs[400] == pytest.approx(0.5)
+    assert lrs[499] == pytest.approx(1 / 200)
+    with pytest.raises(ValueError, match="decay='cosine'; expected inverse_sqrt or constant"):
+        InverseSqrtWarmup(optimizer, warmup_steps=1, decay="cosine")

@@ -14,7 +14,10 @@ class InverseSqrtWarmup(LambdaLR):
 
     ``lr(step) = base_lr * min(step / warmup_steps, sqrt(warmup_steps / step)) * cooldown``,
     the schedule of "Attention Is All You Need" (there written as d_model^-0.5 * ...) with
-    the peak learning rate given directly, as fairseq's ``inverse_sqrt`` does.
+    the peak learning rate given directly, as fairseq's ``inverse_sqrt`` does. With
+    ``decay="constant"`` the rate holds at its peak between warmup and cooldown instead:
+    warmup-stable-decay (WSD; Hägele et al., 2024), which keeps a short run's rate high
+    where 1/sqrt(step) would have halved it.
 
     The cooldown scales the rate linearly down to zero at the end of the budget, so a run
     ends annealed instead of at its highest late rate. The budget is counted in one of two
@@ -30,6 +33,7 @@ class InverseSqrtWarmup(LambdaLR):
     Args:
         optimizer: its learning rates are the peaks.
         warmup_steps: steps of linear warmup.
+        decay: after warmup, ``"inverse_sqrt"`` or ``"constant"`` (WSD with a cooldown).
         cooldown_steps: length of a step-counted cooldown; 0 = off.
         total_steps: where the step-counted cooldown ends.
         cooldown_minutes: length of a clock-counted cooldown; 0 = off.
@@ -41,6 +45,7 @@ class InverseSqrtWarmup(LambdaLR):
         optimizer: Optimizer,
         *,
         warmup_steps: int,
+        decay: str = "inverse_sqrt",
         cooldown_steps: int = 0,
         total_steps: int | None = None,
         cooldown_minutes: float = 0,
@@ -48,6 +53,8 @@ class InverseSqrtWarmup(LambdaLR):
     ):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        if decay not in ("inverse_sqrt", "constant"):
+            raise ValueError(f"decay={decay!r}; expected inverse_sqrt or constant")
         for name, value in (
             ("cooldown_steps", cooldown_steps),
             ("cooldown_minutes", cooldown_minutes),
@@ -73,7 +80,10 @@ class InverseSqrtWarmup(LambdaLR):
 
         def factor(step: int) -> float:
             step = max(step, 1)
-            scale = min(step / warmup_steps, math.sqrt(warmup_steps / step))
+            if decay == "constant":
+                scale = min(step / warmup_steps, 1.0)
+            else:
+                scale = min(step / warmup_steps, math.sqrt(warmup_steps / step))
             if cooldown_steps:
                 scale *= min(1.0, max(0.0, (total_steps - step) / cooldown_steps))
             if cooldown_minutes:
