@@ -1,4 +1,4 @@
-"""sacreBLEU wrappers and the warmup schedules (inverse-sqrt, constant), against hand-computed values."""
+"""sacreBLEU wrappers and the warmup schedules (inverse-sqrt, constant) against hand values."""
 
 from __future__ import annotations
 
