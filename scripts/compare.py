@@ -38,6 +38,9 @@ def main(cfg: DictConfig) -> None:
         wandb_group=cfg.wandb_group,
         equivalence_margin=cfg.equivalence_margin,
         long_context=cfg.long_context,
+        pool_despite=OmegaConf.to_container(cfg.pool_despite)
+        if OmegaConf.is_list(cfg.pool_despite)
+        else cfg.pool_despite,
     )
     for run in runs:
         print(f"{run.label}: {run.source} (validation curves: {run.curve_source})")

@@ -654,3 +654,22 @@ def test_runs_of_one_name_whose_configs_differ_beyond_the_seed_are_not_pooled(tm
     message = str(error.value)
     assert "share the run name 'mha-h4-kv4-sdpa'" in message and "\n" not in message
     assert "differ in attention.design_options.cap (5 against 3)" in message
+
+
+def test_pool_despite_pools_seeds_that_differ_in_a_named_key_and_the_report_says_so(tmp_path):
+    """A key a later commit added, absent from the older run's config, differs from the
+    newer run's value; the user names it, and the report states the pooling."""
+    root = tmp_path / "runs"
+    configs = {"a": "seed: 1\nmodule:\n  lr: 1\n", "b": "seed: 2\nmodule:\n  lr: 1\n  decay: x\n"}
+    for job, config in configs.items():
+        (root / job / ".hydra").mkdir(parents=True)
+        (root / job / ".hydra" / "config.yaml").write_text(config)
+        (root / job / "summary.json").write_text(json.dumps(summary("mha", 4, 4)))
+    with pytest.raises(ValueError, match=r"differ in module.decay \(None against 'x'\)"):
+        compare(tmp_path / "out", runs=root)
+    runs, paths = compare(tmp_path / "out", runs=root, pool_despite=["module.decay"])
+    assert len(runs) == 2
+    text = (tmp_path / "out" / "comparison.md").read_text()
+    assert "configs differ in module.decay (pool_despite" in text
+    with pytest.raises(ValueError, match=r"^pool_despite='module.decay': expected a list"):
+        compare(tmp_path / "out2", runs=root, pool_despite="module.decay")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from multihead.analysis.runs import (
     check_seed_configs,
     load_local_runs,
     load_wandb_group,
+    pooled_despite_note,
     write_speed_record,
 )
 from multihead.analysis.wandb_log import log_comparison, log_to_wandb, runs_wandb_group
@@ -94,6 +96,7 @@ def compare(
     wandb_group: str | None = None,
     equivalence_margin: float | None = None,
     long_context: str | os.PathLike | None = None,
+    pool_despite: Sequence[str] = (),
 ) -> tuple[list[RunResult], list[Path]]:
     """Read the runs below ``runs`` or in wandb ``group`` and write the comparison to ``out``.
 
@@ -108,7 +111,14 @@ def compare(
     which a design counts as equal to MHA if the TOST says so; ``None``: no such test.
     ``long_context``: the rows ``scripts/benchmark_long_context.py --json`` wrote, for the
     section on what each design buys at long context; ``None``: no such section.
+    ``pool_despite``: config keys in which seeds of one run name may differ
+    (:func:`check_seed_configs`); the report names those that did.
     """
+    if isinstance(pool_despite, str) or not all(isinstance(k, str) for k in pool_despite):
+        raise ValueError(
+            f"pool_despite={pool_despite!r}: expected a list of config keys, "
+            "e.g. pool_despite=[module.scheduler.decay]"
+        )
     if (runs is None) == (group is None):
         raise ValueError(
             f"give exactly one of runs=PATH or group=NAME (got runs={runs}, group={group})"
@@ -125,7 +135,8 @@ def compare(
                 f"{len(lm)} of the {len(results)} runs are decoder-only LM or MQAR runs: "
                 "compare them apart from translation runs"
             )
-        paths = write_lm_comparison(results, out, read_speed_rows(long_context))
+        speed_rows = read_speed_rows(long_context)
+        paths = write_lm_comparison(results, out, speed_rows, pool_despite)
         if wandb_log:
             target = wandb_group or group or runs_wandb_group(results)
             fields, *rows = list(csv.reader(paths[1].open()))
@@ -134,7 +145,7 @@ def compare(
                 entity=entity, config={"source": source, "runs": len(results)},
             )  # fmt: skip
         return results, paths
-    check_seed_configs(results)  # a run name pools seeds of one configuration only
+    despite = check_seed_configs(results, pool_despite)  # a run name: seeds of one config
     long_context_rows = None if long_context is None else read_long_context(long_context)
     notes = add_significance(
         results,
@@ -151,6 +162,7 @@ def compare(
         for run in results:
             write_speed_record(run, measured[run.label], setup)
     metric = (significance or {}).get("metric", "lc-tok")
+    notes += pooled_despite_note(despite)
     report = make_report(results, source, notes, metric, equivalence_margin)
     report.long_context = long_context_rows
     paths = write_comparison(report, out)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from multihead.analysis.against_mha import SeedTest, seed_family
-from multihead.analysis.runs import RunResult, check_seed_configs, number
+from multihead.analysis.runs import RunResult, check_seed_configs, number, pooled_despite_note
 
 # Margins for "equal", set before the runs: 0.02 nats of held-out loss (a 2% perplexity
 # ratio) and 2 points of MQAR accuracy.
@@ -238,16 +239,23 @@ def plot_pareto(lm: dict, speed_rows: list[dict], key: str, path: Path) -> None:
 
 
 def write_lm_comparison(
-    runs: list[RunResult], out: str | Path, speed_rows: list[dict[str, Any]] | None
+    runs: list[RunResult],
+    out: str | Path,
+    speed_rows: list[dict[str, Any]] | None,
+    pool_despite: Sequence[str] = (),
 ) -> list[Path]:
-    """The comparison of the LM and MQAR runs in ``runs``, written into ``out``."""
+    """The comparison of the LM and MQAR runs in ``runs``, written into ``out``;
+    ``pool_despite`` as in :func:`check_seed_configs`."""
+    despite = set()
+    for kind in ("lm", "mqar"):  # a run name pools seeds of one configuration only
+        despite |= set(check_seed_configs([r for r in runs if task(r) == kind], pool_despite))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for kind in ("lm", "mqar"):  # a run name pools seeds of one configuration only
-        check_seed_configs([r for r in runs if task(r) == kind])
     lm = by_design([r for r in runs if task(r) == "lm"])
     mqar = by_design([r for r in runs if task(r) == "mqar"])
     parts = ["# What each design costs and buys at long context\n"]
+    if despite:
+        parts += [pooled_despite_note(sorted(despite)).strip(), ""]
     csv_rows = []
     if lm:
         every = [r for seeds in lm.values() for r in seeds.values()]

@@ -15,7 +15,7 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,11 +241,16 @@ def _not_the_configuration(key: str) -> bool:
     )
 
 
-def check_seed_configs(runs: list[RunResult]) -> None:
+def check_seed_configs(runs: list[RunResult], pool_despite: Sequence[str] = ()) -> list[str]:
     """Refuse to pool runs that share a run name (seeds of one configuration) but whose
     configs differ in anything but a seed and where they read and write
     (:data:`NOT_THE_CONFIGURATION`), naming the first key that differs. Runs without a
-    kept config (``.hydra/config.yaml``, wandb's) are not checked."""
+    kept config (``.hydra/config.yaml``, wandb's) are not checked.
+
+    Keys in ``pool_despite`` may differ too: the user's word that they do not change the
+    run, say a key a later commit added whose default is the old behaviour. The keys that
+    did differ are returned, for the report to name."""
+    despite = set()
     for name, group in seed_groups(runs).items():
         kept = [run for run in group if run.config is not None]
         if len(kept) < 2:
@@ -254,13 +259,30 @@ def check_seed_configs(runs: list[RunResult]) -> None:
         for run in kept[1:]:
             other = _flat(run.config)
             for key in sorted(first.keys() | other.keys()):
-                if not _not_the_configuration(key) and first.get(key) != other.get(key):
-                    raise ValueError(
-                        f"runs {kept[0].source} and {run.source} share the run name {name!r} but "
-                        f"their configs differ in {key} ({first.get(key)!r} against "
-                        f"{other.get(key)!r}): runs of one name are pooled as seeds of one "
-                        "configuration; compare runs that differ in their seed alone"
-                    )
+                if _not_the_configuration(key) or first.get(key) == other.get(key):
+                    continue
+                if key in pool_despite:
+                    despite.add(key)
+                    continue
+                raise ValueError(
+                    f"runs {kept[0].source} and {run.source} share the run name {name!r} but "
+                    f"their configs differ in {key} ({first.get(key)!r} against "
+                    f"{other.get(key)!r}): runs of one name are pooled as seeds of one "
+                    "configuration; compare runs that differ in their seed alone, or name "
+                    "the key in pool_despite if it does not change the run"
+                )
+    return sorted(despite)
+
+
+def pooled_despite_note(keys: Sequence[str]) -> str:
+    """The report's sentence on seeds pooled although their configs differ in ``keys``."""
+    if not keys:
+        return ""
+    return (
+        f"\n\nSeeds of one run name are pooled although their configs differ in "
+        f"{', '.join(keys)} (pool_despite: the user's word that these keys do not change "
+        "the run)."
+    )
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
