@@ -673,3 +673,7 @@ def test_pool_despite_pools_seeds_that_differ_in_a_named_key_and_the_report_says
     assert "configs differ in module.decay (pool_despite" in text
     with pytest.raises(ValueError, match=r"^pool_despite='module.decay': expected a list"):
         compare(tmp_path / "out2", runs=root, pool_despite="module.decay")
+    # a key in which no seeds differ (here misspelt) is refused by name, not silently passed
+    with pytest.raises(ValueError, match=r"^pool_despite names module.decy, but no seeds"):
+        compare(tmp_path / "out3", runs=root, pool_despite=["module.decay", "module.decy"])
+    assert not (tmp_path / "out3").exists()

@@ -28,6 +28,7 @@ from multihead.analysis.runs import (
     load_local_runs,
     load_wandb_group,
     pooled_despite_note,
+    refuse_unused_pool_despite,
     write_speed_record,
 )
 from multihead.analysis.wandb_log import log_comparison, log_to_wandb, runs_wandb_group
@@ -146,6 +147,7 @@ def compare(
             )  # fmt: skip
         return results, paths
     despite = check_seed_configs(results, pool_despite)  # a run name: seeds of one config
+    refuse_unused_pool_despite(pool_despite, despite)
     long_context_rows = None if long_context is None else read_long_context(long_context)
     notes = add_significance(
         results,

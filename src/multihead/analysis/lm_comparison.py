@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from multihead.analysis.against_mha import SeedTest, seed_family
-from multihead.analysis.runs import RunResult, check_seed_configs, number, pooled_despite_note
+from multihead.analysis.runs import (
+    RunResult,
+    check_seed_configs,
+    number,
+    pooled_despite_note,
+    refuse_unused_pool_despite,
+)
 
 # Margins for "equal", set before the runs: 0.02 nats of held-out loss (a 2% perplexity
 # ratio) and 2 points of MQAR accuracy.
@@ -249,6 +255,7 @@ def write_lm_comparison(
     despite = set()
     for kind in ("lm", "mqar"):  # a run name pools seeds of one configuration only
         despite |= set(check_seed_configs([r for r in runs if task(r) == kind], pool_despite))
+    refuse_unused_pool_despite(pool_despite, despite)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lm = by_design([r for r in runs if task(r) == "lm"])

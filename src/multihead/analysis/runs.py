@@ -274,6 +274,18 @@ def check_seed_configs(runs: list[RunResult], pool_despite: Sequence[str] = ()) 
     return sorted(despite)
 
 
+def refuse_unused_pool_despite(pool_despite: Sequence[str], differed: Sequence[str]) -> None:
+    """Refuse keys of ``pool_despite`` in which no seeds of one run name differed
+    (``differed``, what :func:`check_seed_configs` returned): a misspelt key pools nothing
+    and would otherwise pass unseen."""
+    unused = [key for key in pool_despite if key not in differed]
+    if unused:
+        raise ValueError(
+            f"pool_despite names {', '.join(unused)}, but no seeds of one run name differ "
+            "in it: expected config keys whose values differ between seeds (a misspelt key?)"
+        )
+
+
 def pooled_despite_note(keys: Sequence[str]) -> str:
     """The report's sentence on seeds pooled although their configs differ in ``keys``."""
     if not keys:
