@@ -422,6 +422,8 @@ class Row:
     ms_max: float | None = None
     tokens_per_s: float | None = None
     x_hf: float | None = None  # step time over hf-static's of the same design, median over rounds
+    x_hf_min: float | None = None
+    x_hf_max: float | None = None
     x_mha: float | None = None  # speed as a multiple of MHA's (same candidate), median over rounds
     x_mha_min: float | None = None
     x_mha_max: float | None = None
@@ -586,9 +588,9 @@ def run_setting(args, entries: list[Entry], dtype_name: str, context: int, batch
             row.x_roofline = row.ms / row.roofline_ms
         hf = rows.get((row.design, "hf-static"))
         if hf is not None and hf.round_ms:
-            row.x_hf = statistics.median(
-                a / b for a, b in zip(row.round_ms, hf.round_ms, strict=True)
-            )
+            ratios = [a / b for a, b in zip(row.round_ms, hf.round_ms, strict=True)]
+            row.x_hf = statistics.median(ratios)
+            row.x_hf_min, row.x_hf_max = min(ratios), max(ratios)
         mha = rows.get(("mha", row.candidate))
         if mha is not None and mha.round_ms:
             ratios = [m / a for a, m in zip(row.round_ms, mha.round_ms, strict=True)]
@@ -632,8 +634,8 @@ def print_rows(rows: list[Row], flush: bool = False) -> None:
     if not _printed_header:
         print(
             "\n| design | dtype | context x batch | candidate | ms/token (min-max of rounds) "
-            "| tokens/s | speed x MHA (min-max) | x HF static | x roofline | cache MiB held "
-            "| peak RSS added MiB | note |\n"
+            "| tokens/s | speed x MHA (min-max) | time x HF static (min-max) | x roofline "
+            "| cache MiB held | peak RSS added MiB | note |\n"
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
         )
         _printed_header = True
@@ -642,9 +644,10 @@ def print_rows(rows: list[Row], flush: bool = False) -> None:
             continue
         ms = r.ms and f"{r.ms:,.2f} ({r.ms_min:,.2f}-{r.ms_max:,.2f})"
         x_mha = r.x_mha and f"{r.x_mha:.2f} ({r.x_mha_min:.2f}-{r.x_mha_max:.2f})"
+        x_hf = r.x_hf and f"{r.x_hf:.2f} ({r.x_hf_min:.2f}-{r.x_hf_max:.2f})"
         cells = [
             r.design, r.dtype, f"{r.context} x {r.batch}", r.candidate, ms or "",
-            _num(r.tokens_per_s, 1), x_mha or "", _num(r.x_hf, 2), _num(r.x_roofline, 2),
+            _num(r.tokens_per_s, 1), x_mha or "", x_hf or "", _num(r.x_roofline, 2),
             _num(r.cache_bytes and r.cache_bytes / 2**20, 1),
             _num(r.peak_rss_added and r.peak_rss_added / 2**20, 0), r.note,
         ]  # fmt: skip

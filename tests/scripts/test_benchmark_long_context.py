@@ -46,7 +46,7 @@ def test_a_run_writes_its_rows_and_figure(bench, tmp_path, capsys):
     out, figure = tmp_path / "rows.json", tmp_path / "speed.png"
     bench.main([
         *TINY, "--designs", "mha", "mqa", "--settings", "16x2", "32x1", "--steps", "1",
-        "--rounds", "1", "--prefill", "8", "--candidates", "hf-static", "ours-static",
+        "--rounds", "2", "--prefill", "8", "--candidates", "hf-static", "ours-static",
         "ours-append", "--json", str(out), "--plot", str(figure),
     ])  # fmt: skip
     rows = json.loads(out.read_text())
@@ -54,7 +54,15 @@ def test_a_run_writes_its_rows_and_figure(bench, tmp_path, capsys):
     assert len(steps) == 2 * 2 * 3 and all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in steps)
     assert {r["x_hf"] for r in steps if r["candidate"] == "hf-static"} == {1.0}
     assert {r["x_mha"] for r in steps if r["design"] == "mha"} == {1.0}
-    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] and len(r["round_ms"]) == 1 for r in steps)
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] and len(r["round_ms"]) == 2 for r in steps)
+    # the spread of "time x HF static" is that of the per-round ratios to hf-static's round
+    hf = {(r["design"], r["context"], r["batch"]): r["round_ms"] for r in steps
+          if r["candidate"] == "hf-static"}  # fmt: skip
+    for r in steps:
+        hf_ms = hf[r["design"], r["context"], r["batch"]]
+        ratios = [a / b for a, b in zip(r["round_ms"], hf_ms, strict=True)]
+        assert r["x_hf_min"] == pytest.approx(min(ratios))
+        assert r["x_hf_max"] == pytest.approx(max(ratios))
     assert len([r for r in rows if r["note"] == "prefill"]) == 2 * 3
     assert figure.stat().st_size > 0
     assert "read bandwidth" in capsys.readouterr().out
