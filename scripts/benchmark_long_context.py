@@ -581,23 +581,25 @@ def run_setting(args, entries: list[Entry], dtype_name: str, context: int, batch
     for row in rows.values():
         if not row.round_ms:
             continue
-        row.ms = statistics.median(row.round_ms)
-        row.ms_min, row.ms_max = min(row.round_ms), max(row.round_ms)
+        row.ms, row.ms_min, row.ms_max = _spread(row.round_ms)
         row.tokens_per_s = batch * 1000 / row.ms
         if row.roofline_ms:
             row.x_roofline = row.ms / row.roofline_ms
         hf = rows.get((row.design, "hf-static"))
         if hf is not None and hf.round_ms:
             ratios = [a / b for a, b in zip(row.round_ms, hf.round_ms, strict=True)]
-            row.x_hf = statistics.median(ratios)
-            row.x_hf_min, row.x_hf_max = min(ratios), max(ratios)
+            row.x_hf, row.x_hf_min, row.x_hf_max = _spread(ratios)
         mha = rows.get(("mha", row.candidate))
         if mha is not None and mha.round_ms:
             ratios = [m / a for a, m in zip(row.round_ms, mha.round_ms, strict=True)]
-            row.x_mha = statistics.median(ratios)
-            row.x_mha_min, row.x_mha_max = min(ratios), max(ratios)
+            row.x_mha, row.x_mha_min, row.x_mha_max = _spread(ratios)
     print_rows(list(rows.values()), flush=True)
     return list(rows.values())
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    """Median, min and max of per-round figures."""
+    return statistics.median(values), min(values), max(values)
 
 
 def prefill_rows(args, dtype_name, entries: list[Entry]) -> list[Row]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from multihead.analysis.comparison import compare
+from multihead.analysis.lm_comparison import pareto_setting
 
 LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
     "mha": {1: (2.00, 2.50, 1.80), 2: (2.10, 2.55, 1.90), 3: (2.05, 2.52, 1.85)},
@@ -80,3 +81,16 @@ def test_translation_runs_and_repeated_seeds_are_refused(lm_runs, tmp_path):
                                              "val/loss@64-127": 2.0})  # fmt: skip
     with pytest.raises(ValueError, match="two lm-gqa8-rope_sdpa runs with seed 2"):
         compare(tmp_path / "out", runs=lm_runs)
+
+
+def test_pool_despite_names_a_key_no_lm_seeds_differ_in_and_is_refused(lm_runs, tmp_path):
+    with pytest.raises(ValueError, match=r"^pool_despite names module.decay, but no seeds"):
+        compare(tmp_path / "out", runs=lm_runs, pool_despite=["module.decay"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_pareto_speed_is_read_where_the_most_tokens_are_cached_per_step():
+    rows = [{"context": c, "batch": b, "ms": 1.0} for c, b in ((32768, 1), (8192, 8), (2048, 8))]
+    assert pareto_setting(rows) == (8192, 8)  # 65,536 cached tokens a step against 32,768
+    rows += [{"context": 16384, "batch": 4, "ms": 1.0}, {"context": 65536, "batch": 2}]
+    assert pareto_setting(rows) == (16384, 4)  # a tie goes to the longer context; no ms: skipped

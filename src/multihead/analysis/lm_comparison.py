@@ -206,21 +206,26 @@ def runs_section(designs) -> str:
     return _table(headers, rows)
 
 
+def pareto_setting(speed_rows: list[dict]) -> tuple[int, int] | None:
+    """The benchmarked ``(context, batch)`` with the most cached tokens per step (context x
+    batch, then the longer context): where the cache weighs most in a step."""
+    return max(
+        ((r["context"], r["batch"]) for r in speed_rows if r.get("ms")),
+        key=lambda setting: (setting[0] * setting[1], setting[0]),
+        default=None,
+    )
+
+
 def plot_pareto(lm: dict, speed_rows: list[dict], key: str, path: Path) -> None:
     """Held-out loss ``key`` (mean over seeds, min-max bars) against KV-cache bytes per token
-    and against decoding tokens/s at the benchmarked setting with the most cached tokens per
-    step (context x batch, then the longer context): where the cache weighs most in a step."""
+    and against decoding tokens/s at :func:`pareto_setting`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    largest = max(
-        ((r["context"], r["batch"]) for r in speed_rows if r.get("ms")),
-        key=lambda setting: (setting[0] * setting[1], setting[0]),
-        default=None,
-    )
+    largest = pareto_setting(speed_rows)
     speed = {r["design"]: r for r in speed_rows if (r["context"], r["batch"]) == largest}
     for i, (design, seeds) in enumerate(lm.items()):
         values = [number(r.get(key)) for r in seeds.values() if r.get(key) is not None]
