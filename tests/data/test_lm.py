@@ -1,11 +1,12 @@
-"""The LM data: sentences of both languages packed into equal blocks."""
+"""The LM data: sentences of both languages packed into equal blocks, in a resumable order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from multihead.data.lm import LanguageModelDataModule, pack_blocks
+from multihead.data.lm import BlockOrder, LanguageModelDataModule, pack_blocks
 
 
 def test_sentences_are_wrapped_concatenated_and_cut_into_blocks() -> None:
@@ -30,3 +31,26 @@ def test_a_block_longer_than_the_split_is_refused() -> None:
 def test_bad_sizes_are_refused_in_one_line(key, value) -> None:
     with pytest.raises(ValueError, match=f"{key} must be a positive int, got {value!r}"):
         LanguageModelDataModule(**{key: value})
+
+
+def test_the_block_order_is_torchs_shuffle_and_resumes_at_any_batch() -> None:
+    """Three epochs of 10 blocks in batches of 4 (the last of each epoch short): the order of
+    torch's own ``DataLoader(shuffle=True)`` seeded the same, and from any position on, the
+    batches that follow it in that order."""
+    blocks = torch.arange(10)
+    reference = DataLoader(
+        blocks, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+    expected = [b.tolist() for _ in range(3) for b in reference]  # 3 epochs of 3 batches
+    used = [0]
+    order = BlockOrder(10, 4, seed=7, position=lambda: used[0])
+    got = []
+    for _ in range(3):  # as the trainer uses them, one epoch per iter
+        for batch in order:
+            got.append(batch)
+            used[0] += 1
+    assert got == expected
+    for start in (1, 3, 5, 8):  # a resumed run: its epoch's remaining batches, then on
+        used[0] = start
+        epoch_end = (start // 3 + 1) * 3
+        assert list(order) == expected[start:epoch_end]

@@ -1,7 +1,8 @@
 """scripts/train.py experiment=lm_long and experiment=mqar: a tiny run of each of the four
 designs writes its summary (loss by position bucket, parameters, cache bytes) and a
 checkpoint that rebuilds the model it trained; MQAR runs from the command line and logs to
-wandb (offline); a bad objective is one line."""
+wandb (offline); a bad objective is one line; a stopped run of either resumes on the batches an
+uninterrupted one trains on."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from multihead.training.lm import position_losses
 
 from helpers.corpus import tiny_corpus_wheels
 from helpers.scripts import assert_one_error_line, fails_in_one_line, run_script, script_module
-from helpers.training import compose_config
+from helpers.training import assert_same_training_state, compose_config
 
 ATTENTION = {"mha": "mha_h8", "gqa": "gqa_h8_kv2", "mqa": "mqa_h8", "mla": "mla_h8_r24"}
 
@@ -127,3 +128,33 @@ def test_a_design_and_its_backend_are_checked_before_the_corpus(
     cfg = compose_config("train", [*overrides, f"paths.output_dir={tmp_path}"])
     line = fails_in_one_line(train, capsys, cfg)
     assert "runs on backend math only" in line and line.endswith("set attention.backend=math")
+
+
+MQAR_TINY = [
+    "experiment=mqar", "attention=mqa_h8", "model.d_model=64", "data.train_settings=[[64,4]]",
+    "data.eval_settings=[[64,4]]", "data.batch_tokens=256", "data.eval_examples=8",
+    "data.vocab_size=128", "logger=csv",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("experiment", ["lm_long", "mqar"])
+def test_a_stopped_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(
+    experiment, tiny, tmp_path
+):
+    """6 steps straight == 3 steps, a stop, a resume from step3.ckpt, 3 more: the same
+    weights, optimiser state and data position, bit for bit. A resume that started the data
+    again from the first batch would train steps 4-6 on batches 1-3 and end elsewhere."""
+    from multihead.training.run import train
+
+    overrides = [*tiny, "experiment=lm_long"] if experiment == "lm_long" else MQAR_TINY
+    overrides = [*overrides, "trainer.max_steps=6", "trainer.val_check_interval=3"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(compose_config("train", [*overrides, f"paths.output_dir={straight}"]))
+    stop = ["+callbacks.stop._target_=helpers.training.StopAfter", "+callbacks.stop.step=3"]
+    train(compose_config("train", [*overrides, *stop, f"paths.output_dir={stopped}"]))
+    resume = f"ckpt_path={stopped / 'checkpoints' / 'step3.ckpt'}"
+    train(compose_config("train", [*overrides, resume, f"paths.output_dir={stopped}"]))
+    a, b = (torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+            for run in (straight, stopped))  # fmt: skip
+    assert a["global_step"] == 6
+    assert_same_training_state(a, b)

@@ -11,13 +11,15 @@ A block may start inside a sentence and hold several: the model learns to contin
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from multihead.data.loading import filter_parallel_dataset, load_parallel_dataset
+from multihead.data.resume import CountsTrainingBatches
 from multihead.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 
@@ -32,10 +34,44 @@ def pack_blocks(sentences: list[list[int]], *, bos_id: int, eos_id: int, block_s
     return torch.tensor(stream[: n * block_size]).view(n, block_size)  # (N, block_size)
 
 
-class BlockDataModule(L.LightningDataModule):
+class BlockOrder(Sampler[list[int]]):
+    """Batches of ``batch_size`` block indices (the last of an epoch may be shorter), each
+    epoch in a new random order, from batch ``position()`` of the whole training on: a
+    resumed run gets the batches an uninterrupted one would (:mod:`multihead.data.resume`).
+
+    The order is that of ``DataLoader(blocks, batch_size, shuffle=True,
+    generator=torch.Generator().manual_seed(seed))``, which these runs used before they could
+    resume; keeping it keeps the runs recorded then reproducible. Per epoch, that loader
+    draws its workers' base seed from the generator, then its ``RandomSampler`` draws the
+    order (``randperm``) and, at the epoch's end, a second, empty ``randperm`` (the remainder
+    of its ``num_samples // n`` whole permutations).
+    """
+
+    def __init__(
+        self, num_blocks: int, batch_size: int, seed: int, position: Callable[[], int]
+    ) -> None:
+        self.num_blocks, self.batch_size, self.seed = num_blocks, batch_size, seed
+        self.position = position
+
+    def __len__(self) -> int:
+        return -(-self.num_blocks // self.batch_size)  # ceil: the last batch may be short
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = divmod(self.position(), len(self))
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch + 1):  # the epochs before this one, to their generator state
+            torch.empty((), dtype=torch.int64).random_(generator=generator)  # the base seed
+            order = torch.randperm(self.num_blocks, generator=generator)  # (N,)
+            torch.randperm(self.num_blocks, generator=generator)  # the empty remainder
+        for batch in order.split(self.batch_size)[start:]:
+            yield batch.tolist()
+
+
+class BlockDataModule(CountsTrainingBatches, L.LightningDataModule):
     """What every causal LM's data shares: ``(N, T)`` blocks per split in :attr:`blocks`
     (filled by a subclass's ``setup``), batched as ``(B, T)`` long tensors, the training
-    split shuffled by ``seed``; the tokenizer, its size and padding id, saved beside a run."""
+    split shuffled by ``seed`` (:class:`BlockOrder`, resumable); the tokenizer, its size and
+    padding id, saved beside a run."""
 
     tokenizer: Tokenizer | None
     blocks: dict[str, torch.Tensor]
@@ -57,10 +93,12 @@ class BlockDataModule(L.LightningDataModule):
         self.tokenizer.save(Path(run_dir) / "tokenizer.json")
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.blocks["train"], batch_size=self.batch_size, shuffle=True, generator=generator
+        order = BlockOrder(
+            len(self.blocks["train"]), self.batch_size, self.seed, lambda: self.batches_used
         )
+        # The loader draws its workers' base seed from a generator of its own, which leaves
+        # the global one alone, as before.
+        return DataLoader(self.blocks["train"], batch_sampler=order, generator=torch.Generator())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.blocks["validation"], batch_size=self.batch_size)

@@ -13,10 +13,14 @@ This follows Zoology's ``multiquery_ar`` generator (``zoology/data/associative_r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning.pytorch as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
+
+from multihead.data.resume import CountsTrainingBatches
 
 IGNORE = -100
 
@@ -57,24 +61,29 @@ def multiquery_ar(
 
 
 class _Batches(IterableDataset):
-    """Fresh training batches, one (seq_len, pairs) setting after another, from one seed."""
+    """Fresh training batches, one (seq_len, pairs) setting after another, from one seed,
+    from batch ``position()`` on (the batches before it are drawn and dropped, which puts
+    the generator where an uninterrupted run has it)."""
 
-    def __init__(self, settings, batch_tokens: int, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, settings, batch_tokens: int, vocab_size: int, seed: int, position: Callable[[], int]
+    ) -> None:
         self.settings, self.batch_tokens = settings, batch_tokens
-        self.vocab_size, self.seed = vocab_size, seed
+        self.vocab_size, self.seed, self.position = vocab_size, seed, position
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed)
-        step = 0
+        start, step = self.position(), 0
         while True:
             seq_len, pairs = self.settings[step % len(self.settings)]
             n = max(1, self.batch_tokens // seq_len)
             inputs, labels = multiquery_ar(n, seq_len, pairs, self.vocab_size, generator)
-            yield {"input_ids": inputs, "labels": labels}
+            if step >= start:
+                yield {"input_ids": inputs, "labels": labels}
             step += 1
 
 
-class MQARDataModule(L.LightningDataModule):
+class MQARDataModule(CountsTrainingBatches, L.LightningDataModule):
     """MQAR for training from scratch and a grid of held-out settings.
 
     Args:
@@ -121,7 +130,10 @@ class MQARDataModule(L.LightningDataModule):
         """MQAR's tokens are their ids: there is no tokenizer to save."""
 
     def train_dataloader(self) -> DataLoader:
-        batches = _Batches(self.train_settings, self.batch_tokens, self.vocab_size, self.seed)
+        batches = _Batches(
+            self.train_settings, self.batch_tokens, self.vocab_size, self.seed,
+            lambda: self.batches_used,
+        )  # fmt: skip
         return DataLoader(batches, batch_size=None)
 
     def val_dataloader(self) -> list[DataLoader]:

@@ -236,6 +236,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     weights' bits). The test split's outputs go to ``<run dir>/hypotheses.test.txt``, one
     line per source sentence, in order.
     """
+    # Lightning cannot see that our training data resumes mid-epoch (every DataModule's
+    # state_dict holds its position), so its warning about it does not apply.
+    warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
     objective = cfg.get("objective", "translation")
     if objective == "causal_lm":
         return train_language_model(cfg)
@@ -243,9 +246,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise ValueError(f"objective={objective!r}; expected translation or causal_lm")
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
-    # Lightning cannot see that our batch sampler resumes mid-epoch (the DataModule's
-    # state_dict restores it), so its warning about it does not apply.
-    warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
     ckpt_path, wandb_id = resume_checkpoint(cfg.get("ckpt_path"), Path(run_dir) / "checkpoints")
     if "wandb" in (cfg.get("logger") or {}):
