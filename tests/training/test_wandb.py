@@ -65,6 +65,7 @@ def test_wandb_run_is_finished_named_grouped_and_resumed(
     # its binary log (run-*.wandb, a private format), so ask wandb's Run object.
     (run,) = started
     assert (run.group, run.name) == ("G", summary["run_name"])
+    assert run.job_type == "smoke"  # the experiment's task_name: LM and MQAR runs share names
     assert summary["run/wandb_group"] == "G"  # compare.py logs its comparison there
     assert runs[0].name.endswith(f"-{run.id}")
 
