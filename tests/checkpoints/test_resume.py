@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from multihead.checkpoints.resume import resume_checkpoint
 
@@ -29,3 +30,20 @@ def test_resume_skips_a_damaged_newest_checkpoint(smoke_run_dir, tmp_path, caplo
         FileNotFoundError, match=r"no checkpoint .* can resume a run \(tried: step20"
     ):
         resume_checkpoint("last", ckpts)
+
+
+def test_a_checkpoint_without_a_data_position_resumes_with_a_warning(
+    smoke_run_dir, tmp_path, caplog
+) -> None:
+    """A checkpoint of an LM written before the LM's data kept its position: it resumes
+    (weights, optimiser, loops), and one warning says the data restarts; a checkpoint with
+    the position (the smoke run's) gives none."""
+    path, _ = resume_checkpoint(str(smoke_run_dir / "checkpoints" / "step10.ckpt"), tmp_path)
+    assert "data position" not in caplog.text
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["TranslationDataModule"]
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    assert resume_checkpoint(str(old), tmp_path)[0] == str(old)
+    assert f"{old} holds no data position" in caplog.text
+    assert "starts its training data again from the first batch" in caplog.text

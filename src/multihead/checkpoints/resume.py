@@ -22,6 +22,14 @@ def _resumable(path: Path) -> tuple[bool, str, str | None]:
     missing = [key for key in _RESUMABLE_KEYS if key not in ckpt]
     if missing:
         return False, f"{path} holds weights only (no {', '.join(missing)})", None
+    # Lightning stores a DataModule's state_dict under its class name; every one of ours
+    # holds the training data's position (multihead.data.resume) once training has begun.
+    if not any(key.endswith("DataModule") for key in ckpt):
+        log.warning(
+            "%s holds no data position (an LM or MQAR checkpoint written before 2026-11-29): "
+            "the resumed run starts its training data again from the first batch",
+            path,
+        )
     return True, "", ckpt["multihead"].get("wandb_id")
 
 
