@@ -54,3 +54,9 @@ def test_the_block_order_is_torchs_shuffle_and_resumes_at_any_batch() -> None:
         used[0] = start
         epoch_end = (start // 3 + 1) * 3
         assert list(order) == expected[start:epoch_end]
+
+
+@pytest.mark.parametrize("state", [{}, {"batches_used": -1}, {"batches_used": "7"}])
+def test_a_bad_data_position_in_a_checkpoint_is_refused_by_name(state) -> None:
+    with pytest.raises(ValueError, match=r"data position is batches_used=.*expected a count"):
+        LanguageModelDataModule().load_state_dict(state)
