@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -60,3 +61,42 @@ def test_the_block_order_is_torchs_shuffle_and_resumes_at_any_batch() -> None:
 def test_a_bad_data_position_in_a_checkpoint_is_refused_by_name(state) -> None:
     with pytest.raises(ValueError, match=r"data position is batches_used=.*expected a count"):
         LanguageModelDataModule().load_state_dict(state)
+
+
+class _Blocks(LanguageModelDataModule):
+    """Ten one-token blocks, no corpus: the block's id is its only token."""
+
+    def setup(self, stage: str | None = None) -> None:
+        self.blocks = {"train": torch.arange(10)[:, None], "validation": torch.arange(2)[:, None]}
+
+
+class _Recorder(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[:, 0].tolist())
+        return self.weight.square()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_each_fit_of_one_datamodule_starts_at_the_first_batch() -> None:
+    """A study uptrains several models one after another on one DataModule, each with a new
+    trainer and no checkpoint: each sees the first batches of the seeded order (torch's
+    ``DataLoader(shuffle=True)``), not the batches after the previous fit's."""
+    data = _Blocks(batch_size=4, seed=7)
+    reference = DataLoader(
+        torch.arange(10), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+    expected = [b.tolist() for b in reference][:2]
+    for _ in range(2):
+        module = _Recorder()
+        L.Trainer(
+            max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        ).fit(module, datamodule=data)  # fmt: skip
+        assert module.seen == expected

@@ -20,6 +20,10 @@ class CountsTrainingBatches:
     again from the first batch and train on the batches before the checkpoint twice.
     Batches are counted in ``on_before_batch_transfer``, when the trainer takes them for a
     step, not when the loader yields them: Lightning fetches one batch ahead.
+
+    The count belongs to one fit: when it ends (``teardown``), the next fit of the same
+    DataModule starts again from the first batch unless its checkpoint gives a position, so
+    rows of a study that uptrain one after another on one DataModule see the same batches.
     """
 
     batches_used: int = 0
@@ -29,6 +33,10 @@ class CountsTrainingBatches:
         if trainer is not None and trainer.training:
             self.batches_used += 1
         return batch
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            self.batches_used = 0
 
     def state_dict(self) -> dict[str, int]:
         return {"batches_used": self.batches_used}
