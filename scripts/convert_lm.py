@@ -57,7 +57,7 @@ from multihead.checkpoints.conversion import convert_attention
 from multihead.data.lm import LanguageModelDataModule
 from multihead.data.tokenizer import Tokenizer
 from multihead.integrations.huggingface import replace_hf_attention
-from multihead.training.lm import LanguageModelModule
+from multihead.training.lm import LanguageModelModule, next_token_logits, position_losses
 
 register_resolvers()
 
@@ -89,6 +89,19 @@ def convert(model, kind: str, value: int | None, calibration: dict, **options):
 def batch_loss(model, batch) -> float:
     with torch.no_grad():
         return model(input_ids=batch, labels=batch, use_cache=False).loss.item()
+
+
+def block_losses(model, blocks: torch.Tensor, batch_size: int) -> list[float]:
+    """Each held-out block's mean next-token loss (nats), the unit the paired tests pair on
+    (``scripts/conversion_tests.py``); the blocks are equally long, so their mean is
+    ``val/loss``."""
+    model.eval()
+    with torch.no_grad():
+        losses = [
+            position_losses(next_token_logits(model, batch), batch).mean(1)  # (B,)
+            for batch in blocks.split(batch_size)
+        ]
+    return [round(x, 6) for x in torch.cat(losses).tolist()]
 
 
 class Scores(pl.Callback):
@@ -315,11 +328,19 @@ def main() -> None:
         if any("candidates" in layer for layer in report):  # the default: what it measured
             errors["chosen"] = [{**layer["latent"], "candidates": layer["candidates"]}
                                 for layer in report]  # fmt: skip
+        held_out = datamodule.blocks["validation"]
+        converted = block_losses(m, held_out, datamodule.batch_size)
         ppl = uptrain(m, datamodule, max(steps), every, args.anneal, args.lr, teacher)
+        blocks = {"0": converted, str(max(steps)): block_losses(m, held_out, datamodule.batch_size)}
+        for step, losses in blocks.items():  # the pairing unit reproduces the trainer's score
+            mean = sum(losses) / len(losses)
+            if not math.isclose(math.exp(mean), ppl[int(step)], rel_tol=1e-4):
+                raise RuntimeError(f"{name}: held-out blocks give ppl {math.exp(mean):.4f} "
+                                   f"at step {step}, the trainer {ppl[int(step)]:.4f}")  # fmt: skip
         row = {
             "name": name, "method": kind, "value": value, **MLA_METHODS.get(kind, {}), **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
-            "ppl": {str(s): p for s, p in ppl.items()}, **errors,
+            "ppl": {str(s): p for s, p in ppl.items()}, "block_loss": blocks, **errors,
             "seconds": round(time.time() - start),
             "greedy_sample": greedy_sample(m.eval(), tokenizer, "A man"),
         }  # fmt: skip

@@ -15,6 +15,7 @@ from multihead.analysis.conversion_study import (
     MLA_METHODS,
     check_study,
     mla_options,
+    paired_block_tests,
     run_study,
     uptrain_steps,
 )
@@ -212,3 +213,36 @@ def test_script_refuses_bad_ratio_in_one_line(tmp_path, capsys) -> None:
     )  # fmt: skip
     assert line == "error: ratios: 1 is not an integer >= 2 (cache 1/k of MHA's)"
     assert not (tmp_path / "study").exists()
+
+
+def _lm_study(default: dict[str, list[float]], svd: dict[str, list[float]]) -> dict:
+    """A convert_lm.py results.json: the control, the default and the SVD at 1/8."""
+    mha = {"name": "MHA", "block_loss": {"0": [1.0, 1.0, 1.0], "100": [1.0, 1.0, 1.0]}}
+    return {"rows": [mha, {"name": "mla_default 1/8", "block_loss": default},
+                     {"name": "mla_svd 1/8", "block_loss": svd}]}  # fmt: skip
+
+
+def test_the_lm_studys_tests_pair_held_out_blocks_averaged_over_seeds() -> None:
+    """Block differences (SVD minus default) of 0.1, 0.2, 0.3 on average over two seeds: t =
+    0.2 / (0.1 / sqrt 3) = 2 sqrt 3 on 2 degrees of freedom, whose two-sided p is
+    1 - t / sqrt(2 + t^2) = 1 - sqrt(12 / 14) (Student's t with 2 df in closed form)."""
+    base = {"0": [2.0, 2.0, 2.0], "100": [1.5, 1.5, 1.5]}
+    seed0 = _lm_study(base, {"0": [2.1, 2.2, 2.3], "100": [1.5, 1.7, 1.9]})
+    seed1 = _lm_study(base, {"0": [2.1, 2.2, 2.3], "100": [1.7, 1.7, 1.7]})  # same mean
+    tests = paired_block_tests([seed0, seed1])
+    assert [(t["ratio"], t["method"], t["step"], t["blocks"]) for t in tests] == [
+        ("1/8", "mla_svd", 0, 3),
+        ("1/8", "mla_svd", 100, 3),
+    ]  # the MHA control is not tested
+    p = 1 - (12 / 14) ** 0.5
+    for t in tests:
+        assert t["p"] == pytest.approx(p, rel=1e-6)
+        assert t["p_holm"] == pytest.approx(2 * p, rel=1e-6)  # two tests, equal p
+        assert t["delta_pct"] == pytest.approx(100 * (2.718281828459045**0.2 - 1), rel=1e-9)
+        assert t["seed_deltas"] == pytest.approx([t["delta_pct"]] * 2, rel=1e-9)
+
+
+def test_an_lm_study_without_block_losses_is_refused_by_name() -> None:
+    old = {"rows": [{"name": "MHA", "ppl": {"0": 26.3}}]}
+    with pytest.raises(ValueError, match=r"study 0: rows \['MHA'\] hold no block_loss"):
+        paired_block_tests([old])

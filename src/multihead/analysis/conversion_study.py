@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from multihead.analysis.significance import holm, t_test_p
 from multihead.checkpoints.conversion import (
     SCOPES,
     convert_kv_heads,
@@ -291,3 +294,51 @@ def plot_study(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def paired_block_tests(studies: Sequence[dict], baseline: str = "mla_default") -> list[dict]:
+    """The LM study's paired tests (``scripts/convert_lm.py``'s ``results.json``, one per
+    uptraining seed): at each ratio, every other MLA method's row against ``baseline``'s, right
+    after conversion (step ``0``) and after uptraining (the last step).
+
+    The unit is the held-out block: each block's loss difference (method minus baseline),
+    averaged over the studies (seeds), tested for mean 0 with the one-sample t-test; Holm over
+    every test returned. Right after conversion the seeds give the same losses (the seed
+    orders only the uptraining's batches); after uptraining, ``seed_deltas`` shows whether
+    the seeds agree, the noise a block test cannot see. ``delta_pct`` is the perplexity's
+    change, ``100 * (exp(mean difference) - 1)``: positive when the method is worse.
+    """
+    if not studies:
+        raise ValueError("no studies given; expected results.json of convert_lm.py")
+    rows = []
+    for i, study in enumerate(studies):
+        named = {row["name"]: row for row in study["rows"]}
+        missing = [name for name, row in named.items() if "block_loss" not in row]
+        if missing:
+            raise ValueError(
+                f"study {i}: rows {missing} hold no block_loss; expected convert_lm.py's "
+                "rows since the per-block losses (run them again into a new OUT_DIR)"
+            )
+        rows.append(named)
+    names = set.intersection(*(set(named) for named in rows))
+    tests = []
+    for name in sorted(names):
+        method, _, ratio = name.partition(" ")
+        base = f"{baseline} {ratio}"
+        if method in (baseline, "MHA", "gqa") or base not in names:
+            continue
+        for step in sorted(rows[0][name]["block_loss"], key=int):
+            per_seed = []
+            for named in rows:
+                a, b = named[name]["block_loss"][step], named[base]["block_loss"][step]
+                per_seed.append([x - y for x, y in zip(a, b, strict=True)])
+            blocks = [statistics.fmean(d) for d in zip(*per_seed, strict=True)]
+            tests.append({
+                "ratio": ratio, "method": method, "step": int(step), "blocks": len(blocks),
+                "delta_pct": 100 * math.expm1(statistics.fmean(blocks)),
+                "seed_deltas": [100 * math.expm1(statistics.fmean(d)) for d in per_seed],
+                "p": t_test_p(blocks),
+            })  # fmt: skip
+    for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
+        test["p_holm"] = adjusted
+    return tests
