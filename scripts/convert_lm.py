@@ -93,7 +93,7 @@ def batch_loss(model, batch) -> float:
 
 def block_losses(model, blocks: torch.Tensor, batch_size: int) -> list[float]:
     """Each held-out block's mean next-token loss (nats), the unit the paired tests pair on
-    (``scripts/convert_lm_tests.py``); the blocks are equally long, so their mean is
+    (``scripts/conversion_tests.py``); the blocks are equally long, so their mean is
     ``val/loss``."""
     model.eval()
     with torch.no_grad():

@@ -16,6 +16,7 @@ from multihead.analysis.conversion_study import (
     check_study,
     mla_options,
     paired_block_tests,
+    paired_sentence_tests,
     run_study,
     uptrain_steps,
 )
@@ -23,7 +24,7 @@ from multihead.checkpoints import load_trained_model
 from multihead.checkpoints.conversion import convert_kv_heads, training_batches
 from multihead.model import build_model
 
-from helpers.scripts import fails_in_one_line, script_main
+from helpers.scripts import assert_one_error_line, fails_in_one_line, run_script, script_main
 from helpers.training import compose_config, smoke_overrides
 
 
@@ -246,3 +247,98 @@ def test_an_lm_study_without_block_losses_is_refused_by_name() -> None:
     old = {"rows": [{"name": "MHA", "ppl": {"0": 26.3}}]}
     with pytest.raises(ValueError, match=r"study 0: rows \['MHA'\] hold no block_loss"):
         paired_block_tests([old])
+
+
+@pytest.fixture(scope="module")
+def test2016(multi30k_dir) -> list[str]:
+    from multihead.data import load_parallel_dataset
+
+    splits = load_parallel_dataset("multi30k", "en", "de", local_dir=multi30k_dir)
+    return list(splits["test"]["tgt"])
+
+
+def _wrong_every(refs: list[str], every: int, offset: int) -> list[str]:
+    """Hypotheses with every ``every``-th sentence another row's reference: a known BLEU."""
+    return [refs[(i + 7) % len(refs)] if i % every == offset else r for i, r in enumerate(refs)]
+
+
+def _translation_study(out: Path, refs: list[str], hyps: dict[tuple[str, int], list[str]]) -> Path:
+    """A conversion_study.py directory: rows.jsonl and each row's hypotheses, as run_study
+    writes them (MHA, the default and the SVD at 1/8, steps 0, 5 and 10; 1/4 n/a)."""
+    rows = []
+    for (method, steps), lines in hyps.items():
+        ratio = 1 if method == "mha" else 8
+        where = out / f"{method}{ratio}" / f"score_step{steps}"
+        where.mkdir(parents=True)
+        (where / "hypotheses.test.txt").write_text("".join(f"{line}\n" for line in lines))
+        rows.append({"method": method, "ratio": ratio, "uptrain_steps": steps, "bleu_lc_tok": 1.0})
+    rows.append({"method": "mla_svd", "ratio": 4, "uptrain_steps": None, "bleu_lc_tok": None})
+    (out / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out
+
+
+def _seeds(refs: list[str]) -> list[dict[tuple[str, int], list[str]]]:
+    """Two seeds' hypotheses: the converted rows (step 0) are the same in both, as the
+    uptraining seed cannot reach them; the SVD is worse after uptraining in both."""
+    converted = {("mha", 0): refs, ("mla_default", 0): _wrong_every(refs, 3, 0),
+                 ("mla_svd", 0): _wrong_every(refs, 2, 1)}  # fmt: skip
+    return [
+        {**converted, ("mla_default", 5): refs, ("mla_svd", 5): refs,
+         ("mla_default", 10): _wrong_every(refs, 5, 0), ("mla_svd", 10): _wrong_every(refs, 4, 1)},
+        {**converted, ("mla_default", 5): refs, ("mla_svd", 5): refs,
+         ("mla_default", 10): _wrong_every(refs, 6, 2), ("mla_svd", 10): _wrong_every(refs, 3, 2)},
+    ]  # fmt: skip
+
+
+def test_the_translation_studys_tests_pair_sentences_averaged_over_seeds(test2016, tmp_path):
+    """Against sacreBLEU: each Δ is the seeds' mean corpus-BLEU difference; right after
+    conversion the seeds' hypotheses are the same, so the test is sacreBLEU's own paired
+    bootstrap of one seed; only steps 0 and the last are tested, the control never."""
+    import sacrebleu
+
+    from multihead.analysis.significance import paired_tests
+
+    refs = test2016[:200]
+    seeds = _seeds(refs)
+    studies = [_translation_study(tmp_path / f"seed{i}", refs, h) for i, h in enumerate(seeds)]
+    tests = paired_sentence_tests(studies, refs, "de", metric="sacrebleu")
+    assert [(t["ratio"], t["method"], t["step"], t["sentences"]) for t in tests] == [
+        (8, "mla_svd", 0, 200), (8, "mla_svd", 10, 200),
+    ]  # fmt: skip
+
+    def bleu(lines: list[str]) -> float:
+        return sacrebleu.corpus_bleu(lines, [refs]).score
+
+    for test in tests:
+        step = test["step"]
+        deltas = [bleu(h[("mla_svd", step)]) - bleu(h[("mla_default", step)]) for h in seeds]
+        assert test["seed_deltas"] == pytest.approx(deltas, abs=1e-9)
+        assert test["delta"] == pytest.approx(sum(deltas) / 2, abs=1e-9) and test["delta"] < 0
+        assert test["low"] <= test["delta"] <= test["high"]
+    one_seed = paired_tests(seeds[0][("mla_default", 0)], {"svd": seeds[0][("mla_svd", 0)]},
+                            refs, metric="sacrebleu")["svd"]  # fmt: skip
+    assert tests[0]["p"] == one_seed.p_value
+    smaller = min(t["p"] for t in tests)
+    assert min(t["p_holm"] for t in tests) == pytest.approx(min(1.0, 2 * smaller))
+
+
+def test_the_tests_script_reads_a_translation_study_and_refuses_bad_directories(
+    test2016, tmp_path, multi30k_dir
+) -> None:
+    """conversion_tests.py on the test set's 1,000 references: one table row per test; a
+    directory of neither study, LM beside translation, or no --data: one line each."""
+    studies = [str(_translation_study(tmp_path / f"seed{i}", test2016, h))
+               for i, h in enumerate(_seeds(test2016))]  # fmt: skip
+    result = run_script("conversion_tests.py", *studies, "--data", str(multi30k_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    table = [line.split(" | ")[:4] for line in lines if line.startswith("| 1/")]
+    assert [row[:3] for row in table] == [["| 1/8", "mla_svd", "0"], ["| 1/8", "mla_svd", "10"]]
+    assert all(float(row[3]) < 0 for row in table)  # the SVD is worse: negative Δ BLEU
+    assert_one_error_line(run_script("conversion_tests.py", *studies), "needs --data")
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "results.json").write_text("{}")
+    assert_one_error_line(run_script("conversion_tests.py", studies[0], str(lm)), "mix LM and")
+    result = run_script("conversion_tests.py", str(tmp_path), "--data", str(multi30k_dir))
+    assert_one_error_line(result, f"{tmp_path} holds neither results.json nor rows.jsonl")

@@ -23,6 +23,7 @@ from multihead.analysis.significance import (
     detectable_difference,
     holm,
     paired_tests,
+    pooled_paired_bootstrap,
     t_quantile_975,
     t_test_p,
     tost_p,
@@ -150,6 +151,53 @@ def test_delta_interval_is_the_bootstrap_percentile_of_bleu_differences(referenc
     assert result.high == pytest.approx(deltas[samples - samples // 40 - 1], abs=1e-4)
     same = paired_tests(a, {"a": a}, references, metric="sacrebleu", samples=samples)["a"]
     assert (same.delta, same.low, same.high) == (0.0, 0.0, 0.0) and same.holds_zero
+
+
+def test_pooled_bootstrap_at_one_seed_is_sacrebleus_paired_bootstrap(references) -> None:
+    """One seed: the p of sacreBLEU's own paired bootstrap (``PairedTest``, the code of
+    ``--paired-bs``) on the same files and resamples."""
+    a, b = system(references, 3, 0), system(references, 2, 1)
+    samples = 200
+    pooled = pooled_paired_bootstrap([a], [b], references, metric="sacrebleu", samples=samples)
+    expected = paired_tests(a, {"b": b}, references, metric="sacrebleu", samples=samples)["b"]
+    assert pooled.p_value == expected.p_value
+    assert (pooled.delta, pooled.low, pooled.high) == pytest.approx(
+        (expected.delta, expected.low, expected.high), abs=1e-9
+    )
+
+
+def test_pooled_bootstrap_averages_the_seeds_on_the_same_resampled_sentences(references) -> None:
+    """Two seeds, written out with sacrebleu.corpus_bleu: each resample (sacreBLEU's
+    default_rng(12345) draws) scores both seeds on the same sentences; the statistic is
+    the mean of the seeds' differences, the p sacreBLEU's rule (resamples whose centred
+    absolute difference exceeds the observed one, plus one, over samples plus one)."""
+    seeds = [(system(references, 3, 0), system(references, 2, 1)),
+             (system(references, 4, 1), system(references, 5, 2))]  # fmt: skip
+    samples = 80
+    result = pooled_paired_bootstrap(
+        [a for a, _ in seeds], [b for _, b in seeds], references, metric="sacrebleu",
+        samples=samples,
+    )  # fmt: skip
+
+    def bleu(hyps: list[str], picked) -> float:
+        return sacrebleu.corpus_bleu(
+            [hyps[i] for i in picked], [[references[i] for i in picked]]
+        ).score
+
+    full = range(N)
+    observed = [bleu(b, full) - bleu(a, full) for a, b in seeds]
+    assert result.seed_deltas == pytest.approx(observed, abs=1e-9)
+    assert result.delta == pytest.approx(statistics.fmean(observed), abs=1e-9)
+    rows = np.random.default_rng(12345).choice(N, size=(samples, N), replace=True)
+    means = np.array([statistics.fmean(bleu(b, r) - bleu(a, r) for a, b in seeds) for r in rows])
+    spread = np.abs(means) - np.abs(means).mean()
+    assert result.p_value == pytest.approx((np.sum(spread > abs(result.delta)) + 1) / (samples + 1))
+    ordered = np.sort(means)
+    assert (result.low, result.high) == pytest.approx(
+        (ordered[samples // 40], ordered[samples - samples // 40 - 1]), abs=1e-4
+    )
+    with pytest.raises(ValueError, match="1 baseline and 2 system hypothesis sets"):
+        pooled_paired_bootstrap([seeds[0][0]], [seeds[0][1], seeds[1][1]], references)
 
 
 def test_t_quantiles_are_the_tables() -> None:

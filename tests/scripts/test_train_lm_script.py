@@ -118,7 +118,7 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
         for step, losses in row["block_loss"].items():
             mean = sum(losses) / len(losses)
             assert math.isclose(math.exp(mean), row["ppl"][step], rel_tol=1e-4)
-    tests = run_script("convert_lm_tests.py", str(out))
+    tests = run_script("conversion_tests.py", str(out))
     assert tests.returncode == 0, tests.stderr[-2000:]
     table_lines = [line for line in tests.stdout.splitlines() if line.startswith("| 1/2 |")]
     assert [line.split(" | ")[1:3] for line in table_lines] == [
@@ -162,8 +162,3 @@ def test_the_uptraining_seed_orders_the_batches(tiny_run, tmp_path, multi30k_dir
     (start, end) = sorted(ppl["0"], key=int)[0], sorted(ppl["0"], key=int)[-1]
     assert ppl["0"][start] == ppl["1"][start]
     assert ppl["0"][end] != ppl["1"][end]
-
-
-def test_the_tests_of_a_directory_without_a_study_fail_in_one_line(tmp_path) -> None:
-    result = run_script("convert_lm_tests.py", str(tmp_path))
-    assert_one_error_line(result, f"{tmp_path} holds no results.json")

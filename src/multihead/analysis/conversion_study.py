@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multihead.analysis.significance import holm, t_test_p
+from multihead.analysis.significance import holm, pooled_paired_bootstrap, t_test_p
 from multihead.checkpoints.conversion import (
     SCOPES,
     convert_kv_heads,
@@ -339,6 +339,70 @@ def paired_block_tests(studies: Sequence[dict], baseline: str = "mla_default") -
                 "seed_deltas": [100 * math.expm1(statistics.fmean(d)) for d in per_seed],
                 "p": t_test_p(blocks),
             })  # fmt: skip
+    for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
+        test["p_holm"] = adjusted
+    return tests
+
+
+def hypotheses_path(study: Path, row: dict[str, Any]) -> Path:
+    """Where :func:`run_study` wrote a row's test hypotheses."""
+    where = study / f"{row['method']}{row['ratio']}" / f"score_step{row['uptrain_steps']}"
+    return where / "hypotheses.test.txt"
+
+
+def paired_sentence_tests(
+    studies: Sequence[str | Path],
+    references: Sequence[str],
+    lang: str,
+    baseline: str = "mla_default",
+    metric: str = "lc-tok",
+) -> list[dict]:
+    """The translation study's paired tests (:func:`run_study` directories, one per
+    uptraining seed): at each ratio, every other MLA method's row against ``baseline``'s,
+    right after conversion (step 0) and after the longest uptraining.
+
+    The unit is the test sentence: sacreBLEU's paired bootstrap with the BLEU difference
+    averaged over the studies, each resample drawing the same sentences in every study
+    (:func:`~multihead.analysis.significance.pooled_paired_bootstrap`); Holm over every test
+    returned. As in :func:`paired_block_tests`, the seeds' own spread is not in the test:
+    ``seed_deltas`` shows whether they agree.
+    """
+    if not studies:
+        raise ValueError("no studies given; expected conversion_study.py out= directories")
+    rows = []
+    for study in map(Path, studies):
+        path = study / "rows.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{study} holds no rows.jsonl; expected a conversion_study.py out=")
+        named = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["bleu_lc_tok"] is not None:  # a row the ratio cannot reach has none
+                named[(row["method"], row["ratio"], row["uptrain_steps"])] = (study, row)
+        rows.append(named)
+    keys = set.intersection(*(set(named) for named in rows))
+    last = max((steps for _, _, steps in keys), default=0)
+    tests = []
+    for method, ratio, steps in sorted(keys, key=lambda k: (-k[1], k[0], k[2])):
+        base = (baseline, ratio, steps)
+        if method in (baseline, "mha", "gqa") or base not in keys or steps not in (0, last):
+            continue
+        hyps = {}
+        for side, key in (("base", base), ("method", (method, ratio, steps))):
+            hyps[side] = []
+            for named in rows:
+                path = hypotheses_path(*named[key])
+                if not path.is_file():
+                    raise ValueError(f"{path} is missing; expected run_study's hypotheses")
+                hyps[side].append(path.read_text().splitlines())
+        result = pooled_paired_bootstrap(
+            hyps["base"], hyps["method"], references, metric=metric, lang=lang
+        )
+        tests.append({
+            "ratio": ratio, "method": method, "step": steps, "sentences": len(references),
+            "delta": result.delta, "seed_deltas": list(result.seed_deltas),
+            "low": result.low, "high": result.high, "p": result.p_value,
+        })  # fmt: skip
     for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
         test["p_holm"] = adjusted
     return tests

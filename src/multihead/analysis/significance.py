@@ -148,26 +148,99 @@ def delta_intervals(
     """The 95% paired-bootstrap interval of each system's BLEU minus the first's, on the
     resamples sacreBLEU's paired bootstrap draws (see the module's docstring)."""
     scorer = bleu(metric)
-    stats = {
-        name: np.array(scorer._extract_corpus_statistics(hyps, [refs]), dtype="float32")
-        for name, hyps in named
+    rows = bootstrap_rows(len(refs), samples)
+    base = resampled_bleu(scorer, named[0][1], refs, rows)
+    return {
+        name: percentile_interval(resampled_bleu(scorer, hyps, refs, rows) - base)
+        for name, hyps in named[1:]
     }
+
+
+def bootstrap_rows(sentences: int, samples: int) -> np.ndarray:
+    """The sentence indices of sacreBLEU's paired bootstrap: ``(samples, sentences)``, drawn
+    as its ``_paired_bs_test`` draws them for ``SACREBLEU_SEED``."""
     seed = sacrebleu_seed()
     rng = np.random.default_rng(seed if seed else None)  # as PairedTest passes it on
-    rows = rng.choice(len(refs), size=(samples, len(refs)), replace=True)
+    return rng.choice(sentences, size=(samples, sentences), replace=True)
 
-    def resampled(name: str) -> np.ndarray:
-        return np.array(
-            [scorer._compute_score_from_stats(s.sum(0)).score for s in stats[name][rows]]
+
+def resampled_bleu(
+    scorer: sacrebleu.metrics.BLEU, hyps: Sequence[str], refs: list[str], rows: np.ndarray
+) -> np.ndarray:
+    """Corpus BLEU of each resample (a row of sentence indices), from the metric's
+    sufficient statistics as sacreBLEU's bootstrap scores them."""
+    stats = np.array(scorer._extract_corpus_statistics(hyps, [refs]), dtype="float32")
+    return np.array([scorer._compute_score_from_stats(s.sum(0)).score for s in stats[rows]])
+
+
+def percentile_interval(values: np.ndarray) -> tuple[float, float]:
+    """The 95% interval by sacreBLEU's own rule (``estimate_ci``): the ``n // 40``-th value
+    from either end."""
+    values, lower = np.sort(values), len(values) // 40
+    return float(values[lower]), float(values[len(values) - lower - 1])
+
+
+@dataclass(frozen=True)
+class PooledResult:
+    """A system against its baseline, its BLEU difference averaged over seeds."""
+
+    delta: float  # mean over seeds of the system's corpus BLEU minus the baseline's
+    seed_deltas: tuple[float, ...]  # each seed's difference
+    low: float  # the 95% paired-bootstrap interval of ``delta``
+    high: float
+    p_value: float
+    samples: int
+
+
+def pooled_paired_bootstrap(
+    baselines: Sequence[Sequence[str]],
+    systems: Sequence[Sequence[str]],
+    references: Sequence[str],
+    *,
+    metric: str = "lc-tok",
+    lang: str | None = None,
+    samples: int = 0,
+) -> PooledResult:
+    """sacreBLEU's paired bootstrap for one comparison made at several seeds at once.
+
+    ``baselines[s]`` and ``systems[s]`` are seed ``s``'s hypotheses (one per reference, in
+    order). The statistic is the BLEU difference averaged over the seeds; each resample
+    draws test sentences (the same for every seed, so a sentence's pairs stay together) and
+    takes the seeds' mean difference on them; the p-value is sacreBLEU's rule (the resamples'
+    absolute differences, centred, against the observed one). With one seed this is
+    ``sacrebleu --paired-bs``'s p and :func:`delta_intervals`' interval. The test resamples
+    sentences only: the seeds' own spread is not in it (``seed_deltas`` shows it).
+    """
+    check_options("bs", metric, samples)
+    if not baselines or len(baselines) != len(systems):
+        raise ValueError(
+            f"{len(baselines)} baseline and {len(systems)} system hypothesis sets; expected "
+            "one of each per seed, at least one"
         )
-
-    base = resampled(named[0][0])
-    lower = samples // 40
-    intervals = {}
-    for name, _ in named[1:]:
-        deltas = np.sort(resampled(name) - base)
-        intervals[name] = (float(deltas[lower]), float(deltas[samples - lower - 1]))
-    return intervals
+    refs = prepare(references, metric, lang)
+    scorer, samples = bleu(metric), samples or DEFAULT_SAMPLES["bs"]
+    rows = bootstrap_rows(len(refs), samples)
+    observed, resampled = [], np.zeros(samples)
+    for base, system in zip(baselines, systems, strict=True):
+        base, system = prepare(base, metric, lang), prepare(system, metric, lang)
+        for hyps in (base, system):
+            if len(hyps) != len(refs):
+                raise ValueError(
+                    f"{len(hyps)} hypotheses for {len(refs)} references; expected one "
+                    "hypothesis per test sentence, in order"
+                )
+        observed.append(
+            scorer.corpus_score(system, [refs]).score - scorer.corpus_score(base, [refs]).score
+        )
+        resampled += resampled_bleu(scorer, system, refs, rows)
+        resampled -= resampled_bleu(scorer, base, refs, rows)
+    resampled /= len(observed)
+    spread = np.abs(resampled)
+    beyond = int(np.sum(spread - spread.mean() > abs(statistics.fmean(observed))))
+    return PooledResult(
+        statistics.fmean(observed), tuple(observed), *percentile_interval(resampled),
+        (beyond + 1) / (samples + 1), samples,
+    )  # fmt: skip
 
 
 # Student t's 0.975 quantile by degrees of freedom (any statistics table).
