@@ -53,6 +53,7 @@ from transformers import LlamaForCausalLM
 
 from multihead.analysis.conversion_study import MLA_METHODS
 from multihead.attention import MultiHeadAttention
+from multihead.checkpoints import write_atomically
 from multihead.checkpoints.conversion import convert_attention
 from multihead.data.lm import LanguageModelDataModule
 from multihead.data.tokenizer import Tokenizer
@@ -300,7 +301,10 @@ def main() -> None:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "results.json"
-    results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    try:
+        results = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{out} is not JSON ({err}); expected convert_lm.py's results") from None
     recipe = {"optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)", "lr": args.lr,
               "schedule": "linear to 0" if args.anneal else "constant", "steps": steps,
               "batch": f"{datamodule.batch_size} x {datamodule.block_size} tokens",
@@ -346,7 +350,8 @@ def main() -> None:
         }  # fmt: skip
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        text = json.dumps(results, indent=1) + "\n"  # a kill mid-write keeps the rows before
+        write_atomically(out, lambda f, text=text: f.write(text.encode()))
     plot(results, args.out_dir / "uptraining.png")
     (args.out_dir / "table.md").write_text(table(results))
 

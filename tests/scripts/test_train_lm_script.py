@@ -146,6 +146,12 @@ def test_continuing_a_study_with_another_rate_is_refused(tiny_run, tmp_path, mul
     assert_one_error_line(run_script(*common, "--lr", "1e-4"), "use another OUT_DIR")
     assert_one_error_line(run_script(*common, "--seed", "1"), "use another OUT_DIR")
     assert (out / "results.json").read_text() == before
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "results.json").write_text('{"rows": [')
+    result = run_script(*common[:2], str(torn), *common[3:])
+    assert_one_error_line(result, f"{torn / 'results.json'} is not JSON")
+    assert (torn / "results.json").read_text() == '{"rows": ['
 
 
 def test_the_uptraining_seed_orders_the_batches(tiny_run, tmp_path, multi30k_dir) -> None:
