@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,8 +191,26 @@ def test_study_writes_every_row_and_marks_unreachable_ratios(
     with open(out / "rows.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert (out / "bleu_vs_uptraining.png").stat().st_size > 0
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError, match=r"other settings \(methods=\['mla_svd', "):
         run_study(rope_run, out)
+
+    # Stopped while measuring mla_svd 1/4 (its converted score written, nothing after):
+    # run again with the same settings, the complete rows stay as they are and that row and
+    # the next are measured from their conversion, to the same scores.
+    lines = (out / "rows.jsonl").read_text().splitlines()
+    (out / "rows.jsonl").write_text("".join(line + "\n" for line in lines[:6]))
+    shutil.rmtree(out / "mla_pca_bkv_shared4")
+    (out / "mla_svd4" / "uptrain" / "checkpoints" / "step2.ckpt").unlink()
+    control = out / "mha1" / "uptrain" / "checkpoints" / "step2.ckpt"
+    control_written = control.stat().st_mtime_ns
+    again = run_study(
+        rope_run, out, methods=["mla_svd", "mla_pca_bkv_shared"], ratios=[4, 8], rope_dim=2,
+        fractions=[0.25, 0.5], calibration_batches=2, distill=True, beam_size=1,
+        local_dir=str(multi30k_dir), limit=4,
+    )  # fmt: skip
+    assert again == rows
+    assert control.stat().st_mtime_ns == control_written
+    assert [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()] == rows
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from multihead.checkpoints.conversion import (
     convert_kv_heads,
     recorded_overrides,
 )
-from multihead.checkpoints.io import load_trained_model, read_checkpoint
+from multihead.checkpoints.io import load_trained_model, read_checkpoint, write_atomically
 from multihead.evaluation import evaluate_checkpoint
 
 # The MLA conversions: convert_attention's options (convert_lm.py's rows too): the fixed
@@ -151,11 +152,14 @@ def run_study(
     local_dir: str | None = None,
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the study into ``out`` (a new directory) and return its rows.
+    """Run the study into ``out`` and return its rows.
 
-    Writes ``rows.jsonl`` (one record per row, as it is measured), ``rows.csv`` and
-    ``bleu_vs_uptraining.png`` at the end, and each row's checkpoints, scores and
-    uptraining log under ``out/<method><ratio>/``.
+    Writes ``study.json`` (the settings), ``rows.jsonl`` (one record per measured point, as
+    it is measured), ``rows.csv`` and ``bleu_vs_uptraining.png`` at the end, and each row's
+    checkpoints, scores and uptraining log under ``out/<method><ratio>/``. A study that
+    stopped (a kill, the end of a session) goes on when run again with the same settings
+    into the same ``out``: its complete rows are kept, a row it was measuring is measured
+    again from its conversion. Other settings into an existing ``out`` are refused.
 
     Args:
         ckpt: the trained MHA checkpoint; ``ckpt["global_step"]`` is the original steps.
@@ -173,8 +177,13 @@ def run_study(
     if not isinstance(distill, bool):
         raise ValueError(f"distill={distill!r}; expected true or false")
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new out= directory")
+    settings = {
+        "ckpt": str(ckpt), "methods": list(methods), "ratios": list(ratios),
+        "rope_dim": rope_dim, "selection": selection, "fractions": list(fractions),
+        "recipe": list(recipe), "calibration_batches": calibration_batches, "distill": distill,
+        "beam_size": beam_size, "local_dir": local_dir, "limit": limit,
+    }  # fmt: skip
+    done = _resumed(out, settings)
     original_steps = int(read_checkpoint(ckpt)["global_step"])
     steps = uptrain_steps(original_steps, fractions)
     unit, longest = min(steps.values()), max(steps.values())
@@ -183,12 +192,14 @@ def run_study(
         f"callbacks.checkpoint_recent.every_n_train_steps={unit}",
         "callbacks.checkpoint_recent.save_top_k=-1", "test=false",
     ]  # fmt: skip
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps(settings, indent=1) + "\n")
     plan = [("mha", 1, {})]
     for ratio in sorted(ratios, reverse=True):  # the smallest cache first
         for method in methods:
             plan.append((method, ratio, conversion_target(ckpt, method, ratio, rope_dim)))
     rows: list[dict[str, Any]] = []
+    points = 1 + len(steps)  # a complete row: scored converted and at each fraction
 
     def record(**row: Any) -> None:
         rows.append({field: row.get(field) for field in FIELDS})
@@ -200,8 +211,17 @@ def run_study(
             str(path), where, beam_size=beam_size, local_dir=local_dir, limit=limit
         )
 
+    # The rows a stopped study completed stay; what it left of the row it was measuring goes.
+    kept = [r for r in done if len([d for d in done if _row_key(d) == _row_key(r)]) == points
+            or r["target"] == "n/a"]  # fmt: skip
+    _write_rows(out, kept)
+    rows.extend(kept)
     for method, ratio, target in plan:
         row_dir = out / f"{method}{ratio}"
+        if any(_row_key(r) == (method, ratio) for r in kept):
+            continue
+        if row_dir.exists():
+            shutil.rmtree(row_dir)
         if target is None:
             record(method=method, ratio=ratio, distill=distill, target="n/a")
             continue
@@ -237,6 +257,38 @@ def run_study(
     write_table(rows, out / "rows.csv")
     plot_study(rows, out / "bleu_vs_uptraining.png")
     return rows
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, int]:
+    return row["method"], row["ratio"]
+
+
+def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    write_atomically(out / "rows.jsonl", lambda f: f.write(text.encode()))
+
+
+def _resumed(out: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points a stopped study in ``out`` measured with these ``settings`` (none for a
+    new ``out``); another study's ``out`` is refused."""
+    if not out.exists():
+        return []
+    path = out / "study.json"
+    try:
+        before = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        raise FileExistsError(
+            f"{out} exists and holds no study's settings ({path.name}); choose a new out= directory"
+        ) from None
+    changed = [f"{k}={before.get(k)!r} there, {v!r} now" for k, v in settings.items()
+               if before.get(k) != v]  # fmt: skip
+    if changed:
+        raise FileExistsError(
+            f"{out} holds a study with other settings ({'; '.join(changed)}); run it again "
+            "with its own to go on, or choose a new out= directory"
+        )
+    rows = out / "rows.jsonl"
+    return [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
 
 
 def mla_options(
