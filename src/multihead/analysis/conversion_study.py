@@ -33,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,8 @@ def run_study(
         )
 
     # The rows a stopped study completed stay; what it left of the row it was measuring goes.
-    kept = [r for r in done if len([d for d in done if _row_key(d) == _row_key(r)]) == points
-            or r["target"] == "n/a"]  # fmt: skip
+    measured = Counter(_row_key(r) for r in done)
+    kept = [r for r in done if measured[_row_key(r)] == points or r["target"] == "n/a"]
     _write_rows(out, kept)
     rows.extend(kept)
     for method, ratio, target in plan:
