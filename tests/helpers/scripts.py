@@ -27,9 +27,14 @@ def run_script(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:  # fmt: skip
     """``python scripts/<script> ARGS`` offline, from the repository root, with ``env``
-    added to this process's environment."""
+    added to this process's environment.
+
+    One OpenMP thread unless ``env`` names another count, as this process has (conftest.py):
+    the models are tiny, and beside other jobs a script's second thread waits on the first
+    (a 47 s conversion study ran past 300 s at load 8). The limit is a guard against a hang,
+    about 10x the longest script run here unloaded (the 9-job sweep, about 60 s)."""
     env = {
-        **os.environ, **(env or {}),
+        **os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
     }  # fmt: skip
     env.pop("HYDRA_FULL_ERROR", None)
@@ -40,7 +45,7 @@ def run_script(
         input=stdin,
         env=env,
         cwd=REPO_ROOT,
-        timeout=300,
+        timeout=600,
         preexec_fn=preexec_fn,
     )
 
