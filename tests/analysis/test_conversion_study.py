@@ -149,6 +149,7 @@ def test_uptrain_steps_are_multiples_of_the_smallest_fractions() -> None:
     assert uptrain_steps(2238, [0.05, 0.01, 0.02]) == {0.01: 22, 0.02: 44, 0.05: 110}
 
 
+@pytest.mark.slow  # a study: 2 designs at 2 ratios, uptrained
 def test_study_writes_every_row_and_marks_unreachable_ratios(
     rope_run, tmp_path, multi30k_dir
 ) -> None:
@@ -341,6 +342,7 @@ def test_the_translation_studys_tests_pair_sentences_averaged_over_seeds(test201
     assert min(t["p_holm"] for t in tests) == pytest.approx(min(1.0, 2 * smaller))
 
 
+@pytest.mark.slow  # conversion_tests.py 4 times, 1,000 sentences
 def test_the_tests_script_reads_a_translation_study_and_refuses_bad_directories(
     test2016, tmp_path, multi30k_dir
 ) -> None:

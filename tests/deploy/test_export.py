@@ -376,6 +376,7 @@ def _benchmark(ckpt: Path, multi30k_dir: Path, *options: str) -> tuple[str, list
     return result.stdout, [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
 
 
+@pytest.mark.slow  # benchmark_decoding.py, then a process per engine
 def test_benchmark_decoding_one_engine_per_process(trained, multi30k_dir, tmp_path):
     # The recipe's checkpoints name their dataset; the toy one does not.
     state = torch.load(trained[0], weights_only=False)
@@ -403,6 +404,7 @@ def test_benchmark_decoding_one_engine_per_process(trained, multi30k_dir, tmp_pa
     assert all(row[6] == "6/6" for row in rows)  # greedy identical in every round
 
 
+@pytest.mark.slow  # benchmark_decoding.py --profile, greedy and beam
 def test_benchmark_decoding_profile_times_every_part_of_a_step(trained, multi30k_dir, tmp_path):
     state = torch.load(trained[0], weights_only=False)
     state["multihead"]["config"]["data"]["name"] = "multi30k"

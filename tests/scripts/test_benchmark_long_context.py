@@ -42,6 +42,7 @@ def test_each_cache_holds_the_context_and_decodes_from_it(bench, candidate):
     assert bench.held_bytes(cache) == 2 * per_position * positions[candidate]  # 2 layers
 
 
+@pytest.mark.slow  # 12 rows, each timed over 2 rounds
 def test_a_run_writes_its_rows_and_figure(bench, tmp_path, capsys):
     out, figure = tmp_path / "rows.json", tmp_path / "speed.png"
     bench.main([

@@ -8,6 +8,7 @@ from helpers import REPO_ROOT
 from helpers.scripts import script_module
 
 
+@pytest.mark.slow  # both trees timed, and the GEMM peak
 def test_one_tree_against_itself_prints_its_fraction_of_the_peak(
     capsys, multi30k_dir, cache_dir
 ) -> None:

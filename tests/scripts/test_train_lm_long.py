@@ -63,6 +63,7 @@ def test_a_tiny_run_of_each_design_writes_what_it_measured(design, tiny, tmp_pat
     assert summary["kv_cache/bytes_per_token"] == trained.model.kv_cache_bytes_per_token()
 
 
+@pytest.mark.slow  # 2 script processes, one training
 def test_mqar_from_the_command_line_logs_to_wandb_and_a_bad_objective_is_one_line(tmp_path):
     run = tmp_path / "run"
     result = run_script(
@@ -80,6 +81,7 @@ def test_mqar_from_the_command_line_logs_to_wandb_and_a_bad_objective_is_one_lin
     assert_one_error_line(bad, "objective='lm'; expected translation or causal_lm")
 
 
+@pytest.mark.slow  # 2 trainings, timed over 3 rounds
 def test_the_long_context_benchmark_times_trained_checkpoints_interleaved(tiny, tmp_path):
     """Two designs trained for 3 steps, timed at two settings over 3 rounds: every row has
     its rounds, its min-max, MHA's speed ratio, and the cache bytes its design holds."""

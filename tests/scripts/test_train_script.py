@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from multihead.checkpoints import read_checkpoint
 
 from helpers.designs import write_sigmoid
@@ -43,6 +45,7 @@ def test_a_config_typo_is_hydras_message_without_a_traceback(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.slow  # a training and an evaluation, each a process
 def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
     tmp_path, multi30k_dir, cache_dir
 ) -> None:
@@ -82,6 +85,7 @@ def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
     assert result["sentences"] == 4 and "bleu" in result
 
 
+@pytest.mark.slow  # a process; the message in-process: test_designs.py
 def test_an_unimportable_design_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
     result = run_script(
         "train.py", "experiment=smoke", "logger=csv", f"data.local_dir={multi30k_dir}",

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from multihead.training.run import train
@@ -27,6 +28,10 @@ from helpers.training import (
     compose_config,
     listing,
 )
+
+# Several trainings in processes: CI's slow pass (-m slow). Resuming is tested in
+# test_train.py and tests/checkpoints/test_resume.py.
+pytestmark = pytest.mark.slow
 
 # Loaded by every Python started with this directory on PYTHONPATH. When the file that
 # torch.save writes is named KILL_DURING_WRITE (or is the temporary file of a write to that

@@ -20,6 +20,7 @@ pytest.importorskip(
 )
 
 
+@pytest.mark.slow  # 2 jobs, each a process
 def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
     tmp_path: Path, multi30k_dir: Path, cache_dir: Path
 ) -> None:

@@ -227,6 +227,7 @@ SAME_COMMAND = [
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow  # 1 or 2 trainings, each a process
 def test_same_command_seed_and_threads_give_identical_weights(
     threads, smoke_run_dir, multi30k_dir, tmp_path
 ) -> None:
