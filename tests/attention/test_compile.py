@@ -140,6 +140,7 @@ def test_sdpa_compiles_with_dynamic_shapes():
         check(3)  # other sizes, the same compiled code
 
 
+@pytest.mark.slow  # inductor builds C++: 15 s of CPU cold
 def test_static_cache_decode_step_compiles_once_with_inductor():
     # gpt-fast's decoding: one token per step from the first, so one graph for every step.
     T = 6

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from helpers.scripts import assert_one_error_line, run_script, script_module
 from helpers.training import compose_config
 
@@ -28,6 +30,7 @@ def test_evaluate_prints_bleu(smoke_run_dir, tmp_path, multi30k_dir, monkeypatch
     assert len((tmp_path / "hypotheses.test.txt").read_text().splitlines()) == 5
 
 
+@pytest.mark.slow  # the wrapper's wiring; the message in-process: test_io.py
 def test_an_error_is_one_line_in_a_process(tmp_path) -> None:
     result = run_script("evaluate.py", "ckpt=/nonexistent/x.ckpt", f"hydra.run.dir={tmp_path}")
     line = assert_one_error_line(result, "checkpoint not found: /nonexistent/x.ckpt")

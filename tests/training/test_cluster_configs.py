@@ -104,6 +104,7 @@ def test_gpu_check_recipe_composes_into_three_minutes_of_the_gpu_recipe(tmp_path
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message given where CUDA is missing")
+@pytest.mark.slow  # a shell and a Python process
 def test_gpu_check_without_cuda_fails_in_one_line(tmp_path) -> None:
     report = tmp_path / "report.md"
     result = subprocess.run(
