@@ -66,7 +66,7 @@ def test_bad_arguments(smoke_run_dir, tmp_path, capsys, args, message) -> None:
     assert not out.exists()
 
 
-@pytest.mark.slow  # the wrapper's wiring; the messages in-process above
+@pytest.mark.slow  # a process; an in-process full disk: test_io.py
 def test_a_full_disk_fails_in_one_line_in_a_process(smoke_run_dir, tmp_path) -> None:
     """With a 64 KiB file-size limit the checkpoint cannot be written. The control, the
     script's steps without the limit, writes it."""

@@ -14,7 +14,7 @@ from helpers.scripts import script_module
 SCRIPT = REPO_ROOT / "scripts" / "benchmark_decoding.py"
 
 
-@pytest.mark.slow  # the wrapper's wiring; the messages in-process below
+@pytest.mark.slow  # a process; other bad options in-process below
 def test_a_bad_option_fails_in_one_line_in_a_process(tmp_path) -> None:
     """The one subprocess: argparse's exit status and its last stderr line, as a shell sees
     them."""

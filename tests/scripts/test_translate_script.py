@@ -90,7 +90,7 @@ def test_bad_input_is_named_and_left_alone(ckpt, tmp_path, capsys, content, mess
     assert path.read_bytes() == content
 
 
-@pytest.mark.slow  # the wrapper's wiring; the messages in-process above
+@pytest.mark.slow  # a process; other bad input in-process above
 def test_an_error_is_one_line_in_a_process(ckpt, tmp_path) -> None:
     result = run_script("translate.py", ckpt, "input=/nonexistent.txt", f"hydra.run.dir={tmp_path}")
     line = assert_one_error_line(result, "input file not found")

@@ -69,7 +69,7 @@ def val_losses(run_dir: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["val/loss"]) for r in csv.DictReader(f) if r["val/loss"]}
 
 
-@pytest.mark.slow  # the runs: 2 ranks in processes, and 1 here
+@pytest.mark.slow  # the runs: a DDP training in a process, and one here
 def test_ddp_run_writes_one_set_of_outputs(runs) -> None:
     run = runs["ddp"]
     summary = json.loads((run / "summary.json").read_text())
