@@ -31,8 +31,8 @@ def run_script(
 
     One OpenMP thread unless ``env`` names another count, as this process has (conftest.py):
     the models are tiny, and beside other jobs a script's second thread waits on the first
-    (a 47 s conversion study ran past 300 s at load 8). The limit is a guard against a hang,
-    about 10x the longest script run here unloaded (the 9-job sweep, about 60 s)."""
+    (a conversion study of 47 s of CPU ran past 300 s at load 8). The limit is a guard against
+    a hang: about 12x the longest script run here (that study, about 50 s on an idle core)."""
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
