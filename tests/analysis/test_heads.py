@@ -122,6 +122,7 @@ def test_similarity_matrix_by_hand_and_a_silent_head() -> None:
     torch.testing.assert_close(head_similarity_matrix(heads, mask), expected)
 
 
+@pytest.mark.slow  # the script and a process; its parts above
 def test_head_diversity_script_writes_figures_and_table(smoke_run_dir, multi30k_dir, tmp_path):
     """The script's main in this process; a bad argument ends the real script in one line."""
     ckpt = smoke_run_dir / "checkpoints" / "last.ckpt"

@@ -215,6 +215,7 @@ def write_curve(folder, bleus):
     (folder / "pruning.csv").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow  # the script and a process; its parts above
 def test_head_importance_script_writes_csv_and_figures(smoke_run_dir, multi30k_dir, tmp_path):
     """The script's main in this process; a bad argument ends the real script in one line."""
     ckpt = smoke_run_dir / "checkpoints" / "last.ckpt"

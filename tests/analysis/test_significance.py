@@ -307,6 +307,7 @@ def test_bad_significance_input_is_one_clear_error(references, tmp_path: Path) -
     assert not out.exists()
 
 
+@pytest.mark.slow  # 2 processes; compare.py: test_compare.py
 def test_script_takes_the_significance_options(references, tmp_path: Path) -> None:
     root = tmp_path / "runs"
     write_run(root, "mha", "mha", 4, 1, system(references, 3, 0), "eval/hyp.txt")

@@ -156,6 +156,7 @@ def eager_or_skip(model_type: str):
 
 
 @pytest.mark.parametrize("model_type", list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+@pytest.mark.slow  # about 200 HF models
 def test_a_causal_lm_runs_on_our_kernels_exactly_or_is_refused_by_name(model_type, monkeypatch):
     eager, ids, want = eager_or_skip(model_type)
     calls = []

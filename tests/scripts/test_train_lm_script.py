@@ -22,6 +22,10 @@ from multihead.data.tokenizer import Tokenizer
 
 from helpers.scripts import assert_one_error_line, run_script
 
+# Each test runs scripts in processes, most on a trained LM: CI's slow pass. The LM trains
+# in-process in test_train_lm_long.py; train.py's wrapper is quick in test_train_script.py.
+pytestmark = pytest.mark.slow
+
 TINY = (
     "experiment=lm_multi30k", "data.vocab_size=300", "data.block_size=32", "data.batch_size=8",
     "model.hidden_size=32", "model.num_layers=1", "attention.num_heads=4",
@@ -42,7 +46,6 @@ def tiny_run(tmp_path_factory, multi30k_dir, cache_dir):
     return run
 
 
-@pytest.mark.slow  # the fixture: a training process
 def test_a_tiny_training_writes_a_model_that_scores_its_reported_perplexity(
     tiny_run, multi30k_dir, cache_dir
 ) -> None:
@@ -64,7 +67,6 @@ def test_a_tiny_training_writes_a_model_that_scores_its_reported_perplexity(
     assert math.isclose(summary["val/ppl"], loss.exp().item(), rel_tol=1e-4)
 
 
-@pytest.mark.slow  # a process; the wrapper is quick in test_train_script.py
 def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) -> None:
     result = run_script(
         "train.py", *TINY, "attention.num_kv_heads=3", f"data.local_dir={multi30k_dir}",
@@ -79,7 +81,6 @@ def test_a_bad_uptraining_rate_fails_in_one_line(tmp_path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # the tiny run, and a study of 4 designs
 def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30k_dir) -> None:
     """2 K/V heads of 8 features, 1 layer: MHA's cache is 2 * 2 * 8 * 4 = 128 bytes a token.
     Issue 56's rows and issue 67's last ablation row, every row distilled."""
@@ -140,7 +141,6 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     assert (out / "uptraining.png").stat().st_size > 0
 
 
-@pytest.mark.slow  # the tiny run, and 4 processes
 def test_continuing_a_study_with_another_rate_is_refused(tiny_run, tmp_path, multi30k_dir) -> None:
     out = tmp_path / "study"
     common = ("convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
@@ -158,7 +158,6 @@ def test_continuing_a_study_with_another_rate_is_refused(tiny_run, tmp_path, mul
     assert (torn / "results.json").read_text() == '{"rows": ['
 
 
-@pytest.mark.slow  # the tiny run, and 2 studies
 def test_the_uptraining_seed_orders_the_batches(tiny_run, tmp_path, multi30k_dir) -> None:
     """--seed changes what the uptraining sees (its batches' order), not the trained model:
     the MHA row starts from the same perplexity and ends elsewhere."""

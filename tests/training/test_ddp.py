@@ -29,6 +29,10 @@ from multihead.training.run import train
 from helpers.scripts import run_script
 from helpers.training import compose_config
 
+# Each test starts processes (a DDP training of 2 ranks, or 2 ranks of one step): CI's slow
+# pass. trainer=ddp_cpu builds its Trainer in test_configs.py.
+pytestmark = pytest.mark.slow
+
 COMMON = [
     "experiment=smoke",
     "model.dropout=0.0",
@@ -69,7 +73,6 @@ def val_losses(run_dir: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["val/loss"]) for r in csv.DictReader(f) if r["val/loss"]}
 
 
-@pytest.mark.slow  # the runs: a DDP training in a process, and one here
 def test_ddp_run_writes_one_set_of_outputs(runs) -> None:
     run = runs["ddp"]
     summary = json.loads((run / "summary.json").read_text())
@@ -82,7 +85,6 @@ def test_ddp_run_writes_one_set_of_outputs(runs) -> None:
     assert last["global_step"] == 12
 
 
-@pytest.mark.slow  # the runs
 def test_two_half_batches_follow_one_whole_batch(runs) -> None:
     ddp, single = val_losses(runs["ddp"]), val_losses(runs["single"])
     assert sorted(ddp) == sorted(single) == [5, 11]
@@ -100,7 +102,6 @@ def test_two_half_batches_follow_one_whole_batch(runs) -> None:
         torch.testing.assert_close(value, other, rtol=1e-3, atol=1e-5, msg=key)
 
 
-@pytest.mark.slow  # the runs
 def test_test_scores_are_corpus_scores_of_all_ranks(runs, multi30k_dir, tmp_path) -> None:
     """The DDP run's test BLEU and chrF equal one process scoring the same checkpoint, and
     differ from the score of one rank's share alone (what a rank would log ungathered)."""

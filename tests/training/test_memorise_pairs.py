@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sacrebleu
 import torch
 
@@ -10,6 +11,7 @@ from multihead.model import Transformer
 from multihead.training import TranslationModule
 
 
+@pytest.mark.slow  # 120 steps; a model memorises: tests/model/test_overfit.py
 def test_overfit_64_pairs(multi30k_dir) -> None:
     torch.manual_seed(0)
     pairs = load_parallel_dataset(local_dir=multi30k_dir)["train"].select(range(64))

@@ -19,8 +19,11 @@ pytest.importorskip(
     "hydra_plugins.hydra_submitit_launcher", reason="needs hydra-submitit-launcher (.[cluster])"
 )
 
+# Each test runs train.py in a process (the multirun, its 2 jobs in 2 more): CI's slow pass.
+# The SLURM launcher's config composes in test_cluster_configs.py.
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow  # 2 jobs, each a process
+
 def test_submitit_local_multirun_gives_each_job_its_run_and_one_wandb_group(
     tmp_path: Path, multi30k_dir: Path, cache_dir: Path
 ) -> None:
