@@ -19,6 +19,10 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 # [text](target) and ![alt](target); the target up to a space (an optional "title") or ')'.
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+# A reference definition, `[label]: target`, on a line of its own.
+DEFINITION = re.compile(r"^ {0,3}\[([^\]]+)\]:\s*<?([^\s>]+)>?")
+# A reference link's use, [text][label] or ![alt][label].
+REFERENCE = re.compile(r"\]\[([^\]]+)\]")
 INLINE_CODE = re.compile(r"(`+).+?\1")
 
 
@@ -57,10 +61,17 @@ def anchors(path: Path) -> set[str]:
 
 
 def broken_links(page: Path) -> list[str]:
-    """Each relative link of ``page`` whose file or heading does not exist, as 'line: target'."""
+    """Each relative link of ``page`` whose file or heading does not exist, as 'line: target',
+    and each reference link whose label the page does not define."""
     broken = []
-    for number, line in prose_lines(page.read_text(encoding="utf-8")):
-        for target in LINK.findall(INLINE_CODE.sub("", line)):
+    lines = [(n, INLINE_CODE.sub("", line)) for n, line in prose_lines(page.read_text("utf-8"))]
+    labels = {m[1].lower() for _, prose in lines if (m := DEFINITION.match(prose))}
+    for number, prose in lines:
+        for label in REFERENCE.findall(prose):
+            if label.lower() not in labels:
+                broken.append(f"{number}: [{label}] (no such reference)")
+        definition = DEFINITION.match(prose)
+        for target in LINK.findall(prose) + ([definition[2]] if definition else []):
             if not target or re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, mailto:, ...
                 continue
             file, _, anchor = target.partition("#")
@@ -100,11 +111,14 @@ def test_a_missing_file_and_heading_are_found(tmp_path: Path) -> None:
     page.write_text(
         "[ok](b.md#same-1) [ok](#here) [web](https://x.org/y) `[code](gone.md)`\n"
         "# Here\n"
-        "[gone](c.md) ![img](c.png) [no heading](b.md#same-2)\n"
+        "[gone](c.md) ![img](c.png) [no heading](b.md#same-2) [ref][R] [ref][nowhere]\n"
+        "[r]: d.md\n"
         "```\n[in a block](gone.md)\n```\n"
     )
     assert broken_links(page) == [
+        "3: [nowhere] (no such reference)",
         "3: c.md (no such file)",
         "3: c.png (no such file)",
         "3: b.md#same-2 (no such heading)",
+        "4: d.md (no such file)",
     ]
