@@ -262,7 +262,8 @@ class OutputProjection(PackedLinear):
 
     At ``V`` ~ 8,000 this is the largest matmul of every decoding step. On the CPU,
     ``F.linear`` calls Intel MKL's sgemm; oneDNN on a weight kept in its own blocked layout
-    ran the same product faster on an AVX2 AMD EPYC (docs/results.md, "Beam search per host").
+    ran the same product faster on an AVX2 AMD EPYC (docs/results/deployment.md, "Beam search
+    per host").
     """
 
 
