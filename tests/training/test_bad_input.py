@@ -34,6 +34,12 @@ from helpers.scripts import fails_in_one_line
         ("test_ckpt=avg0", "test_ckpt=avg0; expected best, last, avg<N>"),
         ("test_ckpt=/nowhere.ckpt", "test_ckpt=/nowhere.ckpt: no such checkpoint"),
         ("ckpt_path=last", "ckpt_path=last: no checkpoint in"),
+        # A switch is a bool: "no" was taken as True (issue 84).
+        ("model.norm_first=no", "norm_first must be a bool, got 'no'"),
+        ("model.share_embeddings=0", "share_embeddings must be a bool, got 0"),
+        ("model.tie_output=nope", "tie_output must be a bool, got 'nope'"),
+        ("test=no", "test must be a bool, got 'no'"),
+        ("summary.decode_speed=off", "summary.decode_speed must be a bool, got 'off'"),
     ],
 )
 def test_bad_config_values(smoke_config, capsys, override, message) -> None:

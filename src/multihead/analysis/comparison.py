@@ -32,6 +32,7 @@ from multihead.analysis.runs import (
     write_speed_record,
 )
 from multihead.analysis.wandb_log import log_comparison, log_to_wandb, runs_wandb_group
+from multihead.attention.checks import check_bool
 
 OUTPUT_FILES = (
     "comparison.md",
@@ -115,6 +116,8 @@ def compare(
     ``pool_despite``: config keys in which seeds of one run name may differ
     (:func:`check_seed_configs`); the report names those that did.
     """
+    check_bool("speed", speed)
+    check_bool("wandb", wandb_log)  # the script's name for it
     if isinstance(pool_despite, str) or not all(isinstance(k, str) for k in pool_despite):
         raise ValueError(
             f"pool_despite={pool_despite!r}: expected a list of config keys, "

@@ -8,7 +8,8 @@ replacement with probabilities following a power law (``a * x^(a-1)``, ``a = pow
 most queries come soon after the pairs and some much later. Every other position holds a
 random token. The model must predict, at each query, the value that was paired with its key:
 ``labels`` holds that value at the query's position and ``-100`` (ignored) everywhere else.
-This follows Zoology's ``multiquery_ar`` generator (``zoology/data/associative_recall.py``).
+This follows Zoology's ``multiquery_ar`` generator (``zoology/data/multiquery_ar.py``,
+github.com/HazyResearch/zoology).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Both are exported by :mod:`multihead.integrations.huggingface`::
   copies them into a new buffer).
 * :func:`prepare_for_decoding`: every ``nn.Linear`` of the model becomes a
   :class:`~multihead.packed.PackedLinear`, whose weight is reordered once for oneDNN
-  (and again whenever the weight changes; after ``p.data.copy_(new)``, call it again).
+  (and again when the weight changes or an optimizer steps; after ``p.data.copy_(new)``,
+  call it again).
   At batch 8 a step's projections are matrix products of 8 rows, which MKL runs at a small
   fraction of the GEMM peak (docs/benchmarks.md, "Long-context decoding").
 """
@@ -108,11 +109,13 @@ def prepare_for_decoding(model: nn.Module) -> nn.Module:
 
     The reordered copies follow the weights: a copy is made again when its parameter is
     replaced (``load_state_dict(assign=True)``), rebound (``p.data = new``), cast or moved
-    (``.to(torch.bfloat16)`` decodes in bf16, ``.float()`` back in fp32), or edited in place
-    (``load_state_dict``, an optimiser step, ``p.copy_(new)`` under ``no_grad``). Under CPU
-    autocast the layers compute as ``nn.Linear`` does there. The one edit no check sees is
-    one through ``.data`` (``p.data.copy_(new)``): call ``prepare_for_decoding(model)`` again
-    after it, which makes every copy anew.
+    (``.to(torch.bfloat16)`` decodes in bf16, ``.float()`` back in fp32), edited in place
+    (``load_state_dict``, ``p.copy_(new)`` under ``no_grad``), or after any
+    ``torch.optim.Optimizer`` step in the process (fused ones included, which move no version
+    counter). Under CPU autocast the layers compute as ``nn.Linear`` does there. No check
+    sees an edit through ``.data`` (``p.data.copy_(new)``) or a fused kernel called without
+    an optimizer (``torch.optim``'s functional API): call ``prepare_for_decoding(model)``
+    again after one, which makes every copy anew.
 
     Memory: the reordered copies hold as much again as the linear weights. Training
     afterwards is unaffected (with autograd on, the layers are ``nn.Linear``'s), and

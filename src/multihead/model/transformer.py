@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, DesignBackendError, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
+from multihead.attention.checks import check_bool
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
@@ -471,6 +472,12 @@ class Transformer(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+        for name, value in (
+            ("norm_first", norm_first),
+            ("share_embeddings", share_embeddings),
+            ("tie_output", tie_output),
+        ):
+            check_bool(name, value)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from multihead.attention.checks import check_bool
 from multihead.checkpoints import (
     load_trained_model,
     model_state_dict,
@@ -244,6 +245,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         return train_language_model(cfg)
     if objective != "translation":
         raise ValueError(f"objective={objective!r}; expected translation or causal_lm")
+    check_bool("test", cfg.get("test", False))
+    check_bool("summary.decode_speed", cfg.summary.decode_speed)
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
