@@ -50,6 +50,8 @@ class BloomAttentionAdapter(HFAttentionAdapter):
     not); the adapter reads it as a bool mask, so rows of padding come out as zeros.
     """
 
+    reads_named_mask = False  # the swap leaves BLOOM's implementation name as it is
+
     def forward(
         self, hidden_states: Tensor, residual: Tensor, alibi: Tensor | None = None,
         attention_mask: Tensor | None = None, layer_past=None, **kwargs,
