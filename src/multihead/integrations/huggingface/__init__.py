@@ -28,15 +28,14 @@ Two ways in (``pip install 'multihead[hf]'``; tested with transformers 5.24):
   Supported: GPT-2, the Llama family (Llama, Qwen2, Mistral), whose rotary positions the
   layer applies itself (HF's default ``rope_type`` only; see ``families/llama.py``),
   DiffLlama, on the layer's differential design (``families/diffllama.py``), BLOOM, whose
-  ALiBi the layer adds itself (:class:`BloomAttentionAdapter`), and DeepSeek-V2/V3, on the
+  ALiBi the layer adds itself (:class:`BloomAttentionAdapter`), DeepSeek-V2/V3, on the
   layer's MLA design, which caches the latent alone and decodes with absorbed weights (HF's
   module re-expands the cached latent at every step; see ``families/deepseek.py``), and any
-  family a user registers (:func:`register_family`). A swapped model
-  saves as it loads: its ``state_dict`` is the stock model's, in HF's names and layout
-  (:class:`HFLayout`), so ``save_pretrained`` writes what the stock class's
-  ``from_pretrained`` loads, and it loads a stock ``state_dict``; a layer converted to what
-  HF's module has no weights for keeps its own names, and ``save_pretrained`` refuses it by
-  name (:func:`check_hf_format`).
+  family a user registers (:func:`register_family`). A swapped model saves as it loads:
+  its ``state_dict`` is the stock model's, in HF's names and layout (:class:`HFLayout`), so
+  ``save_pretrained`` writes what the stock class's ``from_pretrained`` loads, and it loads
+  a stock ``state_dict``; a layer converted to what HF's module has no weights for keeps its
+  own names, and ``save_pretrained`` refuses it by name (:func:`check_hf_format`).
 
 Why the mask is registered too: HF builds the mask by the implementation's name
 (``masking_utils.create_causal_mask``). A name it has no mask function for gets no mask at
