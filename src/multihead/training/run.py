@@ -116,6 +116,7 @@ def model_summary(model) -> dict[str, Any]:
         "head_tag": model.head_tag,
         "params/total": model.num_parameters(),
         "params/attention": model.attention_parameters(),
+        "ffn_dim": model.ffn_dim,  # a parameter-matched control's is wider than its design's
         "kv_cache/bytes_per_token": model.kv_cache_bytes_per_token(),
     }
 
