@@ -29,6 +29,7 @@ from helpers.scripts import fails_in_one_line
         ("model.d_model=0", "d_model must be a positive integer, got 0"),
         ("model.num_encoder_layers=-2", "num_encoder_layers must be a positive integer, got -2"),
         ("model.dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
+        ("attention.match_parameters=gqa", "attention.match_parameters='gqa'; expected null"),
         ("module.on_non_finite_loss=maybe", "module.on_non_finite_loss='maybe'"),
         ("module.beam_size=0", "module.beam_size must be >= 1, got 0"),
         ("test_ckpt=avg0", "test_ckpt=avg0; expected best, last, avg<N>"),

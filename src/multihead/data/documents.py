@@ -249,6 +249,8 @@ class DocumentLMDataModule(BlockDataModule):
                 "tokens": int(lengths.sum()),
                 "windows": len(windows),
                 "windows_per_package": {str(g): int(n) for g, n in Counter(groups).items()},
+                # The package of each held-out window, in the loaders' order within a package.
+                **({"window_packages": groups.tolist()} if split in HELD_OUT else {}),
                 "length_percentiles": dict(
                     zip(
                         ("p10", "p50", "p90"),
