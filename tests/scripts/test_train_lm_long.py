@@ -161,7 +161,9 @@ def test_a_stopped_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(
             for run in (straight, stopped))  # fmt: skip
     assert a["global_step"] == 6
     # With several validation loaders (held-out sets, the selection set), Lightning counts
-    # the batches of a resumed run's validation loop anew; what it logs is the same.
+    # the validation a resumed run skips (the one after the step it resumed at) by its largest
+    # loader's batches, not all loaders' (EvaluationLoop.increment_progress_to_evaluation_end):
+    # its batch counter differs, and nothing else; what the runs logged is the same.
     for ckpt in (a, b):
         ckpt["loops"]["fit_loop"].pop("epoch_loop.val_loop.batch_progress")
     assert_same_training_state(a, b)
