@@ -283,8 +283,9 @@ def build_code_corpus(
             "packages": [asdict(p) for p in packages],
             "licences": [f for name, wheel in wheels.items() for f in licences(wheel, name, kept)],
             "min_bytes": MIN_BYTES,
-            "held_out": f"{HELD_OUT_PERCENT} percent of each package's bytes, by directory "
-            "(3 path components) in the order of their name's hash",
+            "held_out": ", ".join(f"{s} {n}%" for s, n in HELD_OUT_PERCENT.items())
+            + " of each package's bytes, by directory (3 path components) in the order of "
+            "their name's hash",
             "near_duplicate": f"line-set Jaccard or containment >= {NEAR_DUPLICATE}",
             "dropped": dropped,
         }
