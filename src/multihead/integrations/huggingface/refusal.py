@@ -46,8 +46,9 @@ def own_attention(model_class: type) -> tuple[str, ...]:
     families move to the interface (Falcon did in 5.25). Exact on every small-buildable causal
     LM of transformers 5.24 and 5.25 (``tests/integrations/test_hf_sweep.py``, which counts
     the calls of the attention function, and checks the refusals against a probe that sets
-    the name behind HF's back). HF's own test (``PreTrainedModel._can_set_attn_implementation``) reads the
-    whole file: GIT's vision attention dispatches, its text attention does not. A source
+    the name behind HF's back). HF's own test
+    (``PreTrainedModel._can_set_attn_implementation``) reads the whole file: GIT's vision
+    attention dispatches, its text attention does not. A source
     that cannot be read (a class defined in a notebook) is refused.
     """
     try:
