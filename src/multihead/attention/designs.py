@@ -24,6 +24,7 @@ from typing import ClassVar, NamedTuple, Protocol
 from torch import Tensor, nn
 
 from multihead.attention.backends import attend
+from multihead.attention.checks import closest_name
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask
 from multihead.attention.positional import PositionalPart
@@ -459,8 +460,11 @@ def resolve_design(
     takes = _options(cls)
     unknown = sorted(set(options) - set(takes))
     if unknown:
+        near = [(k, closest_name(k, takes)) for k in unknown]
         raise ValueError(
-            f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
+            f"head design {design!r} takes no option "
+            + ", ".join(k + (f" (closest: {c})" if c else "") for k, c in near)
+            + "; its options: "
             + (", ".join(takes) or "none")
         )
     missing = [k for k in _required(cls) if k not in options]
