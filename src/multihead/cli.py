@@ -142,11 +142,13 @@ def _parameters(target: str) -> list[str] | None:
     """The keyword names that ``target`` (a ``_target_``) takes; ``None`` when it takes any
     (``**kwargs``: what it passes them to checks them) or cannot be located here
     (instantiating it then says why)."""
-    from hydra._internal.utils import _locate
+    # Resolved as instantiate resolves it (its check of the name first, then the import):
+    # Hydra has no public function that does both.
+    from hydra._internal.instantiate._instantiate2 import _resolve_target
 
     try:
-        params = inspect.signature(_locate(target)).parameters.values()
-    except (ImportError, ValueError, TypeError):
+        params = inspect.signature(_resolve_target(target, "")).parameters.values()
+    except (InstantiationException, ValueError, TypeError):
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
