@@ -1,6 +1,6 @@
 """scripts/train.py: a bad config value ends the process with one line; a typo in an option is
 Hydra's own message, without a traceback; a key added with ``++`` that no code reads is one
-line naming the closest real key (evaluate.py too); a head design written outside the package trains
+line naming the closest real key; a head design written outside the package trains
 by its import path, and its checkpoint evaluates in another process.
 
 The other bad values are tested where they are raised, in this process
@@ -78,14 +78,6 @@ def test_keys_that_no_code_reads_are_refused_in_one_line_before_anything_is_writ
         assert all(part in line for part in said), line
         assert sorted(p.name for p in run.rglob("*")) == [".hydra", "config.yaml"]
         assert kept.read_text() == "seed: 7\n"
-
-
-def test_evaluate_refuses_a_key_that_no_code_reads(tmp_path) -> None:
-    """The same callback in every script's config (tests/training/test_configs.py checks
-    that they all have it): ``limitt`` would have scored the whole split."""
-    result = run_script("evaluate.py", "ckpt=none.ckpt", "++limitt=4", f"hydra.run.dir={tmp_path}")
-    assert_one_error_line(result, "++limitt=4 sets limitt, which no code reads (closest: limit)")
-    assert not any(tmp_path.iterdir())
 
 
 def test_an_outside_design_trains_by_import_path_and_its_checkpoint_evaluates(
