@@ -54,6 +54,7 @@ require_train_extra()
 from hydra.errors import InstantiationException  # noqa: E402
 from hydra.experimental.callback import Callback  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 
 def _full_precision(precision: str, accelerator: str) -> bool:
@@ -134,7 +135,7 @@ def exit_on_user_error(fn: Callable) -> Callable:
 # ------------------------------------------------------------------ keys no code reads
 # A node read whole by a function that refuses its unknown keys in one line itself: the
 # heads, which the model checks against the layer's options and each design's
-# (multihead.model.check_model_config, run before the data are loaded).
+# (multihead.model.check_model_config; check_config_keys runs it, see _check_model).
 CHECKED_WHERE_READ = ("attention",)
 
 
@@ -274,12 +275,29 @@ def unread_added_keys(config: DictConfig) -> list[str]:
     return problems
 
 
+def _check_model(config: DictConfig) -> None:
+    """A training config's network built on the meta device, as training does before the
+    data (:func:`~multihead.model.check_model_config`): the model refuses the heads' keys that
+    neither the layer nor the design takes, and every other bad model value, by name."""
+    if "model" not in config or "attention" not in config:
+        return
+    try:
+        part = {k: OmegaConf.to_container(config[k], resolve=True) for k in ("model", "attention")}
+    except OmegaConfBaseException:
+        return  # a value only the run can resolve: training checks the model itself
+    from multihead.model import check_model_config
+
+    check_model_config(part)
+
+
 def check_config_keys(config: DictConfig) -> None:
     """Refuse a config with a key that no code would read: an added key that nothing reads
-    (:func:`unread_added_keys`) or a constructor's unknown one (:func:`unread_constructor_keys`).
+    (:func:`unread_added_keys`), a constructor's unknown one (:func:`unread_constructor_keys`)
+    or one of the heads that the model does not take (:func:`_check_model`).
 
     Raises:
-        ValueError: naming each such key and the closest real one, in one line.
+        ValueError: naming each such key and the closest real one, in one line; or what
+            building the model on the meta device raises.
     """
     problems = unread_added_keys(config) if "hydra" in config else []
     task = {k: v for k, v in OmegaConf.to_container(config, resolve=False).items()
@@ -287,12 +305,14 @@ def check_config_keys(config: DictConfig) -> None:
     problems += unread_constructor_keys(task)
     if problems:
         raise ValueError("; ".join(problems))
+    _check_model(config)
 
 
 class RefuseUnreadKeys(Callback):
     """The Hydra callback of every script's config (``hydra.callbacks.refuse_unread_keys``):
     :func:`check_config_keys` on the composed config before the run (or the sweep) starts,
-    so that a refused command writes nothing, not even its run directory's ``.hydra``."""
+    so that a refused command writes nothing, not even its run directory's ``.hydra`` (a
+    bad model value, ``model.d_model=0``, is refused there too)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
@@ -305,5 +325,5 @@ class RefuseUnreadKeys(Callback):
         # Hydra turns a callback's exceptions into warnings: this one exits itself.
         try:
             check_config_keys(config)
-        except ValueError as err:
+        except USER_ERRORS as err:
             exit_with(err)

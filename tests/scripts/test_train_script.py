@@ -73,6 +73,11 @@ def test_keys_that_no_code_reads_are_refused_in_one_line_before_anything_is_writ
              "module.scheduler.warmup_step: multihead.training.InverseSqrtWarmup takes no "
              "argument 'warmup_step' (closest: 'warmup_steps')"],
         ),
+        (  # the heads' keys: the model refuses them, built on the meta device
+            ["++attention.num_kv_headz=1"],
+            ["unknown key(s) ['num_kv_headz'] in attention (num_kv_headz: closest "
+             "num_kv_heads)"],
+        ),
     ]:  # fmt: skip
         line = assert_one_error_line(run_script("train.py", *fast, *typed), said[0])
         assert all(part in line for part in said), line

@@ -26,8 +26,9 @@ from helpers.scripts import fails_in_one_line
 # ------------------------------------------------------------------------------- config
 def unread_keys(*overrides: str) -> str | None:
     """What :func:`multihead.cli.check_config_keys` (the scripts' Hydra callback) refuses in
-    the train config composed with ``overrides`` as a command line would; None if nothing."""
-    from multihead.cli import check_config_keys, register_resolvers
+    the train config composed with ``overrides`` as a command line would, in its one line;
+    None if nothing."""
+    from multihead.cli import USER_ERRORS, check_config_keys, one_line, register_resolvers
 
     from hydra import compose, initialize_config_dir
 
@@ -36,8 +37,8 @@ def unread_keys(*overrides: str) -> str | None:
         cfg = compose("train", [*overrides, "paths.output_dir=x"], return_hydra_config=True)
         try:
             check_config_keys(cfg)
-        except ValueError as err:
-            return str(err)
+        except USER_ERRORS as err:
+            return one_line(err)
     return None
 
 
@@ -47,7 +48,8 @@ def unread_keys(*overrides: str) -> str | None:
         ["++seed=2"],  # ++ on a key that exists sets it
         ["+trainer.fast_dev_run=true"],  # an argument the trainer's file leaves at its default
         ["+callbacks.stop._target_=helpers.training.StopAfter", "+callbacks.stop.step=3"],
-        ["+attention.rotary_dim=8"],  # the heads: the model checks them (tests/model)
+        # the heads: the model checks them (tests/model); docs/long_context.md's command
+        ["experiment=lm_long", "attention=mha_h8", "+attention.rotary_dim=8"],
         ["attention=moh", "++attention.design_options.top_k_heads=3"],
     ],
 )
