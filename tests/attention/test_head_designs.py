@@ -431,7 +431,11 @@ def test_with_kv_heads_keeps_the_design(design):
         ),
         ({"design": "group_mlp", "top_k_heads": 2}, r"'group_mlp' takes no option top_k_heads"),
         ({"design": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
-        ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups"),
+        ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups;"),
+        (
+            {"design": "moh", "top_k_heads": 2, "num_shared_head": 1},
+            r"'moh' takes no option num_shared_head \(closest: num_shared_heads\); its options",
+        ),
         ({"design": "moh", "top_k_heads": None}, r"head design 'moh' needs option top_k_heads"),
         # A design's options come with its name: none chooses it, none is "off" without it.
         ({"top_k_heads": 2}, r"options top_k_heads are a head design's, and design= names no"),

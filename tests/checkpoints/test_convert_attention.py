@@ -122,7 +122,9 @@ def test_an_hf_llama_swapped_by_replace_hf_attention_converts_and_still_generate
     # GQA, 2 groups of D = 8 features all rotated: every one kept, the latent holds V (16).
     report = convert_attention(model, kv_latent=16, calibration=ids)
     assert len(report) == 2 and all(row["k_error"] < 1e-12 for row in report)
-    assert model.model.layers[0].self_attn.attn.head_tag == "mla4r16rope8x2"
+    # every K feature rotated (qk0), and a digest of the source's scale and frequencies
+    tag = model.model.layers[0].self_attn.attn.head_tag
+    assert re.fullmatch(r"mla4r16rope8x2qk0-[0-9a-f]{6}", tag), tag
     with torch.no_grad():
         want = swapped(ids).logits
         torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=1e-10)
@@ -141,7 +143,8 @@ def test_an_hf_llama_with_one_shared_rotary_key_is_exact_when_it_drops_nothing_a
                                calibration=ids)  # fmt: skip
     assert [row["bytes_after"] for row in report] == [(16 + 16) * 4] * 2
     assert all(row["out_error"] < 1e-10 for row in report)
-    assert model.model.layers[0].self_attn.attn.head_tag == "mla4r16rope16"
+    tag = model.model.layers[0].self_attn.attn.head_tag
+    assert re.fullmatch(r"mla4r16rope16-[0-9a-f]{6}", tag), tag  # the source's scale, ...
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, swapped(ids).logits, rtol=0, atol=1e-10)
         out = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
@@ -177,7 +180,8 @@ def test_an_already_converted_model_is_refused_as_such():
     convert_attention(model, kv_latent=16)
     with pytest.raises(
         ValueError, match=r"^decoder_layers.0.self_attn already has a K/V latent "
-        r"\('mla4r16rope8x2'\), which kv_latent=8 does not convert; it converts MHA/GQA/MQA"
+        r"\('mla4r16rope8x2qk0-[0-9a-f]{6}'\), which kv_latent=8 does not convert; it converts "
+        r"MHA/GQA/MQA"
     ):  # fmt: skip
         convert_attention(model, kv_latent=8, rope_dim=2)
 

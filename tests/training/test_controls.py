@@ -75,8 +75,6 @@ def test_the_positions_and_width_controls_build_what_they_say(tmp_path):
     assert narrow.kv_cache_bytes_per_token() == wide.kv_cache_bytes_per_token()
 
 
-# Tags for rotary_dim and MLA's qk_head_dim come from branch keys (issue 83's run keys).
-@pytest.mark.xfail(strict=True, reason="rotary_dim and qk_head_dim tags: branch keys")
 def test_every_control_of_the_long_context_multirun_has_a_run_name_of_its_own(tmp_path):
     presets = [
         "mha_h8", "gqa_h8_kv2", "mqa_h8", "mla_h8_r24", "gqa_h8_kv2_matched", "mqa_h8_matched",

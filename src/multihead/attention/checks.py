@@ -1,4 +1,17 @@
-"""The checks of a user's argument (a size, a count, a switch), for every part of the layer."""
+"""The checks of a user's argument (a size, a count, a switch), for every part of the layer,
+and the closest name to a misspelt one, for the errors that refuse it."""
+
+import difflib
+from collections.abc import Iterable
+
+
+def closest_name(name: str, names: Iterable[str]) -> str | None:
+    """The name of ``names`` closest to ``name``, or ``None``: what an error refusing an
+    unknown option suggests. A ratio of at least 0.75 (difflib's): a typo (``seedd``,
+    ``lrr``: 0.8 and more), not another name that shares letters (``top_k_heads`` and
+    ``num_kv_heads``: 0.70)."""
+    found = difflib.get_close_matches(str(name), [str(n) for n in names], n=1, cutoff=0.75)
+    return found[0] if found else None
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, DesignBackendError, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
-from multihead.attention.checks import check_bool
+from multihead.attention.checks import check_bool, closest_name
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
@@ -327,9 +327,12 @@ def _attention_config(
             raise TypeError(f"{name} must be a mapping or None, got {type(mapping).__name__}")
         unknown = set(mapping) - set(options)
         if unknown:
+            near = [(k, closest_name(k, options)) for k in sorted(unknown)]
             raise ValueError(
-                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(options)} (a head "
-                f"design's own options go in {name}.design_options)"
+                f"unknown key(s) {[k for k, _ in near]} in {name}"
+                + "".join(f" ({k}: closest {c})" for k, c in near if c)
+                + f"; expected {list(options)} (a head design's own options go in "
+                f"{name}.design_options)"
             )
         own = mapping.get("design_options")
         if own is not None and not isinstance(own, Mapping):
