@@ -276,18 +276,20 @@ def make_grid(design: str, runs: list[RunResult], metric: str) -> Grid:
     for run in runs:
         by_rate.setdefault(learning_rate(run), []).append(run)
     grid = Grid(design, metric, dict(sorted(by_rate.items(), key=lambda kv: kv[0] or 0.0)))
+    lacking = []
     for rate, pool in grid.runs.items():
         values = [v for run in pool if (v := number(run.get(metric))) is not None]
         grid.scores[rate] = statistics.fmean(values) if values else None
+        lacking += [(rate, run) for run in pool if number(run.get(metric)) is None]
     if len(grid.runs) == 1:
         grid.chosen = next(iter(grid.runs))
         return grid
-    lacking = [r for r, score in grid.scores.items() if score is None]
     if lacking:
+        rate, run = lacking[0]
         raise ValueError(
             f"{design}: runs at learning rates {sorted(grid.runs, key=lambda r: r or 0.0)} "
-            f"make a grid, but those at {lacking[0]} have no {metric} to choose by; expected "
-            f"the grid's figure in every run's summary (set grid.<task>=KEY)"
+            f"make a grid, but those at {rate} have no {metric} to choose by ({run.source}); "
+            "expected the grid's figure in every run's summary (set grid.<task>=KEY)"
         )
     sign = 1.0 if lower_is_better(metric) else -1.0
     grid.chosen = min(grid.scores, key=lambda r: sign * grid.scores[r])

@@ -574,9 +574,8 @@ def test_long_context(
 
 def is_mha_design(run: RunResult) -> bool:
     """The LM's reference: plain MHA heads with rotary positions on every feature."""
-    tag = str(run.get("tag") or "")
-    return run.get("kind") == "mha" and tag in (f"mha{run.get('num_heads')}",
-                                                 f"mha{run.get('num_heads')}-rope")  # fmt: skip
+    tag, heads = run.get("tag"), run.get("num_heads")
+    return run.get("kind") == "mha" and (tag is None or tag in (f"mha{heads}", f"mha{heads}-rope"))
 
 
 def bleu_key(runs: list[RunResult]) -> str:
