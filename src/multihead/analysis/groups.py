@@ -169,9 +169,9 @@ def pooled_despite_note(keys: Sequence[str]) -> str:
     if not keys:
         return ""
     return (
-        f"\n\nSeeds of one design are pooled although they differ in {', '.join(keys)} "
-        "(pool_despite: the user's word that these do not change the run; threads and cpu "
-        "are the machine's thread count and CPU model)."
+        f"\n\nSeeds of one design are pooled although their configs differ in "
+        f"{', '.join(keys)} (pool_despite: the user's word that these do not change the run; "
+        "threads and cpu are the machine's thread count and CPU model)."
     )
 
 

@@ -93,13 +93,12 @@ def read_lines(path: Path) -> list[str]:
 
 
 def run_data_config(run: RunResult) -> dict[str, Any] | None:
-    """The ``data`` settings Hydra saved in the run's ``.hydra/config.yaml``, if any."""
-    saved = run.directory / ".hydra" / "config.yaml" if run.directory else None
-    if saved is None or not saved.is_file():
+    """The ``data`` settings of the run's saved config, if it names any."""
+    if not (run.config or {}).get("data"):
         return None
     from omegaconf import OmegaConf
 
-    data = OmegaConf.load(saved).get("data") or {}
+    data = OmegaConf.create(run.config)["data"]
     keys = ("name", "src_lang", "tgt_lang", "local_dir", "test_limit")
     return {key: OmegaConf.select(data, key, default=None) for key in keys}
 
