@@ -19,7 +19,8 @@ rotary. :func:`describe` counts, from a model's modules (never from its config's
 * each attention sublayer's score width per head and how many of those features carry
   positions (rotated), and the positional mechanism (``rotary``, ``score bias`` for ALiBi,
   ``none``);
-* KV-cache bytes per token (fp32), all layers, as the layers' caches hold them.
+* KV-cache bytes per decoded token (fp32): the causal self-attention layers' caches, as
+  they hold them (a translation model's cross-attention cache holds the source instead).
 
 :func:`describe_run` builds a finished run's model from its saved config on the meta
 device (no memory, no data) and describes it; a run whose config today's code cannot build
@@ -130,7 +131,8 @@ def describe(model: nn.Module, context: int) -> Description:
         macs += heads * (width + value_width) * keys
         scores.setdefault(sublayer, Scores(sublayer, layer.num_heads, width, rotated, mechanism))
     attention = {p for _, layer in layers for p in layer.parameters()}
-    kv = sum(layer.kv_cache_bytes_per_token(torch.float32) for _, layer in layers)
+    kv = sum(layer.kv_cache_bytes_per_token(torch.float32)
+             for sublayer, layer in layers if sublayer in CAUSAL_SUBLAYERS)  # fmt: skip
     return Description(
         params=sum(p.numel() for p in model.parameters()),
         attention_params=sum(p.numel() for p in attention),
@@ -157,19 +159,39 @@ def trained_context(config: dict[str, Any]) -> int | None:
     return found if isinstance(found, int) else None
 
 
-def build_from_config(config: dict[str, Any]) -> nn.Module:
-    """The network of a run's saved config, on the meta device, with its data's
-    ``vocab_size``."""
+def build_from_config(config: dict[str, Any], vocab_size: int | None = None) -> nn.Module:
+    """The network of a run's saved config, on the meta device, with ``vocab_size`` (``None``:
+    its data's). A format-2 config (before ``design_options``) is read as checkpoints of
+    that format are (:func:`~multihead.checkpoints.io.upgrade_config`)."""
     from omegaconf import OmegaConf
 
+    from multihead.checkpoints.io import upgrade_config
     from multihead.model.factory import build_model
 
     cfg = OmegaConf.create(config)
-    vocab = OmegaConf.select(cfg, "data.vocab_size")
+    vocab = OmegaConf.select(cfg, "data.vocab_size") if vocab_size is None else vocab_size
     if not isinstance(vocab, int):
         raise ValueError("its config has no data.vocab_size")
     with torch.device("meta"):
-        return build_model(cfg, vocab_size=vocab, pad_id=0)
+        try:
+            return build_model(cfg, vocab_size=vocab, pad_id=0)
+        except HydraException:
+            if "design_options" in (config.get("attention") or {}):
+                raise
+            upgraded = OmegaConf.create(upgrade_config(OmegaConf.to_container(cfg)))
+            return build_model(upgraded, vocab_size=vocab, pad_id=0)
+
+
+def _solved_vocabulary(config: dict[str, Any], recorded: float) -> int | None:
+    """The vocabulary that gives the model the parameters its run recorded (the tokenizer's
+    own size, which a translation config does not state): parameters are affine in it."""
+    base = config["data"]["vocab_size"]
+    one, two = (sum(p.numel() for p in build_from_config(config, v).parameters())
+                for v in (base, base + 1))  # fmt: skip
+    if two == one:
+        return None
+    solved = base + (recorded - one) / (two - one)
+    return int(solved) if solved == int(solved) and solved > 0 else None
 
 
 def describe_run(run: RunResult) -> Description:
@@ -198,10 +220,18 @@ def describe_run(run: RunResult) -> Description:
         )
     found = describe(model, context)
     recorded = number(run.get("params/total"))
-    if recorded is not None and recorded != found.params:
+    if recorded is None or recorded == found.params:
+        return found
+    vocab = _solved_vocabulary(config, recorded)
+    if vocab is not None:
+        found = describe(build_from_config(config, vocab), context)
+        note = (
+            f"vocabulary {vocab:,} (the tokenizer's, solved from the {recorded:,.0f} "
+            f"parameters the run recorded; the config asks for {config['data']['vocab_size']:,})"
+        )
+    else:
         note = (
             f"the model its config builds has {found.params:,} parameters; the run recorded "
-            f"{recorded:,.0f} (another vocabulary?)"
+            f"{recorded:,.0f}"
         )
-        found = Description(**{**found.__dict__, "notes": (*found.notes, note)})
-    return found
+    return Description(**{**found.__dict__, "notes": (*found.notes, note)})
