@@ -51,11 +51,13 @@ from multihead.analysis.report import (
     Report,
     comparison_markdown,
     equal_terms_rows,
+    learning_curve_rows,
     lm_markdown,
     long_context_rows,
     make_report,
     seed_rows,
     table_rows,
+    test_rows,
     write_csv,
 )
 from multihead.analysis.runs import (
@@ -179,9 +181,10 @@ def compare(
     if grouped.task == "long context":
         speed_rows = None if long_context is None else read_speed_rows(long_context)
         paths = write_long_context(grouped, source, out, speed_rows, declared)
+        out_dir = Path(out)
         if wandb_log:
-            tables = {"long_context": _csv_table(paths[1])}
-            tables["equal_terms"] = _csv_table(paths[2])
+            tables = {name: _csv_table(out_dir / f"{name}.csv") for name in
+                      ("long_context", "equal_terms", "learning_curves", "tests")}  # fmt: skip
             log_comparison(
                 tables, paths, group=target, project=project, entity=entity,
                 config={"source": source, "runs": len(results)},
@@ -235,6 +238,11 @@ def log_to_wandb(
     directory."""
     tables = {"comparison": table_rows(report), "seed_means": seed_rows(report)}
     tables["equal_terms"] = equal_terms_rows(report.described)
+    tables["learning_curves"] = learning_curve_rows(report.runs)
+    key = report.bleu_key
+    tests = {("translation", name, "MHA", key): t for name, t in report.tests.items()}
+    tests |= {("translation", a, b, key): t for (a, b), t in report.contrasts.items()}
+    tables["tests"] = test_rows(tests)
     config = {"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name}
     return log_comparison(tables, paths, group=group, project=project, entity=entity, config=config)
 
@@ -243,8 +251,9 @@ def write_long_context(
     grouped: Grouped, source: str, out: str | os.PathLike, speed_rows, family
 ) -> list[Path]:
     """The LM and MQAR comparison, every stage after grouping: described, tested, and
-    written into ``out`` (``long_context.md``, ``long_context.csv``, the equal terms'
-    ``equal_terms.csv``, the learning curves and the LM's Pareto plot)."""
+    written into ``out`` (``long_context.md``, ``long_context.csv``, ``equal_terms.csv``,
+    ``learning_curves.csv`` and ``tests.csv``, the learning curves' plots and the LM's
+    Pareto plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,7 +284,8 @@ def write_long_context(
     out.mkdir(parents=True, exist_ok=True)
     report = Report(grouped.runs, source, grouped=grouped, described=described, family=family)
     curves = {kind: f"learning_curves_{kind}.png" for kind in tasks}
-    paths = [out / name for name in (*LONG_CONTEXT_FILES, "equal_terms.csv")]
+    names = (*LONG_CONTEXT_FILES, "equal_terms.csv", "learning_curves.csv", "tests.csv")
+    paths = [out / name for name in names]
     paths[0].write_text(lm_markdown(tasks, keys, tests, report, speed_rows, curves))
     rows = long_context_rows(tasks, keys)
     with paths[1].open("w", newline="") as f:
@@ -290,6 +300,11 @@ def write_long_context(
             if i == 0:
                 writer.writerow(["task", *fields])
             writer.writerows([[kind, *("" if c is None else c for c in row)] for row in table])
+    for path, (fields, table) in zip(paths[3:], (learning_curve_rows(grouped.runs),
+                                                  test_rows(tests)), strict=True):  # fmt: skip
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows([fields, *([("" if c is None else c) for c in row]
+                                               for row in table)])  # fmt: skip
     for kind, designs in tasks.items():
         paths.append(out / curves[kind])
         plot_learning_curves(designs, keys[kind], display_names(designs), paths[-1])

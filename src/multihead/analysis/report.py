@@ -27,8 +27,10 @@ from multihead.analysis.describe import Description
 from multihead.analysis.groups import (
     Grid,
     Grouped,
+    design_of,
     display_names,
     has_repeats,
+    learning_rate,
     mha_baseline,
     pooled_despite_note,
     seed_groups,
@@ -534,6 +536,10 @@ def comparison_markdown(report: Report) -> str:
         parts.append(equal_terms_section(report.described))
     if report.grouped is not None:
         parts.append(grid_section(report.grouped.grids))
+    keys = [k for k in ("val/bleu", "val/loss") if any(k in run.curves for run in runs)]
+    if keys:
+        designs = {name: dict(enumerate(group)) for name, group in seed_groups(runs).items()}
+        parts.append(curves_section(designs, keys, figure="validation_curves.png"))
     if has_repeats(runs):
         key = report.bleu_key
         tests = {("translation", name, "MHA", key): t for name, t in report.tests.items()}
@@ -763,10 +769,11 @@ def equal_terms_section(described: dict[str, Description], names=None, what: str
     ])  # fmt: skip
 
 
-def grid_section(grids: dict[str, Grid]) -> str:
+def grid_section(grids: dict[str, Grid], names: dict[str, str] | None = None) -> str:
     """Each design's learning rates, the figure each scored, and the rate chosen."""
     rows = []
-    for design, grid in grids.items():
+    for name, grid in grids.items():
+        design = (names or {}).get(name, name)
         for rate, pool in grid.runs.items():
             chosen = "**chosen**" if rate == grid.chosen else ""
             if rate == grid.chosen and len(grid.runs) == 1:
@@ -931,7 +938,7 @@ def _test_cells(test: SeedTest | None, digits: int = 4) -> list[str]:
 
 
 def quality_section(designs, tests, task: str, keys: list[str], margin: float, what: str,
-                    names: dict[str, str], digits: int = 4) -> str:  # fmt: skip
+                    names: dict[str, str]) -> str:  # fmt: skip
     """Per figure: each design's mean ± sd over seeds, and its test against plain MHA."""
     parts = []
     mha = next((b for (t, _, b, _k) in tests if t == task), None)
@@ -944,11 +951,11 @@ def quality_section(designs, tests, task: str, keys: list[str], margin: float, w
             if design == mha:
                 cells = [""] * 5 + ["(the reference)"]
             else:
-                cells = _test_cells(tests.get((task, design, mha, key)), digits)
+                cells = _test_cells(tests.get((task, design, mha, key)))
             rows.append([names[design], str(len(values)), _mean_sd(values), *cells])
         headers = [
             "design", "seeds", f"{what} (mean ± sd)", "Δ vs MHA per seed",
-            "mean Δ, 95% t-interval", "p, Holm (exploratory: unadjusted)", "detectable",
+            "mean Δ, 95% t-interval", "p, Holm", "detectable",
             f"TOST ±{margin:g}", "verdict",
         ]  # fmt: skip
         parts.append(f"**{key}**\n\n" + markdown_table(headers, rows))
@@ -1016,20 +1023,20 @@ def lm_markdown(
         names = report_names(designs)
         title, what = {"lm": ("The language model", "held-out loss, nats"),
                        "mqar": ("MQAR", "accuracy")}[task]  # fmt: skip
-        digits = 4 if task == "lm" else 3
         margin = LOSS_MARGIN if task == "lm" else ACC_MARGIN
         parts += [f"## {title}\n", runs_section(designs, names)]
         described = {d: report.described[(task, d)] for d in designs
                      if (task, d) in report.described}  # fmt: skip
         parts.append(equal_terms_section(described, names, what=""))
         if grouped is not None:
-            parts.append(grid_section({k.split(": ", 1)[-1]: g for k, g in grouped.grids.items()
-                                       if k.startswith(f"{task}: ") or ": " not in k}))  # fmt: skip
+            mine = {k.split(": ", 1)[-1]: g for k, g in grouped.grids.items()
+                    if k.startswith(f"{task}: ") or ": " not in k}  # fmt: skip
+            parts.append(grid_section(mine, names))
         parts.append(curves_section(designs, keys[task], names, figures.get(task)))
         parts.append("\n### Against MHA\n")
         if task == "lm":
             parts += [context_use_section(designs, keys[task][1], keys[task][-1], names), ""]
-        parts += [quality_section(designs, tests, task, keys[task], margin, what, names, digits),
+        parts += [quality_section(designs, tests, task, keys[task], margin, what, names),
                   ""]  # fmt: skip
     if speed_rows:
         parts += ["## Decoding the trained checkpoints\n", speed_section(speed_rows), ""]
@@ -1054,3 +1061,32 @@ def long_context_rows(tasks, keys) -> list[dict[str, Any]]:
                 rows.append({"task": task, "design": name, "seed": seed,
                              **{k: run.get(k) for k in keys[task] + extra}})  # fmt: skip
     return rows
+
+
+def learning_curve_rows(runs: list[RunResult]) -> tuple[list[str], list[list[Any]]]:
+    """Every run's held-out figures at every evaluation during training, one row each: the
+    wandb table ``learning_curves`` (and ``learning_curves.csv`` of the LM comparison)."""
+    from multihead.analysis.groups import task
+
+    fields = ["task", "design", "seed", "learning rate", "figure", "step", "value"]
+    rows = [
+        [task(run), design_of(run), run.seed, learning_rate(run), key, step, found]
+        for run in runs
+        for key, curve in sorted(run.curves.items())
+        for step, found in evaluations(curve)
+    ]
+    return fields, rows
+
+
+def test_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[str], list[list]]:
+    """Every test, unformatted: the wandb table ``tests``."""
+    fields = ["task", "design", "baseline", "figure", "Δ (mean)", "Δ low", "Δ high",
+              "p (paired t)", f"p ({CORRECTION})", "exploratory", "Δ at the second-last evaluation",
+              "Δ at the last evaluation", "verdict"]  # fmt: skip
+    rows = []
+    for (task, design, base, metric), test in tests.items():
+        mean, low, high = test.interval or (statistics.fmean(test.deltas), None, None)
+        last = test.last_two or (None, None)
+        rows.append([task, design, base, metric, mean, low, high, test.p_value,
+                     test.p_adjusted, test.exploratory, *last, test.verdict])  # fmt: skip
+    return fields, rows
