@@ -65,6 +65,8 @@ def test_each_design_is_tested_against_the_mha_run_of_its_seed(lm_runs, tmp_path
         "long_context.md",
         "long_context.csv",
         "equal_terms.csv",
+        "learning_curves.csv",
+        "tests.csv",
         "learning_curves_lm.png",
         "long_context_pareto.png",
     ]
@@ -211,9 +213,9 @@ def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tm
                 "select/loss": select}, lr=lr)  # fmt: skip
     _, paths = compare(tmp_path / "out", runs=lm_runs)
     grid = section(paths[0].read_text(), "## Learning rates")
-    assert "| lm-gqa8-rope_sdpa | 0.001 | 3 | select/loss | 2.0000 | **chosen** |" in grid
-    assert "| lm-gqa8-rope_sdpa | 0.003 | 3 | select/loss | 2.5000 |  |" in grid
-    assert "| lm-mha8-rope_sdpa | 0.003 | 3 | select/loss | 2.5000 | one grid point" in grid
+    assert "| gqa | 0.001 | 3 | select/loss | 2.0000 | **chosen** |" in grid
+    assert "| gqa | 0.003 | 3 | select/loss | 2.5000 |  |" in grid
+    assert "| mha | 0.003 | 3 | select/loss | 2.5000 | one grid point" in grid
     # the chosen rate's runs (val/loss 9.0) are what the tests read: Δ 7.00, 6.90, 6.95
     assert "+7.0000, +6.9000, +6.9500" in paths[0].read_text()
     for seed in (1, 2, 3):  # now the best is the smallest rate: the grid's edge
@@ -244,3 +246,32 @@ def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_pa
     gqa = next(line for line in overall.splitlines() if line.startswith("| gqa"))
     assert mqa.endswith("| still moving: about learning speed at this budget |")
     assert not gqa.endswith("still moving: about learning speed at this budget |")
+
+
+def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, monkeypatch):
+    """Offline: the long-context comparison's wandb run holds its tables (the runs, the
+    equal terms, every run's curve points, every test) as the CSVs beside the report."""
+    import csv
+
+    import wandb
+
+    for design in LOSSES:
+        for seed in (1, 2, 3):
+            rows = "step,val/loss\n10,3.0\n20,2.5\n"
+            (lm_runs / f"{design}_s{seed}" / "csv").mkdir()
+            (lm_runs / f"{design}_s{seed}" / "csv" / "metrics.csv").write_text(rows)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    compare(out, runs=lm_runs, wandb_log=True, wandb_group="lc")
+    (files,) = (out / "wandb").glob("offline-run-*/files")
+    counts = {}
+    for name in ("long_context", "equal_terms", "learning_curves", "tests"):
+        (table_file,) = (files / "media" / "table").glob(f"{name}_*.table.json")
+        table = json.loads(table_file.read_text())
+        with open(out / f"{name}.csv", newline="") as f:
+            header, *rows = list(csv.reader(f))
+        assert table["columns"] == header and len(table["data"]) == len(rows)
+        counts[name] = len(rows)
+    # nine runs, one curve of two evaluations each; three designs described; two designs
+    # against MHA on three figures
+    assert (counts["learning_curves"], counts["equal_terms"], counts["tests"]) == (18, 3, 6)
