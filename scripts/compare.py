@@ -3,11 +3,11 @@
 Writes comparison.md (table, ratios vs MHA, paired significance tests against MHA, seed
 means with t-intervals and Holm-adjusted verdicts, the equal terms, the learning-rate grid,
 the declared family, plots), comparison.csv and the PNG plots into DIR (for LM and MQAR
-runs: long_context.md, long_context.csv, equal_terms.csv and the learning curves).
-``family=FILE`` reads the tests declared before the runs. ``group=NAME [project=...] [entity=...]`` reads a wandb group instead (online
-only). ``speed=true`` measures every run's speeds again side by side and keeps them in each
-run's speed.json; ``wandb=true`` logs the comparison to a wandb run of its own. See
-configs/compare.yaml for every option.
+runs: long_context.md and its CSVs, the learning curves and the Pareto plot).
+``family=FILE`` reads the tests declared before the runs. ``group=NAME [project=...]
+[entity=...]`` reads a wandb group instead (online only). ``speed=true`` measures every
+run's speeds again side by side and keeps them in each run's speed.json; ``wandb=true``
+logs the comparison to a wandb run of its own. See configs/compare.yaml for every option.
 """
 
 from multihead.cli import exit_on_user_error

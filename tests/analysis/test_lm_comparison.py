@@ -25,8 +25,7 @@ LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
 CACHE = {"mha": 4096, "gqa": 1024, "mqa": 512}
 
 
-def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-3,
-              curve: str = "") -> Path:  # fmt: skip
+def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-3) -> Path:
     run = root / f"{design}_s{seed}"
     run.mkdir(parents=True)
     base = {"kind": design, "run_name": f"lm-{design}8-rope_sdpa", "seed": seed, "steps": 3,
@@ -34,10 +33,8 @@ def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-
             "kv_cache/bytes_per_token": CACHE[design]}  # fmt: skip
     (run / "summary.json").write_text(json.dumps({**base, **summary}))
     (run / ".hydra").mkdir()
-    (run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nmodule:\n  optimizer:\n    lr: {lr}\n")
-    if curve:
-        (run / "csv").mkdir()
-        (run / "csv" / "metrics.csv").write_text(curve)
+    config = f"seed: {seed}\nmodule:\n  optimizer:\n    lr: {lr}\n"
+    (run / ".hydra" / "config.yaml").write_text(config)
     return run
 
 
@@ -208,7 +205,7 @@ def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tm
         path.write_text(json.dumps(json.loads(path.read_text()) | {"select/loss": 2.5}))
     for lr, select in ((1e-3, 2.0), (3e-4, 2.2)):
         for seed in (1, 2, 3):
-            run = write_run(lm_runs / f"lr{lr}", "gqa", seed, {
+            write_run(lm_runs / f"lr{lr}", "gqa", seed, {
                 "val/loss": 9.0, "val/loss@0-63": 9.0, "val/loss@64-127": 9.0,
                 "select/loss": select}, lr=lr)  # fmt: skip
     _, paths = compare(tmp_path / "out", runs=lm_runs)
@@ -252,8 +249,6 @@ def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, mon
     """Offline: the long-context comparison's wandb run holds its tables (the runs, the
     equal terms, every run's curve points, every test) as the CSVs beside the report."""
     import csv
-
-    import wandb
 
     for design in LOSSES:
         for seed in (1, 2, 3):
