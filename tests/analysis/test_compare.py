@@ -717,3 +717,16 @@ def test_a_run_without_its_config_is_refused_not_pooled(headline_dir: Path, tmp_
     (line,) = result.stderr.strip().splitlines()
     assert f"{headline_dir / 'gqa84_s2'}: no saved config" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kept_record_holds_its_config_and_curves_beside_its_summary(tmp_path: Path) -> None:
+    """docs/long_context/runs keeps each run flat: summary.json, config.yaml (Hydra's
+    .hydra/config.yaml) and metrics.csv (csv/metrics.csv) side by side."""
+    run = tmp_path / "runs" / "mha_s1"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary("mha", 4, 4)))
+    (run / "config.yaml").write_text("seed: 7\n")
+    (run / "metrics.csv").write_text(METRICS_CSV)
+    (found,) = load_local_runs(tmp_path / "runs")
+    assert found.config == {"seed": 7} and found.seed == 7
+    assert found.curves["val/bleu"] == [(19, 1.5), (39, 2.5)]

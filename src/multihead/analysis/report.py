@@ -853,11 +853,8 @@ def family_section(
             "(`family=PATH`)."
         )
     show = (names or {}).get
-    early = [
-        run for run in runs if run.get("run/start")
-        and datetime.fromisoformat(run.get("run/start")).astimezone(timezone.utc)
-        < family.declared
-    ]  # fmt: skip
+    starts = [(run, run.get("run/start")) for run in runs]
+    early = [run for run, start in starts if start and utc_time(start) < family.declared]
     parts = [
         "\n## The family of tests\n",
         f"Holm's step-down adjustment runs over the {family_words(family)}; a test the report "

@@ -514,17 +514,6 @@ def apply_family(tests: dict[TestKey, SeedTest], family: Family) -> dict[TestKey
     }
 
 
-def family_runs_before(family: Family, runs: list[RunResult]) -> list[RunResult]:
-    """The runs that started before the family was declared (reused runs: their results
-    could be seen when the family was written)."""
-    early = []
-    for run in runs:
-        start = run.get("run/start")
-        if start and _moment(start, "run/start") < family.declared:
-            early.append(run)
-    return early
-
-
 def with_curves(
     tests: dict[TestKey, SeedTest], designs: dict[tuple[str, str], dict[Any, RunResult]]
 ) -> dict[TestKey, SeedTest]:
