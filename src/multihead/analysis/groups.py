@@ -349,7 +349,8 @@ def group_runs(
             "compare them apart from translation runs"
         )
     check_saved_configs(runs)
-    name_designs(runs, split_by)
+    for kind in tasks:  # the LM and MQAR runs of one design share a run name, not a config
+        name_designs([r for r in runs if task(r) == kind], split_by)
     metrics = {**GRID_METRICS, **(grid or {})}
     grids, chosen = {}, []
     for kind in sorted(tasks):  # the LM and MQAR runs of one design share its run name

@@ -743,7 +743,7 @@ def equal_terms_rows(
     return fields, rows
 
 
-def equal_terms_section(described: dict[str, Description], names=None, what: str = "") -> str:
+def equal_terms_section(described: dict[str, Description], names=None) -> str:
     """The equal-terms table, each figure as a multiple of the first design's beside it."""
     fields, rows = equal_terms_rows(described, names)
     first = rows[0] if rows else None
@@ -757,12 +757,14 @@ def equal_terms_section(described: dict[str, Description], names=None, what: str
         line += [row[4] or MISSING, format_cell(row[5], ",d"), row[6] or ""]
         cells.append(line)
     return "\n".join([
-        f"\n## Equal terms{what}: what else differs between the designs\n",
+        "\n## Equal terms: what else differs between the designs\n",
         "Counted from each design's model, built from its run's saved config "
         "(`multihead.analysis.describe`): parameters, multiply-adds per token of a causal "
         "pass at the trained context (linear maps, convolutions, and each head's `q·k` and "
         "`weights·v` over the keys a query sees), each head's score width and how many of its "
-        "features are rotated by position, and the KV cache. × is against the first design. "
+        "features are rotated by position, and the KV cache per decoded token. Each design's "
+        "own arithmetic: MLA's kernel here pads V to the score width, which is not counted. "
+        "× is against the first design. "
         "A design that differs in more than its cache differs in these too: read a verdict "
         "with them.\n",
         markdown_table(fields[:-1] + ["note"], cells),
@@ -1024,11 +1026,11 @@ def lm_markdown(
         parts += [f"## {title}\n", runs_section(designs, names)]
         described = {d: report.described[(task, d)] for d in designs
                      if (task, d) in report.described}  # fmt: skip
-        parts.append(equal_terms_section(described, names, what=""))
+        parts.append(equal_terms_section(described, names).replace("\n## ", "\n### "))
         if grouped is not None:
             mine = {k.split(": ", 1)[-1]: g for k, g in grouped.grids.items()
                     if k.startswith(f"{task}: ") or ": " not in k}  # fmt: skip
-            parts.append(grid_section(mine, names))
+            parts.append(grid_section(mine, names).replace("\n## ", "\n### "))
         parts.append(curves_section(designs, keys[task], names, figures.get(task)))
         parts.append("\n### Against MHA\n")
         if task == "lm":
