@@ -270,3 +270,29 @@ def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, mon
     # nine runs, one curve of two evaluations each; three designs described; two designs
     # against MHA on three figures
     assert (counts["learning_curves"], counts["equal_terms"], counts["tests"]) == (18, 3, 6)
+
+
+def test_a_control_of_one_run_name_is_its_own_design_by_split_by(lm_runs, tmp_path):
+    """A parameter-matched GQA (wider FFN) tags itself as GQA does: pooled with GQA it is
+    refused; split_by=[model.ffn_dim] makes it a design of its own, which the family names
+    by a glob, and which is tested against MHA as declared. GQA keeps its plain name: most
+    runs of that name (three against two) hold its FFN."""
+    for seed in (1, 2):
+        run = write_run(lm_runs / "control", "gqa", seed, {
+            "val/loss": 2.0, "val/loss@0-63": 2.5, "val/loss@64-127": 1.8})  # fmt: skip
+        config = run / ".hydra" / "config.yaml"
+        config.write_text(config.read_text() + "model:\n  ffn_dim: 608\n")
+    with pytest.raises(ValueError, match=r"differ in model.ffn_dim \(608 against None\)"):
+        compare(tmp_path / "out", runs=lm_runs)
+    family = family_file(tmp_path / "family.yaml", """\
+  - task: lm
+    baseline: lm-mha8-rope_sdpa
+    designs: ["lm-gqa8-rope_sdpa {model.ffn_dim=*}"]
+    metrics: [val/loss]
+""")  # fmt: skip
+    _, paths = compare(tmp_path / "out", runs=lm_runs, split_by=["model.ffn_dim"],
+                       family=family)  # fmt: skip
+    held = section(paths[0].read_text(), "## The family of tests")
+    assert "whole family of 1 tests" in held
+    (row,) = [line for line in held.splitlines() if line.startswith("| lm |")]
+    assert row.startswith("| lm | gqa (lm-gqa8-rope_sdpa {model.ffn_dim=608}) | mha | val/loss |")

@@ -2,8 +2,9 @@
 of one design (pooled), which are points of its learning-rate grid, and which are refused.
 
 A design is a run name (what the model built tags itself, ``lm-mla8r24rope8_sdpa``), split
-further by the config keys the user names in ``split_by`` (a control that differs from its
-design in a key the tag does not tell, say ``model.ffn_dim``: ``name {model.ffn_dim=608}``).
+further by the config keys the user names in ``split_by``: a control that differs from its
+design in a key the tag does not tell, say ``model.ffn_dim``, is ``name {model.ffn_dim=608}``
+(the value most runs of the name hold is the design's own, which keeps the plain name).
 Runs of one design at several learning rates (``module.optimizer.lr``) are a grid: each rate
 is scored by the mean of a figure on a split that is not the scored held-out data (the
 ``grid`` option, by task), the best is the design's chosen rate, and only the runs at that
@@ -313,15 +314,24 @@ class Grouped:
 
 def name_designs(runs: list[RunResult], split_by: Sequence[str]) -> None:
     """Set each run's ``design``: its run name, and ``{key=value, ...}`` of the ``split_by``
-    keys in which runs of that name differ."""
+    keys in which it differs from the runs of its name (a control: what most of the name's
+    runs hold is the design's own, and keeps the plain name; without a majority every run
+    shows its values)."""
     by_name: dict[str, list[RunResult]] = {}
     for run in runs:
         by_name.setdefault(str(run.get("run_name") or run.label), []).append(run)
     for name, group in by_name.items():
         configs = [flat(run.config or {}) for run in group]
-        keys = [k for k in split_by if len({repr(c.get(k)) for c in configs}) > 1]
-        for run, config in zip(group, configs, strict=True):
-            variant = ", ".join(f"{k}={config.get(k)}" for k in keys)
+        values = [tuple(repr(c.get(k)) for k in split_by) for c in configs]
+        counts = sorted((values.count(v) for v in set(values)), reverse=True)
+        tied = len(counts) > 1 and counts[0] == counts[1]  # no value is the design's own
+        own = None if tied else max(values, key=values.count)
+        for run, config, mine in zip(group, configs, values, strict=True):
+            if own is None:
+                differ = [k for i, k in enumerate(split_by) if len({v[i] for v in values}) > 1]
+            else:
+                differ = [k for k, a, b in zip(split_by, mine, own, strict=True) if a != b]
+            variant = ", ".join(f"{k}={config.get(k)}" for k in differ)
             run.design = f"{name} {{{variant}}}" if variant else name
 
 
