@@ -730,3 +730,33 @@ def test_a_kept_record_holds_its_config_and_curves_beside_its_summary(tmp_path: 
     (found,) = load_local_runs(tmp_path / "runs")
     assert found.config == {"seed": 7} and found.seed == 7
     assert found.curves["val/bleu"] == [(19, 1.5), (39, 2.5)]
+
+
+def test_the_declared_family_is_read_for_translation_too(headline_dir: Path, tmp_path: Path):
+    """The family names three designs against MHA: Holm over those three (by hand from the
+    unadjusted p's in the table), the two MLA designs and the contrast exploratory, their
+    p's unadjusted and apart."""
+    family = tmp_path / "family.yaml"
+    family.write_text(
+        "declared: '2025-12-31T00:00:00+00:00'\ncommit: abc1234\ntests:\n"
+        "  - task: translation\n    baseline: mha\n    designs: [gqa84, gqa82, mqa]\n"
+        "    metrics: [test/bleu]\n"
+    )
+    compare(tmp_path / "out", runs=headline_dir, family=str(family))
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    means = md.split("## Means over seeds")[1].split("## Designs of one KV-cache size")[0]
+    cells = {
+        row.split(" | ")[0][2:]: row.split(" | ")
+        for row in means.splitlines()
+        if row.startswith("| ") and not row.startswith("| configuration")
+    }
+    raw = {name: float(cells[name][7]) for name in ("gqa84", "gqa82", "mqa")}
+    ordered = sorted(raw, key=raw.get)
+    steps = [min(1.0, (3 - i) * raw[name]) for i, name in enumerate(ordered)]
+    for i, name in enumerate(ordered):
+        assert abs(float(cells[name][8]) - max(steps[: i + 1])) < 1.5e-3, cells[name]
+    for name in ("mla16", "mla32"):
+        assert cells[name][8] == "–" and cells[name][11].startswith("exploratory (unadjusted p")
+    held = md.split("## The family of tests")[1]
+    assert "whole family of 3 tests declared in" in held
+    assert "| translation | mqa | mla32 | test/bleu |" in held.split("### Exploratory tests")[1]

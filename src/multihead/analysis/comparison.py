@@ -214,7 +214,7 @@ def compare(
     key = bleu_key(chosen)
     # 5. Reported.
     report = make_report(chosen, source, notes, metric, equivalence_margin, key)
-    report.tests, report.contrasts = test_translation(chosen, key, equivalence_margin, declared)
+    report.keyed = test_translation(chosen, key, equivalence_margin, declared)
     report.grouped, report.described, report.family = grouped, described, declared
     report.long_context = long_context_rows
     paths = write_comparison(report, out)
@@ -239,10 +239,7 @@ def log_to_wandb(
     tables = {"comparison": table_rows(report), "seed_means": seed_rows(report)}
     tables["equal_terms"] = equal_terms_rows(report.described)
     tables["learning_curves"] = learning_curve_rows(report.runs)
-    key = report.bleu_key
-    tests = {("translation", name, "MHA", key): t for name, t in report.tests.items()}
-    tests |= {("translation", a, b, key): t for (a, b), t in report.contrasts.items()}
-    tables["tests"] = test_rows(tests)
+    tables["tests"] = test_rows(report.keyed)
     config = {"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name}
     return log_comparison(tables, paths, group=group, project=project, entity=entity, config=config)
 

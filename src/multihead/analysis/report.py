@@ -30,6 +30,7 @@ from multihead.analysis.groups import (
     design_of,
     display_names,
     has_repeats,
+    is_mha,
     learning_rate,
     mha_baseline,
     pooled_despite_note,
@@ -46,7 +47,14 @@ from multihead.analysis.runs import (
 )
 from multihead.analysis.significance import ALPHA, POWER
 from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY, TRAIN_KEY
-from multihead.analysis.tested import CORRECTION, Family, SeedTest, evaluations, verdict
+from multihead.analysis.tested import (
+    CORRECTION,
+    Family,
+    SeedTest,
+    evaluations,
+    is_mha_design,
+    verdict,
+)
 
 MISSING = "–"
 
@@ -306,13 +314,27 @@ class Report:
     speed_setup: dict[str, Any] | None = None  # the side-by-side measurement's setup
     speed_gaps: str = ""  # which runs lack side-by-side speeds, and what was done
     bleu_key: str = "test/bleu"
-    tests: dict[str, SeedTest] = field(default_factory=dict)  # by configuration
+    # every test over seeds, by (task, design, baseline, figure): against MHA, and contrasts
+    keyed: dict[tuple[str, str, str, str], SeedTest] = field(default_factory=dict)
     # scripts/benchmark_long_context.py's rows (its --json), for "what each design buys"
     long_context: list[dict[str, Any]] | None = None
-    contrasts: dict[tuple[str, str], SeedTest] = field(default_factory=dict)
     grouped: Grouped | None = None
     described: dict[str, Description] = field(default_factory=dict)  # by design
     family: Family | None = None
+
+    @property
+    def tests(self) -> dict[str, SeedTest]:
+        """Each configuration's test against MHA, by configuration."""
+        return {d: t for (_, d, b, _k), t in self.keyed.items() if self._is_mha_name(b)}
+
+    @property
+    def contrasts(self) -> dict[tuple[str, str], SeedTest]:
+        """Designs of one cache size against each other."""
+        return {(d, b): t for (_, d, b, _k), t in self.keyed.items() if not self._is_mha_name(b)}
+
+    def _is_mha_name(self, name: str) -> bool:
+        groups = seed_groups(self.runs)
+        return name == "MHA" or (name in groups and is_mha(groups[name][0]))
 
     @property
     def bleu_name(self) -> str:
@@ -541,10 +563,7 @@ def comparison_markdown(report: Report) -> str:
         designs = {name: dict(enumerate(group)) for name, group in seed_groups(runs).items()}
         parts.append(curves_section(designs, keys, figure="validation_curves.png"))
     if has_repeats(runs):
-        key = report.bleu_key
-        tests = {("translation", name, "MHA", key): t for name, t in report.tests.items()}
-        tests |= {("translation", a, b, key): t for (a, b), t in report.contrasts.items()}
-        parts.append(family_section(tests, report.family, runs))
+        parts.append(family_section(report.keyed, report.family, runs))
     if report.long_context is not None:
         parts.append(long_context_markdown(report))
     parts.append(
@@ -940,7 +959,8 @@ def quality_section(designs, tests, task: str, keys: list[str], margin: float, w
                     names: dict[str, str]) -> str:  # fmt: skip
     """Per figure: each design's mean ± sd over seeds, and its test against plain MHA."""
     parts = []
-    mha = next((b for (t, _, b, _k) in tests if t == task), None)
+    mha = next((d for d, seeds in designs.items()  # by_design puts variants last
+                if is_mha_design(next(iter(seeds.values())))), None)  # fmt: skip
     for key in keys:
         rows = []
         for design, seeds in designs.items():

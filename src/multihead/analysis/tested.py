@@ -573,22 +573,18 @@ def bleu_key(runs: list[RunResult]) -> str:
 
 def test_translation(
     runs: list[RunResult], key: str, margin: float | None, family: Family | None
-) -> tuple[dict[str, SeedTest], dict[tuple[str, str], SeedTest]]:
-    """The translation tests over seeds: each design against MHA (by name) and the
-    contrasts of designs of one cache size, with the order at the last two evaluations of
-    the validation BLEU, and Holm over the family where there is one."""
+) -> dict[TestKey, SeedTest]:
+    """The translation tests over seeds: each design against the MHA run of its heads and
+    the contrasts of designs of one cache size, with the order at the last two evaluations
+    of the validation BLEU, and Holm over the family where there is one."""
     if not has_repeats(runs):
-        return {}, {}
-    against_mha, among = seed_tests(runs, key, margin), contrasts(runs, key, margin)
+        return {}
     groups = seed_groups(runs)
     keyed: dict[TestKey, SeedTest] = {}
-    for name, test in against_mha.items():
+    for name, test in seed_tests(runs, key, margin).items():
         base = mha_baseline(groups[name][0], runs)
-        keyed["translation", name, design_of(base) if base else "mha", key] = test
-    keyed |= {("translation", a, b, key): test for (a, b), test in among.items()}
+        keyed["translation", name, design_of(base) if base else "MHA", key] = test
+    keyed |= {("translation", a, b, key): t for (a, b), t in contrasts(runs, key, margin).items()}
     seeds = {("translation", d): {run.seed: run for run in g} for d, g in groups.items()}
     keyed = with_curves(keyed, seeds)
-    if family is not None:
-        keyed = apply_family(keyed, family)
-    against_mha = {k[1]: t for k, t in keyed.items() if (k[1], k[2]) not in among}
-    return against_mha, {(k[1], k[2]): t for k, t in keyed.items() if (k[1], k[2]) in among}
+    return keyed if family is None else apply_family(keyed, family)
