@@ -14,8 +14,9 @@ rotary. :func:`describe` counts, from a model's modules (never from its config's
   length), ``H * (score width + value width)`` per key, times the fraction of heads a
   sparse design computes. The design's own widths: MLA's kernel pads V to the score width,
   and that padding is not counted. Norms, softmax, rotations and embedding lookups are
-  left out (no matrix products). For an encoder-decoder a token is one source and one
-  target token;
+  left out (no matrix products), and so are the products of a design's own parameters
+  outside linear maps (talking heads' mixes, a group MLP's), which a note then counts. For
+  an encoder-decoder a token is one source and one target token;
 * each attention sublayer's score width per head and how many of those features carry
   positions (rotated), and the positional mechanism (``rotary``, ``score bias`` for ALiBi,
   ``none``);
@@ -131,6 +132,18 @@ def describe(model: nn.Module, context: int) -> Description:
         macs += heads * (width + value_width) * keys
         scores.setdefault(sublayer, Scores(sublayer, layer.num_heads, width, rotated, mechanism))
     attention = {p for _, layer in layers for p in layer.parameters()}
+    counted = (nn.Linear, nn.Conv1d, nn.LayerNorm, nn.RMSNorm)
+    uncounted = sum(
+        p.numel()
+        for _, layer in layers
+        for module in layer.modules()
+        if not isinstance(module, counted)
+        for p in module.parameters(recurse=False)
+    )
+    notes = () if not uncounted else (
+        f"{uncounted:,} attention parameters outside linear maps (a design's own mixing): "
+        "their multiply-adds are not counted",
+    )  # fmt: skip
     kv = sum(layer.kv_cache_bytes_per_token(torch.float32)
              for sublayer, layer in layers if sublayer in CAUSAL_SUBLAYERS)  # fmt: skip
     return Description(
@@ -140,6 +153,7 @@ def describe(model: nn.Module, context: int) -> Description:
         context=context,
         kv_bytes_per_token=kv,
         scores=tuple(scores.values()),
+        notes=notes,
     )
 
 
