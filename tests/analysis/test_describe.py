@@ -75,3 +75,31 @@ def test_a_context_that_is_not_a_positive_int_is_refused() -> None:
     model = DecoderLM(**SIZES, attention={"num_heads": 4})
     with pytest.raises(ValueError, match=r"^context=0: expected a positive number of tokens"):
         describe(model, context=0)
+
+
+def test_a_run_is_described_from_its_saved_config() -> None:
+    """A run's model built from its saved config (the LM at its data's context); a
+    vocabulary the config does not state (a tokenizer's own size) is solved from the
+    parameters the run recorded: 10 more rows of the 32-wide tied embedding than the
+    config's 50 give 19,136 + 320 = 19,456. A config today's code cannot build is described
+    by its summary, saying why."""
+    from multihead.analysis.describe import describe_run
+    from multihead.analysis.runs import RunResult
+
+    config = {
+        "data": {"vocab_size": 50, "context": 16},
+        "model": {"_target_": "multihead.model.lm.DecoderLM", "d_model": 32, "ffn_dim": 64,
+                  "num_layers": 2, "max_positions": "${data.context}"},
+        "attention": {"num_heads": 4},
+    }  # fmt: skip
+    run = RunResult("mha", {"params/total": HAND["mha"]["params"]}, config=config)
+    assert describe_run(run).macs_per_token == HAND["mha"]["macs"]
+    run.summary["params/total"] = 19_456
+    found = describe_run(run)
+    assert found.params == 19_456 and found.macs_per_token == HAND["mha"]["macs"] + 10 * 32
+    assert found.notes[0].startswith("vocabulary 60 (the tokenizer's, solved from the 19,456")
+    config["attention"]["num_heads"] = 3
+    run = RunResult("old", {"params/total": 5, "kv_cache/bytes_per_token": 7}, config=config)
+    found = describe_run(run)
+    assert (found.params, found.kv_bytes_per_token) == (5, 7)
+    assert found.notes[0].startswith("not built from its config (embed_dim (32) must be divis")
