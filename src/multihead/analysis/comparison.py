@@ -57,7 +57,7 @@ from multihead.analysis.report import (
     make_report,
     seed_rows,
     table_rows,
-    test_rows,
+    tested_rows,
     write_csv,
 )
 from multihead.analysis.runs import (
@@ -72,9 +72,9 @@ from multihead.analysis.tested import (
     HYPOTHESES_FILE,
     add_significance,
     bleu_key,
+    long_context_tests,
     read_family,
-    test_long_context,
-    test_translation,
+    translation_tests,
 )
 from multihead.analysis.wandb_log import log_comparison, runs_wandb_group
 
@@ -214,7 +214,7 @@ def compare(
     key = bleu_key(chosen)
     # 5. Reported.
     report = make_report(chosen, source, notes, metric, equivalence_margin, key)
-    report.keyed = test_translation(chosen, key, equivalence_margin, declared)
+    report.keyed = translation_tests(chosen, key, equivalence_margin, declared)
     report.grouped, report.described, report.family = grouped, described, declared
     report.long_context = long_context_rows
     paths = write_comparison(report, out)
@@ -239,7 +239,7 @@ def log_to_wandb(
     tables = {"comparison": table_rows(report), "seed_means": seed_rows(report)}
     tables["equal_terms"] = equal_terms_rows(report.described)
     tables["learning_curves"] = learning_curve_rows(report.runs)
-    tables["tests"] = test_rows(report.keyed)
+    tables["tests"] = tested_rows(report.keyed)
     config = {"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name}
     return log_comparison(tables, paths, group=group, project=project, entity=entity, config=config)
 
@@ -273,7 +273,7 @@ def write_long_context(
     }
     # 4. Tested.
     margins = {"lm": LOSS_MARGIN, "mqar": ACC_MARGIN}
-    tests = test_long_context(tasks, keys, margins, family)
+    tests = long_context_tests(tasks, keys, margins, family)
     # 5. Reported.
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -298,7 +298,7 @@ def write_long_context(
                 writer.writerow(["task", *fields])
             writer.writerows([[kind, *("" if c is None else c for c in row)] for row in table])
     for path, (fields, table) in zip(paths[3:], (learning_curve_rows(grouped.runs),
-                                                  test_rows(tests)), strict=True):  # fmt: skip
+                                                  tested_rows(tests)), strict=True):  # fmt: skip
         with path.open("w", newline="") as f:
             csv.writer(f).writerows([fields, *([("" if c is None else c) for c in row]
                                                for row in table)])  # fmt: skip

@@ -68,6 +68,7 @@ def check_saved_configs(runs: list[RunResult]) -> None:
                 "hydra.output_subdir=null?); compare runs that kept their config"
             )
 
+
 # ---------------------------------------------------------------------------------------
 # Seeds: runs of one design and rate
 

@@ -1097,7 +1097,7 @@ def learning_curve_rows(runs: list[RunResult]) -> tuple[list[str], list[list[Any
     return fields, rows
 
 
-def test_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[str], list[list]]:
+def tested_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[str], list[list]]:
     """Every test, unformatted: the wandb table ``tests``."""
     fields = ["task", "design", "baseline", "figure", "Δ (mean)", "Δ low", "Δ high",
               "p (paired t)", f"p ({CORRECTION})", "exploratory", "Δ at the second-last evaluation",

@@ -527,7 +527,7 @@ def with_curves(
     return found
 
 
-def test_long_context(
+def long_context_tests(
     designs: dict[str, dict[str, dict[Any, RunResult]]],
     figures: dict[str, list[str]],
     margins: dict[str, float],
@@ -571,7 +571,7 @@ def bleu_key(runs: list[RunResult]) -> str:
     return HYP_BLEU if runs and all(run.get(HYP_BLEU) is not None for run in runs) else "test/bleu"
 
 
-def test_translation(
+def translation_tests(
     runs: list[RunResult], key: str, margin: float | None, family: Family | None
 ) -> dict[TestKey, SeedTest]:
     """The translation tests over seeds: each design against the MHA run of its heads and
