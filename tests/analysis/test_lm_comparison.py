@@ -224,6 +224,8 @@ def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tm
                                 if k != "select/loss"}))  # fmt: skip
     with pytest.raises(ValueError, match=r"those at 0.0003 have no select/loss to choose by"):
         compare(tmp_path / "out", runs=lm_runs)
+    with pytest.raises(ValueError, match=r"^grid=\{'lmm': 'select/loss'\}: expected the figure"):
+        compare(tmp_path / "out", runs=lm_runs, grid={"lmm": "select/loss"})
 
 
 def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_path):

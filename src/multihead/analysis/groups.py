@@ -352,6 +352,15 @@ def group_runs(
                 f"{name}={keys!r}: expected a list of config keys, e.g. "
                 f"{name}=[module.scheduler.decay]"
             )
+    if grid is not None and (
+        not isinstance(grid, Mapping)
+        or not set(grid) <= set(GRID_METRICS)
+        or not all(isinstance(k, str) for k in grid.values())
+    ):
+        raise ValueError(
+            f"grid={grid!r}: expected the figure each task's learning-rate grid chooses by, "
+            f"e.g. grid.lm=select/loss (tasks: {', '.join(GRID_METRICS)})"
+        )
     tasks = {task(run) for run in runs}
     if len(tasks) > 1 and "translation" in tasks:
         long = [run for run in runs if task(run) != "translation"]
