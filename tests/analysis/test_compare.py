@@ -239,6 +239,18 @@ def test_empty_or_missing_runs_dir_is_an_error(tmp_path: Path) -> None:
         compare(tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    ("switch", "message"),
+    [({"speed": "no"}, "speed must be a bool, got 'no'"),
+     ({"wandb_log": "off"}, "wandb must be a bool, got 'off'")],
+)  # fmt: skip
+def test_a_switch_takes_a_bool_only(tmp_path: Path, switch, message) -> None:
+    """speed="no" measured the speed, a truthy string (issue 84)."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        compare(tmp_path / "out", runs=tmp_path, **switch)
+    assert not (tmp_path / "out").exists()
+
+
 def test_wandb_group_offline_is_an_error(monkeypatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     with pytest.raises(ValueError, match="group=sweep1 reads runs from the wandb API"):

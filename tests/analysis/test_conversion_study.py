@@ -226,12 +226,18 @@ def test_bad_settings_are_refused(methods, ratios, fractions, message) -> None:
         check_study(methods, ratios, fractions)
 
 
-def test_script_refuses_bad_ratio_in_one_line(tmp_path, capsys) -> None:
+def test_script_refuses_a_bad_ratio_or_switch_in_one_line(tmp_path, capsys) -> None:
     line = fails_in_one_line(
         script_main, capsys, "conversion_study.py", "conversion_study",
         f"ckpt={tmp_path / 'a.ckpt'}", f"out={tmp_path / 'study'}", "ratios=[3,1]",
     )  # fmt: skip
     assert line == "error: ratios: 1 is not an integer >= 2 (cache 1/k of MHA's)"
+    assert not (tmp_path / "study").exists()
+    line = fails_in_one_line(
+        script_main, capsys, "conversion_study.py", "conversion_study",
+        f"ckpt={tmp_path / 'a.ckpt'}", f"out={tmp_path / 'study'}", "distill=no",
+    )  # fmt: skip
+    assert line == "error: distill must be a bool, got 'no'"
     assert not (tmp_path / "study").exists()
 
 

@@ -29,11 +29,18 @@ from helpers.scripts import fails_in_one_line
         ("model.d_model=0", "d_model must be a positive integer, got 0"),
         ("model.num_encoder_layers=-2", "num_encoder_layers must be a positive integer, got -2"),
         ("model.dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
+        ("attention.match_parameters=gqa", "attention.match_parameters='gqa'; expected null"),
         ("module.on_non_finite_loss=maybe", "module.on_non_finite_loss='maybe'"),
         ("module.beam_size=0", "module.beam_size must be >= 1, got 0"),
         ("test_ckpt=avg0", "test_ckpt=avg0; expected best, last, avg<N>"),
         ("test_ckpt=/nowhere.ckpt", "test_ckpt=/nowhere.ckpt: no such checkpoint"),
         ("ckpt_path=last", "ckpt_path=last: no checkpoint in"),
+        # A switch is a bool: "no" was taken as True (issue 84).
+        ("model.norm_first=no", "norm_first must be a bool, got 'no'"),
+        ("model.share_embeddings=0", "share_embeddings must be a bool, got 0"),
+        ("model.tie_output=nope", "tie_output must be a bool, got 'nope'"),
+        ("test=no", "test must be a bool, got 'no'"),
+        ("summary.decode_speed=off", "summary.decode_speed must be a bool, got 'off'"),
     ],
 )
 def test_bad_config_values(smoke_config, capsys, override, message) -> None:

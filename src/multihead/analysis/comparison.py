@@ -77,6 +77,7 @@ from multihead.analysis.tested import (
     translation_tests,
 )
 from multihead.analysis.wandb_log import log_comparison, runs_wandb_group
+from multihead.attention.checks import check_bool
 
 OUTPUT_FILES = (
     "comparison.md",
@@ -160,10 +161,12 @@ def compare(
     which a design counts as equal to MHA if the TOST says so; ``None``: no such test.
     ``long_context``: the benchmark's rows (``scripts/benchmark_long_context.py --json``):
     for translation what each design buys, for the LM its trained checkpoints' speeds.
-    ``pool_despite``, ``split_by``, ``grid``: as :func:`~multihead.analysis.groups.group`.
+    ``pool_despite``, ``split_by``, ``grid``: as :func:`~multihead.analysis.groups.group_runs`.
     ``family``: the file of tests declared before the runs
     (:func:`~multihead.analysis.tested.read_family`); ``None``: none declared.
     """
+    check_bool("speed", speed)
+    check_bool("wandb", wandb_log)  # the script's name for it
     if (runs is None) == (group is None):
         raise ValueError(
             f"give exactly one of runs=PATH or group=NAME (got runs={runs}, group={group})"

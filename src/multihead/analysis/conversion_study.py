@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from multihead.analysis.significance import holm, pooled_paired_bootstrap, t_test_p
+from multihead.attention.checks import check_bool
 from multihead.checkpoints.conversion import (
     SCOPES,
     convert_kv_heads,
@@ -175,8 +176,7 @@ def run_study(
         local_dir, limit: the data directory and the number of test sentences to score.
     """
     check_study(methods, ratios, fractions)
-    if not isinstance(distill, bool):
-        raise ValueError(f"distill={distill!r}; expected true or false")
+    check_bool("distill", distill)
     out = Path(out)
     settings = {
         "ckpt": str(ckpt), "methods": list(methods), "ratios": list(ratios),

@@ -1,4 +1,4 @@
-"""The checks of an integer argument (a size, a count), for every part of the layer."""
+"""The checks of a user's argument (a size, a count, a switch), for every part of the layer."""
 
 
 def check_positive_int(name: str, value: object) -> None:
@@ -25,3 +25,14 @@ def check_int_in(
         raise ValueError(f"{name} must be in [{minimum}, {maximum}]{why}, got {name}={value}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise unless ``value`` is ``True`` or ``False``: a config's ``"no"``, ``"false"`` or
+    ``0`` would otherwise be taken by its truth value, ``"no"`` as True.
+
+    Raises:
+        ValueError: not a bool (a user's config value, so one line, not a traceback).
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")

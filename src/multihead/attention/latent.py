@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.checks import check_int_in, check_positive_int
+from multihead.attention.checks import check_bool, check_int_in, check_positive_int
 from multihead.attention.designs import AttentionLayer, Call, HeadDesign, register_design
 from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.masks import AttentionMask
@@ -91,6 +91,7 @@ class LatentKV(HeadDesign):
         v_head_dim: int | None = None, q_latent_dim: int | None = None,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
+        check_bool("kv_latent_norm", kv_latent_norm)
         check_positive_int("rope_kv_heads", rope_kv_heads)
         if num_heads % rope_kv_heads != 0:
             raise ValueError(f"rope_kv_heads={rope_kv_heads} must divide num_heads={num_heads}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from multihead.attention.checks import check_bool
 from multihead.attention.positional import PositionalPart
 
 
@@ -60,6 +61,7 @@ class RotaryPositions(PositionalPart):
             )
         if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
+        check_bool("rope_interleaved", interleaved)
         n = rotary_dim // 2
         # A config value checked here, on the CPU whatever device the layer is built on (a
         # model built on the meta device to check its settings reads these numbers).

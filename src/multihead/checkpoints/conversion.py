@@ -759,6 +759,12 @@ def convert_checkpoint(
     # The run config with the K/V settings of kinds, so that it rebuilds the result.
     extra["config"] = config = copy.deepcopy(extra["config"])
     attention = config["attention"]  # the one place heads are set
+    # A parameter-matched control's FFN keeps the width it was trained at: matched again to
+    # the converted heads, it would be another width than the weights'.
+    frozen = {}
+    if attention.get("match_parameters") is not None:
+        frozen = {"ffn_dim": model.ffn_dim}
+        config["model"]["ffn_dim"], attention["match_parameters"] = model.ffn_dim, None
     changed: dict[str, list[str]] = {}
     for kind in kinds:
         now = model.attention_config[kind]  # the keys set, and those a rotary latent changed
@@ -776,6 +782,7 @@ def convert_checkpoint(
         **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
+        **frozen,
         # The options that shaped the result: the rotary ones where a rotary latent changed
         # keys, the latent's (and its calibration) for a latent.
         **({k: latent[k] for k in ROTARY_DEFAULTS} if any(changed.values()) else {}),
@@ -821,6 +828,8 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
         for key in info.get("changed_keys", {}).get(kind, ()):
             where, value = ("design_options.", own[key]) if key in own else ("", sublayer[key])
             heads.append(f"++attention.{kind}.{where}{key}={json.dumps(value)}")
+    if "ffn_dim" in info:  # a parameter-matched control's FFN, kept at its trained width
+        heads += ["attention.match_parameters=null", f"model.ffn_dim={info['ffn_dim']}"]
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     return [*recorded_overrides(ckpt_path, ours), f"init_from={out}", *heads]
 
