@@ -78,6 +78,7 @@ def test_each_design_is_tested_against_the_mha_run_of_its_seed(lm_runs, tmp_path
     assert "| 128 x 2 | 1.00 (0.90-1.20) | 4.00 (1.00-5.00) |" in text
     # Context use by hand: MHA seed 1: 1 - 1.80 / 2.50 = 28.00%.
     assert "| mha | +28.00%, +25.49%, +26.59% |" in text
+    assert "Held-out loss by source package" not in text  # these runs logged none
     csv_lines = paths[1].read_text().splitlines()
     assert len(csv_lines) == 1 + 9 and csv_lines[0].startswith("task,design,seed,val/loss")
 
@@ -298,3 +299,17 @@ def test_a_control_of_one_run_name_is_its_own_design_by_split_by(lm_runs, tmp_pa
     assert "whole family of 1 tests" in held
     (row,) = [line for line in held.splitlines() if line.startswith("| lm |")]
     assert row.startswith("| lm | gqa (lm-gqa8-rope_sdpa {model.ffn_dim=608}) | mha | val/loss |")
+
+
+def test_the_held_out_loss_of_each_package_is_reported(lm_runs, tmp_path):
+    """Runs that log val/loss/NAME per source package: each design's mean over its seeds,
+    here MHA's sympy loss (2.0, 2.1, 2.3) at 2.1333."""
+    for design in LOSSES:
+        for seed, sympy in zip((1, 2, 3), (2.0, 2.1, 2.3), strict=True):
+            path = lm_runs / f"{design}_s{seed}" / "summary.json"
+            figures = {"val/loss/sympy": sympy, "val/loss/django": 3.0}
+            path.write_text(json.dumps(json.loads(path.read_text()) | figures))
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    text = paths[0].read_text()
+    assert "| design | django | sympy |" in text
+    assert "| mha | 3.0000 | 2.1333 |" in text

@@ -1020,6 +1020,27 @@ def context_use_section(designs, first: str, last: str, names: dict[str, str]) -
     return f"**{what}**\n\n" + markdown_table(["design", "per seed", "mean"], rows)
 
 
+def package_section(designs, names: dict[str, str]) -> str:
+    """The held-out loss of each source package (``val/loss/NAME``), each design's mean over
+    its seeds; empty where the runs logged none."""
+    packages = sorted({k for s in designs.values() for r in s.values() for k in r.summary
+                       if k.startswith("val/loss/")})  # fmt: skip
+    if not packages:
+        return ""
+    rows = []
+    for design, seeds in designs.items():
+        means = []
+        for key in packages:
+            values = [number(r.get(key)) for r in seeds.values() if r.get(key) is not None]
+            means.append(format_cell(statistics.fmean(values) if values else None, ".4f"))
+        rows.append([names[design], *means])
+    headers = ["design", *(k.removeprefix("val/loss/") for k in packages)]
+    return (
+        "**Held-out loss by source package** (mean over seeds; the scored windows are drawn "
+        "from every package in proportion to its bytes)\n\n" + markdown_table(headers, rows)
+    )
+
+
 def runs_section(designs, names: dict[str, str]) -> str:
     rows = []
     for design, seeds in designs.items():
@@ -1055,6 +1076,7 @@ def lm_markdown(
         parts.append("\n### Against MHA\n")
         if task == "lm":
             parts += [context_use_section(designs, keys[task][1], keys[task][-1], names), ""]
+            parts += [package_section(designs, names), ""]
         parts += [quality_section(designs, tests, task, keys[task], margin, what, names),
                   ""]  # fmt: skip
     if speed_rows:
