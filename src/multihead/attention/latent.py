@@ -171,6 +171,13 @@ class LatentKV(HeadDesign):
         norm = "n" if self.norm is not None else ""
         return f"r{self.latent_dim}{norm}{q}{rope}{qk}{v}{options_digest(self, spelled)}"
 
+    @property
+    def score_features(self) -> tuple[int, int]:
+        """Each head's score width and how many of its features carry positions:
+        ``qk_head_dim`` position-free features from the latent and ``d_R`` rotary ones
+        (``multihead.analysis.describe`` reads it)."""
+        return self.qk_head_dim + self.rope_dim, self.rope_dim
+
     @staticmethod
     def widths(embed_dim: int, num_heads: int, options: dict) -> tuple[int, int, int, bool]:
         """The layer's projections for the MLA of ``options`` (read before it is built):
