@@ -398,7 +398,8 @@ def test_head_design_names_and_active_fraction():
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_with_kv_heads_keeps_the_design(design):
-    layer = build(design)
+    # From H K/V heads, so that pooling to one is a change (to its own count it is refused).
+    layer = build(design, num_kv_heads=H)
     pooled = with_kv_heads(layer, 1)
     assert pooled.head_tag.split("-", 1)[1] == layer.head_tag.split("-", 1)[1]
     for name in ("head_gate", "head_mix"):
