@@ -259,7 +259,8 @@ def _convert(
     rotary = any(a.positions is not None for _, a, _ in layers)
     # A budget's split: the numbers per token it allows each layer, checked before any work.
     allowed = {} if budget is None else {
-        path: _allowed(path, attn, budget, names[2], options) for path, attn, _ in layers
+        path: budget_numbers(attn, budget, path=path, name=names[2], options=options)
+        for path, attn, _ in layers
     }  # fmt: skip
     widths = budget is not None and options["rope_dim"] is None and rotary  # measured
     if widths and options["freqfold"] is not None:
@@ -369,11 +370,14 @@ def _convert(
     return report
 
 
-def _allowed(
-    path: str, attn: MultiHeadAttention, budget: int | float, name: str, options: dict[str, Any]
-) -> int:
-    """The numbers per token a cache ``budget`` allows ``attn``; one above its cache, or too
-    small for any split, refused in one line naming ``path``."""
+def budget_numbers(
+    attn: MultiHeadAttention, budget: int | float, *, path: str = "the layer",
+    name: str = "cache_budget", options: Mapping[str, Any] = ROTARY_DEFAULTS,
+) -> int:  # fmt: skip
+    """The numbers per token a cache ``budget`` (see :func:`convert_attention`) allows
+    ``attn``, whose rotary ``options`` are ``convert_attention``'s; a budget above its cache,
+    or too small for any split, refused in one line naming ``path``."""
+    _check_budget(name, budget)
     before = attn.kv_cache_bytes_per_token()
     allowed = int(budget * before) if isinstance(budget, float) else budget  # bytes
     if allowed > before:
@@ -390,10 +394,10 @@ def _allowed(
     keys = min(
         cached for layout in layouts for _, cached in _key_widths(attn, layout, options, True)
     )
+    keys = f"its narrowest rotary keys take {keys * NUMBER_BYTES} bytes, and " if keys else ""
     raise ValueError(
         f"{name}={budget!r} allows {path} {allowed} bytes per token, too few for any split: "
-        f"its narrowest rotary keys take {keys * NUMBER_BYTES} bytes, and a latent needs at "
-        f"least {NUMBER_BYTES} more"
+        f"{keys}a latent needs at least {NUMBER_BYTES}{' more' if keys else ''}"
     )
 
 
@@ -454,7 +458,7 @@ def _candidates(
         choice = dict(zip(names, combination, strict=True))
         for split in _splits(attn, choice.get("rotary_key"), options, r, numbers):
             candidate = {"kv_latent": split["kv_latent"], **choice, **split}
-            if all(candidate.get(k) == v for k, v in fixed.items()):
+            if all(candidate.get(k, v) == v for k, v in fixed.items()):  # rotary ones: if any
                 found.append(candidate)
     return found
 
@@ -850,6 +854,7 @@ def convert_checkpoint(
     scope: str | Sequence[str] = "decoder",
     *,
     kv_latent_dim: int | Mapping[str, int] | None = None,
+    cache_budget: int | float | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
     rotary_key: str | None = None,
@@ -859,8 +864,8 @@ def convert_checkpoint(
     calibration_batches: int = 0,
     local_dir: str | None = None,
 ) -> dict[str, Any]:
-    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
-    or a ``kv_latent_dim`` K/V latent.
+    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads,
+    a ``kv_latent_dim`` K/V latent or one within ``cache_budget``.
 
     The result loads with :func:`~multihead.checkpoints.load_trained_model` and can
     initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
@@ -873,6 +878,10 @@ def convert_checkpoint(
         kv_latent_dim: ``r``, instead of ``num_kv_heads``, or ``{kind: r}`` for every kind
             in ``scope`` (e.g. a rotary self-attention's latent beside its rotary keys, and
             a wider one in cross-attention, for the same cache).
+        cache_budget: instead, each converted sublayer's KV cache bytes per token (an
+            integer) or a fraction of its own (a float in (0, 1]); the rotary keys' width
+            against the latent's measured on the calibration batches (see
+            :func:`convert_attention`).
         rope_dim, selection, rotary_key, freqfold, factorisation, balance_kv: see
             :func:`convert_attention` (the rotary ones for the kinds with rotary layers;
             ``None``: measured on the calibration batches, whose loss scores each choice).
@@ -883,11 +892,11 @@ def convert_checkpoint(
     kinds = resolve_scope(scope)
     per_kind = dict(kv_latent_dim) if isinstance(kv_latent_dim, Mapping) else None
     if per_kind is None:
-        target = _target(num_kv_heads, kv_latent_dim)
-    elif num_kv_heads is not None or set(per_kind) != set(kinds):
+        target = _target(num_kv_heads, kv_latent_dim, cache_budget)
+    elif num_kv_heads is not None or cache_budget is not None or set(per_kind) != set(kinds):
         raise ValueError(
             f"kv_latent_dim={per_kind} must give one r for each of {list(kinds)}, without "
-            f"num_kv_heads (got {num_kv_heads})"
+            f"num_kv_heads or cache_budget (got {num_kv_heads}, {cache_budget})"
         )
     else:
         target = {"kv_latent_dim": per_kind}
@@ -909,8 +918,9 @@ def convert_checkpoint(
     if calibration_batches:
         calibration = training_batches(ckpt, calibration_batches, local_dir)
     report = _convert(
-        model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind,
-        calibration=calibration, scope=kinds, names=("num_kv_heads", "kv_latent_dim"), **latent,
+        model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind, cache_budget,
+        calibration=calibration, scope=kinds,
+        names=("num_kv_heads", "kv_latent_dim", "cache_budget"), **latent,
     )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
