@@ -651,12 +651,13 @@ def budget_layer_and_inputs(positions_matter: bool, seed: int):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("positions_matter", [False, True], ids=["pair0", "every_pair"])
 def test_a_budget_spends_its_bytes_on_the_split_that_computes_best(positions_matter, seed):
-    """128 bytes a token (1/2 of the layer's 2 groups x 2 x 16 x 4), per-group keys of R/8,
-    R/4 or R/2 = 2, 4 or 8 features per group and the latent the rest: (r, rope_dim) = (28, 2),
-    (24, 4), (16, 8), each (r + 2 rope_dim) x 4 = 128 bytes. The reference, written here: each
-    split built by with_kv_latent and scored by the layer's output error on the held-out 2
-    of 8 sequences. The budget keeps the best, which is the one built to win: the narrowest
-    key where K lives in one pair, the widest where every pair turns."""
+    """128 bytes a token (1/2 of the layer's 2 groups x 2 x 16 x 4), per-group keys of one
+    pair = R/8, R/4 or R/2 = 2, 4 or 8 features per group and the latent the rest: (r,
+    rope_dim) = (28, 2), (24, 4), (16, 8), each (r + 2 rope_dim) x 4 = 128 bytes. The
+    reference, written here: each split built by with_kv_latent and scored by the layer's
+    output error on the held-out 2 of 8 sequences. The budget keeps the best, which is the
+    one built to win: the narrowest key where K lives in one pair, the widest where every
+    pair turns."""
     source, x = budget_layer_and_inputs(positions_matter, seed)
     errors = {
         (r, d): held_out_error(source, with_kv_latent(source, r, rope_dim=d), x[6:])
@@ -679,7 +680,7 @@ def test_a_budget_spends_its_bytes_on_the_split_that_computes_best(positions_mat
 
 def test_a_budget_in_our_transformer_gives_each_kind_one_split_its_config_rebuilds():
     """Both self-attentions (2 groups of D = 8, all rotated; 128 bytes a token) at 1/4:
-    32 bytes, 8 numbers: per-group keys of 2 (R/8 and R/4 of 8 round to 2 pairs... one pair)
+    32 bytes, 8 numbers: per-group keys of one pair (R/4 = 2; R/2 = 4 leaves no latent)
     beside a latent of 4, or a shared key of 4 beside 4; a kind's layers share the split,
     which the rewritten config rebuilds."""
     model, args = rope_transformer()

@@ -134,7 +134,7 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
         rows["mla_pca_bkv_shared 1/4"]["rope_dim"],
     ) == (4, 4)
     # The budget (issue 84): 1/2 and 1/4 of 32 numbers; its one layer's split measured among
-    # per-group keys of R/8 -> 2 or R/4 = 4 rotated features (2 groups) or one shared key of
+    # per-group keys of one pair = R/4 = 2 or R/2 = 4 rotated features (2 groups) or one key of
     # twice that, the latent the rest (16 - 4 = 12 or 16 - 8 = 8; at 1/4, 8 - 4 = 4 only).
     splits = {
         2: {("per_group", 2, 12), ("per_group", 4, 8), ("shared", 4, 12), ("shared", 8, 8)},

@@ -105,9 +105,10 @@ ROTARY_DEFAULTS = {"rope_dim": None, "selection": "high", "rotary_key": None,
 CHOICES = {"factorisation": ("svd", "pca"), "balance_kv": (False, True),
            "rotary_key": ("per_group", "shared")}  # fmt: skip
 HELD_OUT = 4  # one part in 4 of the calibration (at least one batch or sequence) is held out
-# A cache budget's rotary keys, per K/V group: these parts of the rotated features R (whole
-# pairs, at least one), the latent the rest. On an outside Llama (D = 32) the key's width
-# decided more than any other choice: +31% perplexity with 4 against +13% with 8 (issue 84).
+# A cache budget's rotary keys, per K/V group: one pair and these parts of the rotated
+# features R (whole pairs), the latent the rest. On an outside Llama (D = 32) the key's width
+# decided more than any other choice: +31% perplexity with 4 against +13% with 8 (issue 84);
+# the LM study's grid kept 2 at 1/8.
 BUDGET_ROPE_PARTS = (8, 4, 2)
 NUMBER_BYTES = 4  # the cache's bytes per number, as the report counts them (fp32)
 
@@ -162,8 +163,8 @@ def convert_attention(
     **A cache budget** instead of ``kv_latent``: each layer's KV cache, bytes per token
     (an integer; fp32, as ``bytes_after``) or a fraction of its own (a float in (0, 1]).
     How to spend it is measured with the choices above: the rotary keys' width against the
-    latent's, per-group keys of ``R/8``, ``R/4`` or ``R/2`` rotated features (whole pairs,
-    at least one; a shared key of ``G`` times that: the same cache) and the latent the
+    latent's, per-group keys of one pair, ``R/8``, ``R/4`` or ``R/2`` rotated features
+    (whole pairs; a shared key of ``G`` times that: the same cache) and the latent the
     numbers left (at most the K/V stack's rank). A named ``rope_dim`` fixes the keys, the
     latent taking the rest; a layer without rotary positions gets a latent of all of it.
     Measuring the width needs ``calibration``.
@@ -405,9 +406,9 @@ def _key_widths(
     attn: MultiHeadAttention, layout: str | None, options: dict[str, Any], budget: bool
 ) -> list[tuple[int, int]]:
     """``(rope_dim, numbers cached)`` of ``attn``'s rotary key(s) with ``layout`` (``None``:
-    none): a named ``rope_dim`` (``None``: all ``R``), else with a ``budget`` each part of
-    :data:`BUDGET_ROPE_PARTS` of ``R`` per K/V group; with the layout measured, a shared key
-    has the ``G`` groups' numbers (the same cache), a named one ``rope_dim`` itself."""
+    none): a named ``rope_dim`` (``None``: all ``R``), else with a ``budget`` one pair and
+    each part of :data:`BUDGET_ROPE_PARTS` of ``R`` per K/V group; with the layout measured,
+    a shared key has the ``G`` groups' numbers (the same cache), a named one ``rope_dim``."""
     if layout is None:
         return [(0, 0)]
     R, G = getattr(attn.positions, "rotary_dim", None), attn.num_kv_heads
@@ -417,7 +418,8 @@ def _key_widths(
         per_group = [R if options["rope_dim"] is None else options["rope_dim"]]
         own = options["rotary_key"] is not None  # a named layout: rope_dim is its key's width
     else:
-        per_group, own = sorted({max(2, R // part // 2 * 2) for part in BUDGET_ROPE_PARTS}), False
+        parts = {max(2, R // part // 2 * 2) for part in BUDGET_ROPE_PARTS}  # whole pairs
+        per_group, own = sorted({2} | parts), False
     widths = [d if own or layout == "per_group" else G * d for d in per_group]
     return [(w, G * w if layout == "per_group" else w) for w in widths]
 
