@@ -518,6 +518,16 @@ def test_calibration_it_cannot_split_or_a_bad_balance_kv_is_refused_in_one_line(
     # All named: one sequence is enough (nothing is measured).
     convert_attention(copy.deepcopy(model), kv_latent=6, rope_dim=2, calibration=ids[:1],
                       factorisation="pca", balance_kv=False, rotary_key="per_group")  # fmt: skip
+    # With a budget, the keys' width is measured too: the advice names rope_dim, and works.
+    with pytest.raises(
+        ValueError, match=r"is one sequence, .*: pass two or more, or name factorisation, "
+        r"balance_kv, rotary_key and rope_dim$"
+    ):  # fmt: skip
+        convert_attention(model, cache_budget=0.5, calibration=ids[:1])
+    (row, _) = convert_attention(copy.deepcopy(model), cache_budget=0.5, calibration=ids[:1],
+                                 factorisation="svd", balance_kv=False, rotary_key="per_group",
+                                 rope_dim=2)  # fmt: skip
+    assert (row["latent"]["kv_latent"], row["bytes_after"]) == (16 - 2 * 2, 64)
     with pytest.raises(TypeError, match=r"^balance_kv must be a bool or None, got 'yes'$"):
         convert_attention(model, kv_latent=6, balance_kv="yes", calibration=ids)
 
