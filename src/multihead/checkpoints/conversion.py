@@ -134,8 +134,8 @@ def convert_attention(
     generating, its cache holding each layer's latent). ``calibration``: the model's inputs,
     called as ``model(*calibration)`` (a tuple), ``model(**calibration)`` (a mapping) or
     ``model(calibration)``, or a list of such batches (each called in turn): our
-    Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` (any integer dtype
-    the model takes) or ``{"input_ids": .., "attention_mask": ..}``. Each layer's K/V source
+    Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` (of any integer
+    dtype: read as int64) or ``{"input_ids": .., "attention_mask": ..}``. Each layer's K/V source
     inputs on them, padding left out where the call has a ``key_padding_mask``, are the
     latent's calibration (``"pca"``), choose ``selection="norm"``'s pairs and measure the
     errors below. Bad calibration (empty, not tensors, a batch the model refuses, an
@@ -564,7 +564,7 @@ def _loss_scorer(model: nn.Module, batches: list) -> Any:
                     return None
                 keep = counted[:, 1:]  # the token predicted counts
                 ce = F.cross_entropy(
-                    logits[:, :-1][keep].double(), ids[:, 1:][keep].long(), reduction="sum"
+                    logits[:, :-1][keep].double(), ids[:, 1:][keep], reduction="sum"
                 )
                 total, count = total + ce.item(), count + int(keep.sum())
         return total / count if count else None
@@ -632,7 +632,20 @@ def _batches(model: nn.Module, calibration: Any, required: bool) -> list:
                 f"calibration {_describe(batch)} is one number, not a batch of sequences: {fix}"
             )
         _check_mask(model, batch)
-    return batches
+    return [_long_integers(batch) for batch in batches]
+
+
+def _long_integers(batch: Any) -> Any:
+    """``batch`` with its integer tensors (token ids, masks) as int64: ids of any integer
+    dtype read alike (torch's embedding takes int32 and int64 only, the loss int64)."""
+
+    def widen(x: Any) -> Any:
+        integer = isinstance(x, Tensor) and x.dtype != torch.bool and not x.is_floating_point()
+        return x.long() if integer and not x.is_complex() else x
+
+    if isinstance(batch, Mapping):
+        return {k: widen(v) for k, v in batch.items()}
+    return tuple(map(widen, batch)) if isinstance(batch, tuple) else widen(batch)
 
 
 def _check_mask(model: nn.Module, batch: Any) -> None:
