@@ -251,7 +251,9 @@ def test_latent_conversion_is_exact_at_full_rank_and_uptrains(trained, tmp_path)
     assert "attention.decoder_self_attention.design=mla" in overrides
     assert "++attention.decoder_self_attention.design_options.kv_latent_dim=32" in overrides
     assert "attention.cross_attention.num_kv_heads=4" in overrides
-    with pytest.raises(ValueError, match="set exactly one of num_kv_heads and kv_latent_dim"):
+    with pytest.raises(
+        ValueError, match="set exactly one of num_kv_heads, kv_latent_dim and cache_budget"
+    ):
         convert_checkpoint(trained, 2, kv_latent_dim=8)
 
 
