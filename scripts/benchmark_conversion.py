@@ -13,7 +13,11 @@ of 2 rotated features, the latent the rest) with the LM study's calibration (16 
   report's errors (one calibration pass, and each layer's output on it);
 * ``measured default``: nothing named: each layer converted 8 ways (SVD or PCA, with or
   without K/V balancing, per-group or one shared key), each scored by the model's loss on
-  the held-out 4 blocks (32 forward passes of 4 blocks), the best kept.
+  the held-out 4 blocks (32 forward passes of 4 blocks), the best kept;
+* ``measured budget``: ``cache_budget=1/ratio`` instead of ``r`` and ``rope_dim``: the 8
+  ways times each split the budget allows (per-group keys of one pair, R/8, R/4, R/2 of the
+  32 rotated features, or a shared key of 8 times that; the latent the rest): at 1/8, 2
+  splits (16 candidates a layer), at 1/4, 3 (24), at 1/2, 4 (32).
 
 Prints the median CPU seconds of each (``time.process_time``: on one thread the wall time
 of a quiet machine, and unmoved by other jobs sharing the cores) and their ratio to
@@ -51,10 +55,12 @@ def main() -> None:
     heads, head_dim, rope_dim = 8, 32, 2
     r = 2 * heads * head_dim // args.ratio - heads * rope_dim
     named = {"factorisation": "svd", "balance_kv": False, "rotary_key": "per_group"}
+    size = {"kv_latent": r, "rope_dim": rope_dim}
     ways = {
-        "weights only": {**named},
-        "named, calibrated": {**named, "calibration": calibration},
-        "measured default": {"calibration": calibration},
+        "weights only": {**size, **named},
+        "named, calibrated": {**size, **named, "calibration": calibration},
+        "measured default": {**size, "calibration": calibration},
+        "measured budget": {"cache_budget": 1 / args.ratio, "calibration": calibration},
     }
     cpu: dict[str, list[float]] = {way: [] for way in ways}
     wall: dict[str, list[float]] = {way: [] for way in ways}
@@ -62,7 +68,7 @@ def main() -> None:
         for way, options in ways.items():
             fresh = copy.deepcopy(model)
             start, start_cpu = time.perf_counter(), time.process_time()
-            convert_attention(fresh, kv_latent=r, rope_dim=rope_dim, **options)
+            convert_attention(fresh, **options)
             cpu[way].append(time.process_time() - start_cpu)
             wall[way].append(time.perf_counter() - start)
     base = statistics.median(cpu["named, calibrated"])

@@ -17,7 +17,10 @@ python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02
   SVD: issue 56's MLA),
   ``mla_pca`` (the latent from the PCA of the K/V outputs on the calibration batch),
   ``mla_pca_bkv`` (+ K/V balancing), ``mla_pca_bkv_shared`` (+ one rotary key shared by all
-  heads instead of one per K/V group). A latent of ``r`` beside ``rope_dim`` rotated
+  heads instead of one per K/V group); ``mla_budget``, the default given each layer's cache,
+  1/8, 1/4, 1/2 of MHA's, instead of ``r``: the rotary keys' width against the latent's is
+  measured with the other choices (``convert_attention(cache_budget=...)``; no grid below,
+  each layer's split in the row's ``chosen``). A latent of ``r`` beside ``rope_dim`` rotated
   features per K/V group (or a shared key of ``G * rope_dim``), ``r + G * rope_dim`` = 1/2,
   1/4, 1/8 of MHA's cache; of the ``rope_dim`` (and, for per-group keys, pair selections)
   tried, the one with the lowest loss on the calibration batch (16 training blocks, not the
@@ -51,10 +54,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from multihead.analysis.conversion_study import MLA_METHODS
+from multihead.analysis.conversion_study import BUDGET_METHOD, MLA_METHODS
 from multihead.attention import MultiHeadAttention
 from multihead.checkpoints import write_atomically
-from multihead.checkpoints.conversion import convert_attention
+from multihead.checkpoints.conversion import budget_numbers, convert_attention
 from multihead.data.lm import LanguageModelDataModule
 from multihead.data.tokenizer import Tokenizer
 from multihead.integrations.huggingface import replace_hf_attention
@@ -76,7 +79,8 @@ def cache_bytes(model) -> int:
 
 
 def convert(model, kind: str, value: int | None, calibration: dict, **options):
-    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or an MLA method)
+    """A converted deep copy of the swapped ``model`` (``kind``: mha, gqa or an MLA method;
+    ``value``: the K/V heads, the latent's ``r`` or, for the budget, the cache's fraction)
     and :func:`convert_attention`'s per-layer report (``[]`` for mha)."""
     model = copy.deepcopy(model)
     if kind == "mha":
@@ -84,7 +88,8 @@ def convert(model, kind: str, value: int | None, calibration: dict, **options):
     if kind == "gqa":
         return model, convert_attention(model, kv_heads=value, calibration=calibration)
     options = MLA_METHODS[kind] | options
-    return model, convert_attention(model, kv_latent=value, calibration=calibration, **options)
+    size = {"cache_budget": value} if kind == BUDGET_METHOD else {"kv_latent": value}
+    return model, convert_attention(model, **size, calibration=calibration, **options)
 
 
 def batch_loss(model, batch) -> float:
@@ -158,7 +163,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     total = results["train_steps"]
-    dashes = ("--", "-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 1)))
+    dashes = ("--", "-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 1)), (0, (3, 1, 1, 1)))
     styles = dict(zip(METHODS, dashes, strict=True))
     for row in results["rows"]:
         steps = sorted(int(s) for s in row["ppl"])
@@ -191,6 +196,8 @@ def table(results: dict) -> str:
             how = ""
         elif row["method"] == "gqa":
             how = f" (G={row['value']})"
+        elif row["method"] == BUDGET_METHOD:  # each layer's split: its row's "chosen"
+            how = f" (cache_budget={row['value']:g})"
         else:
             keys = row.get("rotary_key") or row.get("selection")  # shared, or the pairs
             how = f" (r={row['value']}, rope_dim={row.get('rope_dim')}, {keys})"
@@ -267,6 +274,15 @@ def main() -> None:
         budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
         for method in args.methods:
             name = f"{method} 1/{ratio}"
+            if method == BUDGET_METHOD:  # the split measured by convert_attention itself
+                try:
+                    for attn in layers:
+                        budget_numbers(attn, 1 / ratio)
+                except ValueError as error:
+                    unreachable.append({"name": name, "why": str(error)})
+                    continue
+                plan.append((name, method, 1 / ratio, {}))
+                continue
             if method == "gqa":
                 if kv_heads % ratio == 0:
                     plan.append((name, "gqa", kv_heads // ratio, {}))

@@ -31,7 +31,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # with oneDNN int8 agrees much less with fp32: the int8 export of the toy model in
 # tests/deploy/test_export.py agrees with ours on 28/100 outputs on an AMD EPYC with
 # oneDNN and on 84/100 there with MKL. Pin MKL (the x86-64 Linux wheel ships it) so int8
-# tests expect the same on every host; docs/results.md ("Deployment") measures both.
+# tests expect the same on every host; docs/results/deployment.md measures both.
 if sys.platform == "linux" and platform.machine() == "x86_64":
     os.environ.setdefault("CT2_USE_MKL", "1")
 

@@ -12,15 +12,22 @@ in training mode, under CPU autocast (``F.linear`` is what autocast casts), off 
 in a dtype other than the weight's.
 
 The copy follows its weight. It is made again when the parameter is another object
-(``load_state_dict(assign=True)``), its storage moved (``p.data = new``, a cast), or its
-dtype, device or version counter changed (``load_state_dict``, an in-place edit under
-``no_grad``); the copy holds the storage it was made from, so a new weight cannot reuse its
-address. It is dropped when the weight may change without a trace: at a call with autograd
-on (an optimiser step needs one first; a fused step changes the weight without moving its
-version counter), at ``train()``/``eval()`` and at a cast (``.to``, ``.float()``). What no
-check sees is an in-place edit of ``p.data`` (``p.data.copy_(new)``): ``.data`` has a
-version counter of its own. After one, ``model.eval()`` (or ``prepare_for_decoding(model)``
-again) makes every copy anew.
+(``load_state_dict(assign=True)``), its storage moved (``p.data = new``, a cast), its dtype,
+device or version counter changed (``load_state_dict``, an in-place edit under ``no_grad``),
+or any ``torch.optim.Optimizer`` has stepped since it was made: fused SGD, Adam, AdamW and
+Adagrad write the weight without moving its version counter, so a global step hook (registered
+when the first copy is made) counts steps and a copy older than the last step is made again.
+The copy holds the storage it was made from, so a new weight cannot reuse its address. It is
+dropped at ``train()``/``eval()`` and at a cast (``.to``, ``.float()``). What no check sees is
+a write that moves neither the storage nor the version counter outside an optimizer's
+``step``: an in-place edit of ``p.data`` (``p.data.copy_(new)``: ``.data`` has a version
+counter of its own), or a fused kernel called without an optimizer object (``torch.optim``'s
+functional ``adamw(..., fused=True)``). After one, ``model.eval()`` (or
+``prepare_for_decoding(model)`` again) makes every copy anew.
+
+Cost: one integer comparison per inference call beside the checks above, one integer
+increment per optimizer step in the process, and one reordering at the first inference call
+after a step.
 """
 
 from __future__ import annotations
@@ -30,6 +37,26 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+# Optimizer steps taken in this process since the hook was registered (its handle, None
+# before the first copy). A fused step moves no version counter, so a copy made before the
+# last step is stale.
+_optimizer_steps: int = 0
+_step_hook = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Register the step counter once, when the first copy is made: before any copy exists
+    no step can make one stale."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_step)
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -54,6 +81,7 @@ class PackedLinear(nn.Linear):
     _packed_from: Tensor | None = None  # the weight it was reordered from: its storage, kept
     _packed_param: weakref.ref | None = None  # the parameter it was reordered from
     _packed_version: int = -1  # the weight's version counter when it was reordered
+    _packed_steps: int = -1  # optimizer steps taken in the process when it was reordered
 
     def __getstate__(self) -> dict:
         # Copies and pickles leave the oneDNN copy behind (torch cannot copy its storage);
@@ -77,7 +105,7 @@ class PackedLinear(nn.Linear):
     def _is_current(self, weight: Tensor) -> bool:
         """Whether the copy was made from ``weight`` as it is now: the same parameter, the
         same storage (held by ``_packed_from``, so no new tensor can take its address), dtype,
-        device and version."""
+        device and version, and no optimizer step since."""
         source = self._packed_from
         return (
             self._packed is not None
@@ -87,30 +115,31 @@ class PackedLinear(nn.Linear):
             and weight.device == source.device
             and weight.shape == source.shape
             and weight._version == self._packed_version
+            and _optimizer_steps == self._packed_steps
         )
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
-        if torch.is_grad_enabled():
-            self._drop()  # a step may follow that changes the weight without a trace
-            return F.linear(x, weight, self.bias)
         if (
-            self.training
+            torch.is_grad_enabled()
+            or self.training
             or torch.is_autocast_enabled("cpu")
             or x.dtype != weight.dtype
             or not can_pack(weight)
         ):
             return F.linear(x, weight, self.bias)
         if not self._is_current(weight):
+            _watch_optimizer_steps()
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._packed_from = weight.detach()
             self._packed_param = weakref.ref(weight)
             self._packed_version = weight._version
+            self._packed_steps = _optimizer_steps
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
 # What a PackedLinear holds beside nn.Linear's state: left behind by copies, freed by unpacking.
-_PACKED = ("_packed", "_packed_from", "_packed_param", "_packed_version")
+_PACKED = ("_packed", "_packed_from", "_packed_param", "_packed_version", "_packed_steps")
 
 
 def pack_linears(model: nn.Module) -> list[str]:

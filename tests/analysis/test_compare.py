@@ -56,6 +56,13 @@ def summary(kind: str, heads: int, kv: int, **figures) -> dict:
     }
 
 
+def keep_config(run_dir: Path, seed: int | None = None) -> None:
+    """The config training saves in the run directory (a run without one is refused)."""
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    if not (run_dir / ".hydra" / "config.yaml").is_file():
+        (run_dir / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+
+
 def when(start: float, end: float, host: str = "node1") -> dict:
     """summary.json's run/start, run/end (hours after midnight) and run/host."""
     return {
@@ -78,6 +85,7 @@ def runs_dir(tmp_path: Path) -> Path:
         figures |= when(hour, hour + 1)  # one after another: their own speeds are comparable
         (root / job).mkdir(parents=True)
         (root / job / "summary.json").write_text(json.dumps(figures))
+        keep_config(root / job)
     for job in ("0", "2"):
         (root / job / "csv").mkdir()
         (root / job / "csv" / "metrics.csv").write_text(METRICS_CSV)
@@ -111,6 +119,7 @@ def headline_dir(tmp_path: Path) -> Path:
             figures["test/bleu"] = 20.0 + delta
             (root / f"{name}_s{seed}").mkdir(parents=True)
             (root / f"{name}_s{seed}" / "summary.json").write_text(json.dumps(figures))
+            keep_config(root / f"{name}_s{seed}", seed)
             hour += 0.5
     return root
 
@@ -230,6 +239,18 @@ def test_empty_or_missing_runs_dir_is_an_error(tmp_path: Path) -> None:
         compare(tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    ("switch", "message"),
+    [({"speed": "no"}, "speed must be a bool, got 'no'"),
+     ({"wandb_log": "off"}, "wandb must be a bool, got 'off'")],
+)  # fmt: skip
+def test_a_switch_takes_a_bool_only(tmp_path: Path, switch, message) -> None:
+    """speed="no" measured the speed, a truthy string (issue 84)."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        compare(tmp_path / "out", runs=tmp_path, **switch)
+    assert not (tmp_path / "out").exists()
+
+
 def test_wandb_group_offline_is_an_error(monkeypatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     with pytest.raises(ValueError, match="group=sweep1 reads runs from the wandb API"):
@@ -288,9 +309,10 @@ def test_seeds_pair_with_mha_of_their_own_seed(tmp_path: Path) -> None:
         figures = summary(kind, 4, kv, **{"test/bleu": bleu}, **when(hour, hour + 1))
         if job == "gqa_s2":  # a run from before summary.json held the seed: Hydra's config
             (root / job / ".hydra").mkdir()
-            (root / job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\nother: 1\n")
+            (root / job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
         else:
             figures["seed"] = seed
+            keep_config(root / job, seed)
         (root / job / "summary.json").write_text(json.dumps(figures))
     out = tmp_path / "out"
     runs, _ = compare(out, runs=root)
@@ -456,6 +478,7 @@ def test_speed_true_measures_every_run_side_by_side(
         (root / job / "checkpoints").mkdir(parents=True)
         figures = summary(kind, 4, kv, **when(0, 1), seed=1)  # overlapping runs
         (root / job / "summary.json").write_text(json.dumps(figures))
+        keep_config(root / job, 1)
     shutil.copy(ckpt, root / "mha" / "checkpoints" / "last.ckpt")
     convert_kv_heads(ckpt, 1, root / "mqa" / "checkpoints" / "last.ckpt")
     options = {"rounds": 1, "limit": 8, "train_sentences": 16, "max_tokens": 256, "threads": 1}
@@ -512,7 +535,7 @@ def test_wandb_true_logs_into_the_group_the_runs_recorded(
     for job in ("0", "1", "2"):
         path = runs_dir / job / "summary.json"
         path.write_text(json.dumps(json.loads(path.read_text()) | {"run/wandb_group": "sw-1"}))
-        (runs_dir / job / ".hydra").mkdir()
+        (runs_dir / job / ".hydra").mkdir(exist_ok=True)
         (runs_dir / job / ".hydra" / "config.yaml").write_text(
             "wandb_group: sw-${path_name:${hydra:sweep.dir}}\n"
         )
@@ -584,7 +607,8 @@ def test_wandb_true_logs_the_tables_and_plots_to_a_run_of_its_own(
 def test_mha_shaped_designs_are_compared_with_plain_mha_not_taken_for_it() -> None:
     """Differential attention and ALiBi are MHA-shaped (kind "mha"); the reference is the
     plain layer, whose tag names no design or positional part."""
-    from multihead.analysis.runs import RunResult, is_mha, mha_baseline
+    from multihead.analysis.groups import is_mha, mha_baseline
+    from multihead.analysis.runs import RunResult
 
     def run(tag: str) -> RunResult:
         return RunResult(tag, {"kind": "mha", "tag": tag, "num_heads": 8, "seed": 1})
@@ -677,3 +701,74 @@ def test_pool_despite_pools_seeds_that_differ_in_a_named_key_and_the_report_says
     with pytest.raises(ValueError, match=r"^pool_despite names module.decy, but no seeds"):
         compare(tmp_path / "out3", runs=root, pool_despite=["module.decay", "module.decy"])
     assert not (tmp_path / "out3").exists()
+
+
+def test_seeds_on_another_cpu_model_are_pooled_only_when_the_user_says(
+    headline_dir: Path, tmp_path: Path
+) -> None:
+    """Seed 3 of MQA ran on another CPU model (run/cpu): refused by name, pooled with
+    pool_despite=[cpu], and the report says so."""
+    path = headline_dir / "mqa_s3" / "summary.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"run/cpu": "Other CPU"}))
+    with pytest.raises(ValueError) as error:
+        compare(tmp_path / "out", runs=headline_dir)
+    message = str(error.value)
+    assert "pooled as seeds of 'mqa' but ran on cpu None and 'Other CPU' (run/cpu)" in message
+    assert "\n" not in message and not (tmp_path / "out").exists()
+    compare(tmp_path / "out", runs=headline_dir, pool_despite=["cpu"])
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "configs differ in cpu (pool_despite" in md
+
+
+def test_a_run_without_its_config_is_refused_not_pooled(headline_dir: Path, tmp_path: Path):
+    """Trained with hydra.output_subdir=null: nothing to check it against; refused by its
+    directory in one line, before anything is written."""
+    shutil.rmtree(headline_dir / "gqa84_s2" / ".hydra")
+    result = run_script("compare.py", f"runs={headline_dir}", f"out={tmp_path / 'out'}")
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{headline_dir / 'gqa84_s2'}: no saved config" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_kept_record_holds_its_config_and_curves_beside_its_summary(tmp_path: Path) -> None:
+    """docs/long_context/runs keeps each run flat: summary.json, config.yaml (Hydra's
+    .hydra/config.yaml) and metrics.csv (csv/metrics.csv) side by side."""
+    run = tmp_path / "runs" / "mha_s1"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary("mha", 4, 4)))
+    (run / "config.yaml").write_text("seed: 7\n")
+    (run / "metrics.csv").write_text(METRICS_CSV)
+    (found,) = load_local_runs(tmp_path / "runs")
+    assert found.config == {"seed": 7} and found.seed == 7
+    assert found.curves["val/bleu"] == [(19, 1.5), (39, 2.5)]
+
+
+def test_the_declared_family_is_read_for_translation_too(headline_dir: Path, tmp_path: Path):
+    """The family names three designs against MHA: Holm over those three (by hand from the
+    unadjusted p's in the table), the two MLA designs and the contrast exploratory, their
+    p's unadjusted and apart."""
+    family = tmp_path / "family.yaml"
+    family.write_text(
+        "declared: '2025-12-31T00:00:00+00:00'\ncommit: abc1234\ntests:\n"
+        "  - task: translation\n    baseline: mha\n    designs: [gqa84, gqa82, mqa]\n"
+        "    metrics: [test/bleu]\n"
+    )
+    compare(tmp_path / "out", runs=headline_dir, family=str(family))
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    means = md.split("## Means over seeds")[1].split("## Designs of one KV-cache size")[0]
+    cells = {
+        row.split(" | ")[0][2:]: row.split(" | ")
+        for row in means.splitlines()
+        if row.startswith("| ") and not row.startswith("| configuration")
+    }
+    raw = {name: float(cells[name][7]) for name in ("gqa84", "gqa82", "mqa")}
+    ordered = sorted(raw, key=raw.get)
+    steps = [min(1.0, (3 - i) * raw[name]) for i, name in enumerate(ordered)]
+    for i, name in enumerate(ordered):
+        assert abs(float(cells[name][8]) - max(steps[: i + 1])) < 1.5e-3, cells[name]
+    for name in ("mla16", "mla32"):
+        assert cells[name][8] == "–" and cells[name][11].startswith("exploratory (unadjusted p")
+    held = md.split("## The family of tests")[1]
+    assert "whole family of 3 tests declared in" in held
+    assert "| translation | mqa | mla32 | test/bleu |" in held.split("### Exploratory tests")[1]

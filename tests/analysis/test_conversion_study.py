@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from multihead.analysis.conversion_study import (
     MLA_METHODS,
     check_study,
+    conversion_target,
     mla_options,
     paired_block_tests,
     paired_sentence_tests,
@@ -105,9 +106,11 @@ def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
     assert set(chosen) == {f"decoder_layers.{i}.{a}" for a in ("cross_attn", "self_attn")
                            for i in (0, 1)}  # fmt: skip
     assert chosen["decoder_layers.0.self_attn"] == {
+        "kv_latent": 32,
         "factorisation": "pca",
         "balance_kv": False,
         "rotary_key": "shared",
+        "rope_dim": 32,
     }
     composed = compose_config(
         "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
@@ -128,7 +131,7 @@ def test_the_fixed_methods_name_every_choice_and_the_default_none() -> None:
     """Issue 74: a fixed row is exactly its choices (nothing measured); mla_default leaves
     them all to the measurement, on the calibration batches, with per-group keys' rope_dim."""
     for method, options in MLA_METHODS.items():
-        if method != "mla_default":
+        if method not in ("mla_default", "mla_budget"):
             assert set(options) == {"factorisation", "balance_kv", "rotary_key"}
     assert mla_options("unused.ckpt", "mla_default", 4, "high", 8, "data") == {
         "calibration_batches": 8,
@@ -136,6 +139,61 @@ def test_the_fixed_methods_name_every_choice_and_the_default_none() -> None:
         "rope_dim": 4,
         "selection": "high",
     }
+    # The budget measures the rotary keys' width too: no rope_dim (issue 84).
+    assert mla_options("unused.ckpt", "mla_budget", 4, "high", 8, "data") == {
+        "calibration_batches": 8,
+        "local_dir": "data",
+    }
+
+
+def test_a_checkpoint_converts_within_a_cache_budget_and_its_overrides_rebuild_it(
+    rope_run, tmp_path, multi30k_dir, capsys
+) -> None:
+    """Issue 84, through the CLI's function: each decoder sublayer (4 K/V heads of D = 8, 64
+    numbers, 256 bytes a token) at 1/2, 32 numbers: the rotary self-attention's per-group keys
+    of 2 or 4 features (4 groups: 8 or 16 numbers) or one shared key of 8 or 16, the latent
+    the rest (24 or 16); cross-attention's all latent (32). Measured on the run's own first 2
+    training batches; the record names each layer's split; the overrides rebuild it. The
+    study's targets: 1/4 reachable (16 numbers: keys of 8 leave 8), 1/8 not (8 numbers)."""
+    written, overrides = convert_kv_heads(
+        rope_run, None, tmp_path / "budget.ckpt", cache_budget=0.5, calibration_batches=2,
+        local_dir=str(multi30k_dir),
+    )  # fmt: skip
+    new = load_trained_model(written).model
+    for layer in new.decoder_layers:
+        assert layer.self_attn.kv_cache_bytes_per_token() == 128
+        assert layer.cross_attn.kv_cache_bytes_per_token() == 128
+    info = torch.load(written, map_location="cpu", weights_only=False)["multihead"]
+    assert info["converted_from"]["cache_budget"] == 0.5
+    chosen = info["converted_from"]["chosen"]
+    first = chosen["decoder_layers.0.self_attn"]
+    keys = first["rope_dim"] * (4 if first["rotary_key"] == "per_group" else 1)
+    assert (first["kv_latent"], keys) in ((24, 8), (16, 16))
+    assert chosen["decoder_layers.0.cross_attn"]["kv_latent"] == 32
+    composed = compose_config(
+        "train", [*overrides, f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}"]
+    )
+    tok = load_trained_model(written).tokenizer
+    rebuilt = build_model(
+        OmegaConf.to_container(composed, resolve=True), tok.vocab_size, tok.pad_id
+    ).eval()
+    assert rebuilt.head_config == new.head_config
+    rebuilt.load_state_dict(new.state_dict())
+    assert conversion_target(rope_run, "mla_budget", 2, 4) == {"cache_budget": 0.5}
+    assert conversion_target(rope_run, "mla_budget", 4, 4) == {"cache_budget": 0.25}
+    assert conversion_target(rope_run, "mla_budget", 8, 4) is None
+    # The CLI: a budget it cannot spend, in one line, nothing written.
+    line = fails_in_one_line(
+        script_main, capsys, "convert_kv_heads.py", "convert", f"ckpt={rope_run}",
+        "cache_budget=0.125", "calibration_batches=2", f"local_dir={multi30k_dir}",
+        f"out={tmp_path / 'x.ckpt'}",
+    )  # fmt: skip
+    assert line == (
+        "error: cache_budget=0.125 allows decoder_layers.0.self_attn 32 bytes per token, too "
+        "few for any split: its narrowest rotary keys take 32 bytes, and a latent needs at "
+        "least 4 more"
+    )
+    assert not (tmp_path / "x.ckpt").exists()
 
 
 def test_per_kind_latent_is_refused_unless_it_names_every_kind(rope_run, tmp_path) -> None:
@@ -227,12 +285,18 @@ def test_bad_settings_are_refused(methods, ratios, fractions, message) -> None:
         check_study(methods, ratios, fractions)
 
 
-def test_script_refuses_bad_ratio_in_one_line(tmp_path, capsys) -> None:
+def test_script_refuses_a_bad_ratio_or_switch_in_one_line(tmp_path, capsys) -> None:
     line = fails_in_one_line(
         script_main, capsys, "conversion_study.py", "conversion_study",
         f"ckpt={tmp_path / 'a.ckpt'}", f"out={tmp_path / 'study'}", "ratios=[3,1]",
     )  # fmt: skip
     assert line == "error: ratios: 1 is not an integer >= 2 (cache 1/k of MHA's)"
+    assert not (tmp_path / "study").exists()
+    line = fails_in_one_line(
+        script_main, capsys, "conversion_study.py", "conversion_study",
+        f"ckpt={tmp_path / 'a.ckpt'}", f"out={tmp_path / 'study'}", "distill=no",
+    )  # fmt: skip
+    assert line == "error: distill must be a bool, got 'no'"
     assert not (tmp_path / "study").exists()
 
 

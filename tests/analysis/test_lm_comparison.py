@@ -1,17 +1,21 @@
 """The long-context comparison from run records: differences against MHA paired by seed,
 tested over seeds (the t-test and Holm of the translation comparison), the speed rows of
 the checkpoint benchmark beside them, the files written; mixing translation runs with LM
-runs, or two runs of one design and seed, refused by name."""
+runs, or two runs of one design and seed, refused by name. The declared family of tests
+(Holm over it, a test added after it exploratory), the learning-rate grid, the order at the
+last two evaluations, and runs that cannot be pooled (no saved config, another thread
+count) refused by name."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from multihead.analysis.comparison import compare
-from multihead.analysis.lm_comparison import pareto_setting
+from multihead.analysis.plots import pareto_setting
 
 LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
     "mha": {1: (2.00, 2.50, 1.80), 2: (2.10, 2.55, 1.90), 3: (2.05, 2.52, 1.85)},
@@ -21,13 +25,17 @@ LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
 CACHE = {"mha": 4096, "gqa": 1024, "mqa": 512}
 
 
-def write_run(root: Path, design: str, seed: int, summary: dict) -> None:
+def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-3) -> Path:
     run = root / f"{design}_s{seed}"
     run.mkdir(parents=True)
     base = {"kind": design, "run_name": f"lm-{design}8-rope_sdpa", "seed": seed, "steps": 3,
-            "params/total": 1000, "params/attention": 100,
+            "params/total": 1000, "params/attention": 100, "run/threads": 1,
             "kv_cache/bytes_per_token": CACHE[design]}  # fmt: skip
     (run / "summary.json").write_text(json.dumps({**base, **summary}))
+    (run / ".hydra").mkdir()
+    config = f"seed: {seed}\nmodule:\n  optimizer:\n    lr: {lr}\n"
+    (run / ".hydra" / "config.yaml").write_text(config)
+    return run
 
 
 @pytest.fixture
@@ -53,6 +61,10 @@ def test_each_design_is_tested_against_the_mha_run_of_its_seed(lm_runs, tmp_path
     assert [p.name for p in paths] == [
         "long_context.md",
         "long_context.csv",
+        "equal_terms.csv",
+        "learning_curves.csv",
+        "tests.csv",
+        "learning_curves_lm.png",
         "long_context_pareto.png",
     ]
     text = paths[0].read_text()
@@ -66,6 +78,7 @@ def test_each_design_is_tested_against_the_mha_run_of_its_seed(lm_runs, tmp_path
     assert "| 128 x 2 | 1.00 (0.90-1.20) | 4.00 (1.00-5.00) |" in text
     # Context use by hand: MHA seed 1: 1 - 1.80 / 2.50 = 28.00%.
     assert "| mha | +28.00%, +25.49%, +26.59% |" in text
+    assert "Held-out loss by source package" not in text  # these runs logged none
     csv_lines = paths[1].read_text().splitlines()
     assert len(csv_lines) == 1 + 9 and csv_lines[0].startswith("task,design,seed,val/loss")
 
@@ -75,8 +88,7 @@ def test_translation_runs_and_repeated_seeds_are_refused(lm_runs, tmp_path):
     (lm_runs / "translation" / "summary.json").write_text(json.dumps({"val/bleu": 20.0, "seed": 1}))
     with pytest.raises(ValueError, match="9 of the 10 runs are decoder-only LM or MQAR runs"):
         compare(tmp_path / "out", runs=lm_runs)
-    (lm_runs / "translation" / "summary.json").unlink()
-    (lm_runs / "translation").rmdir()
+    shutil.rmtree(lm_runs / "translation")
     write_run(lm_runs / "again", "gqa", 2, {"val/loss": 2.0, "val/loss@0-63": 2.0,
                                              "val/loss@64-127": 2.0})  # fmt: skip
     with pytest.raises(ValueError, match="two lm-gqa8-rope_sdpa runs with seed 2"):
@@ -94,3 +106,210 @@ def test_the_pareto_speed_is_read_where_the_most_tokens_are_cached_per_step():
     assert pareto_setting(rows) == (8192, 8)  # 65,536 cached tokens a step against 32,768
     rows += [{"context": 16384, "batch": 4, "ms": 1.0}, {"context": 65536, "batch": 2}]
     assert pareto_setting(rows) == (16384, 4)  # a tie goes to the longer context; no ms: skipped
+
+
+def family_file(path: Path, tests: str, declared: str = "2026-01-01T00:00:00+00:00") -> Path:
+    path.write_text(f"declared: '{declared}'\ncommit: abc1234\ntests:\n{tests}")
+    return path
+
+
+FAMILY = """\
+  - task: lm
+    baseline: lm-mha8-rope_sdpa
+    designs: [lm-gqa8-rope_sdpa, lm-mqa8-rope_sdpa]
+    metrics: [val/loss, val/loss@64-127]
+  - task: lm
+    baseline: lm-mha8-rope_sdpa
+    designs: [lm-mla8-rope_sdpa]
+    metrics: [val/loss]
+"""
+
+
+def section(text: str, title: str) -> str:
+    return text.split(title)[1].split("\n## ")[0].split("\n### ")[0]
+
+
+def test_holm_runs_over_the_declared_family_and_a_setting_added_after_is_exploratory(
+    lm_runs, tmp_path
+):
+    """Five declared tests (four with runs, MLA's without: p = 1 in the family): Holm over
+    all five, checked against the project's Holm on the same p's, written out here. The
+    bucket at 0-63 is in no entry: exploratory, its p unadjusted. Then the 0-63 bucket is
+    added to the file after the declaration (added:): still exploratory."""
+    family = family_file(tmp_path / "family.yaml", FAMILY)
+    _, paths = compare(tmp_path / "out", runs=lm_runs, family=family)
+    text = paths[0].read_text()
+    held = section(text, "## The family of tests")
+    assert "whole family of 5 tests declared in" in held
+    assert "1 declared tests have no runs yet (each counts as p = 1): lm lm-mla8-rope_sdpa" in held
+    rows = {
+        (cells[2], cells[4]): cells
+        for line in held.splitlines()
+        if line.startswith("| lm |")
+        for cells in [[c.strip() for c in line.split("|")]]
+    }
+    # The paired t-test's p of each tested pair, from the report; Holm by hand over them
+    # and MLA's 1: the i-th smallest of m = 5 times (m - i), the running maximum, capped.
+    tested = [("gqa", "val/loss"), ("mqa", "val/loss"), ("gqa", "val/loss@64-127"),
+              ("mqa", "val/loss@64-127")]  # fmt: skip
+    raw = sorted([float(rows[k][6]) for k in tested] + [1.0])
+    steps = [min(1.0, (5 - i) * p) for i, p in enumerate(raw)]
+    by_hand = {p: max(steps[: i + 1]) for i, p in enumerate(raw)}
+    for k in tested:
+        assert abs(float(rows[k][7]) - by_hand[float(rows[k][6])]) < 1.5e-3, (k, rows[k])
+    explore = section(text, "### Exploratory tests")
+    assert "| lm | gqa | mha | val/loss@0-63 |" in explore
+    assert "exploratory (unadjusted p" in explore
+    added = FAMILY + """\
+  - task: lm
+    baseline: lm-mha8-rope_sdpa
+    designs: [lm-gqa8-rope_sdpa]
+    metrics: [val/loss@0-63]
+    added: '2026-02-01T00:00:00+00:00'
+"""
+    family_file(family, added)
+    _, paths = compare(tmp_path / "out", runs=lm_runs, family=family)
+    text = paths[0].read_text()
+    assert "| lm | gqa | mha | val/loss@0-63 |" in section(text, "### Exploratory tests")
+    assert "whole family of 5 tests" in text
+    family.write_text("declared: 2026-01-01\ntests: []\n")
+    with pytest.raises(ValueError, match=r"declared='2026-01-01'|declared=datetime.date"):
+        compare(tmp_path / "out", runs=lm_runs, family=family)
+
+
+def test_a_run_without_a_saved_config_is_refused_by_its_directory(lm_runs, tmp_path):
+    """hydra.output_subdir=null: no .hydra/config.yaml, nothing to check pooling against."""
+    shutil.rmtree(lm_runs / "gqa_s2" / ".hydra")
+    with pytest.raises(ValueError) as error:
+        compare(tmp_path / "out", runs=lm_runs)
+    message = str(error.value)
+    assert message.startswith(f"{lm_runs / 'gqa_s2'}: no saved config") and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_seeds_on_other_thread_counts_are_pooled_only_when_the_user_says(lm_runs, tmp_path):
+    path = lm_runs / "mqa_s3" / "summary.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"run/threads": 2}))
+    with pytest.raises(ValueError, match=r"pooled as seeds of 'lm-mqa8-rope_sdpa' but ran on "
+                       r"threads 1 and 2 \(run/threads\)"):  # fmt: skip
+        compare(tmp_path / "out", runs=lm_runs)
+    _, paths = compare(tmp_path / "out", runs=lm_runs, pool_despite=["threads"])
+    assert "pooled although their configs differ in threads (pool_despite" in paths[0].read_text()
+
+
+def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tmp_path):
+    """GQA also at two more rates: the rate with the lowest mean select/loss is chosen (here
+    1e-3, inside the grid), and the tests read only its runs; a best rate at the edge says
+    so. Runs of one rate lacking the figure are refused by name."""
+    for run_dir in lm_runs.iterdir():
+        path = run_dir / "summary.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"select/loss": 2.5}))
+    for lr, select in ((1e-3, 2.0), (3e-4, 2.2)):
+        for seed in (1, 2, 3):
+            write_run(lm_runs / f"lr{lr}", "gqa", seed, {
+                "val/loss": 9.0, "val/loss@0-63": 9.0, "val/loss@64-127": 9.0,
+                "select/loss": select}, lr=lr)  # fmt: skip
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    grid = section(paths[0].read_text(), "## Learning rates")
+    assert "| gqa | 0.001 | 3 | select/loss | 2.0000 | **chosen** |" in grid
+    assert "| gqa | 0.003 | 3 | select/loss | 2.5000 |  |" in grid
+    assert "| mha | 0.003 | 3 | select/loss | 2.5000 | one grid point" in grid
+    # the chosen rate's runs (val/loss 9.0) are what the tests read: Δ 7.00, 6.90, 6.95
+    assert "+7.0000, +6.9000, +6.9500" in paths[0].read_text()
+    for seed in (1, 2, 3):  # now the best is the smallest rate: the grid's edge
+        path = lm_runs / "lr0.0003" / f"gqa_s{seed}" / "summary.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"select/loss": 1.0}))
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    assert "(at the grid's edge: extend the grid)" in paths[0].read_text()
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "select/loss"}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"those at 0.0003 have no select/loss to choose by"):
+        compare(tmp_path / "out", runs=lm_runs)
+    with pytest.raises(ValueError, match=r"^grid=\{'lmm': 'select/loss'\}: expected the figure"):
+        compare(tmp_path / "out", runs=lm_runs, grid={"lmm": "select/loss"})
+
+
+def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_path):
+    """MQA is above MHA at the last evaluation but was below it at the one before (its
+    curve crossed): its verdict says it is still moving; GQA's order held."""
+    curves = {  # design: (loss at step 10, at step 20) for every seed
+        "mha": (3.0, 2.0), "gqa": (3.1, 2.05), "mqa": (2.9, 2.2),
+    }  # fmt: skip
+    for design, (early, late) in curves.items():
+        for seed in (1, 2, 3):
+            rows = "step,val/loss\n" + f"10,{early}\n20,{late}\n"
+            (lm_runs / f"{design}_s{seed}" / "csv").mkdir()
+            (lm_runs / f"{design}_s{seed}" / "csv" / "metrics.csv").write_text(rows)
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    overall = paths[0].read_text().split("**val/loss**")[-1].split("**val/loss@")[0]
+    mqa = next(line for line in overall.splitlines() if line.startswith("| mqa"))
+    gqa = next(line for line in overall.splitlines() if line.startswith("| gqa"))
+    assert mqa.endswith("| still moving: about learning speed at this budget |")
+    assert not gqa.endswith("still moving: about learning speed at this budget |")
+
+
+def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, monkeypatch):
+    """Offline: the long-context comparison's wandb run holds its tables (the runs, the
+    equal terms, every run's curve points, every test) as the CSVs beside the report."""
+    import csv
+
+    for design in LOSSES:
+        for seed in (1, 2, 3):
+            rows = "step,val/loss\n10,3.0\n20,2.5\n"
+            (lm_runs / f"{design}_s{seed}" / "csv").mkdir()
+            (lm_runs / f"{design}_s{seed}" / "csv" / "metrics.csv").write_text(rows)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    compare(out, runs=lm_runs, wandb_log=True, wandb_group="lc")
+    (files,) = (out / "wandb").glob("offline-run-*/files")
+    counts = {}
+    for name in ("long_context", "equal_terms", "learning_curves", "tests"):
+        (table_file,) = (files / "media" / "table").glob(f"{name}_*.table.json")
+        table = json.loads(table_file.read_text())
+        with open(out / f"{name}.csv", newline="") as f:
+            header, *rows = list(csv.reader(f))
+        assert table["columns"] == header and len(table["data"]) == len(rows)
+        counts[name] = len(rows)
+    # nine runs, one curve of two evaluations each; three designs described; two designs
+    # against MHA on three figures
+    assert (counts["learning_curves"], counts["equal_terms"], counts["tests"]) == (18, 3, 6)
+
+
+def test_a_control_of_one_run_name_is_its_own_design_by_split_by(lm_runs, tmp_path):
+    """A parameter-matched GQA (wider FFN) tags itself as GQA does: pooled with GQA it is
+    refused; split_by=[model.ffn_dim] makes it a design of its own, which the family names
+    by a glob, and which is tested against MHA as declared. GQA keeps its plain name: most
+    runs of that name (three against two) hold its FFN."""
+    for seed in (1, 2):
+        run = write_run(lm_runs / "control", "gqa", seed, {
+            "val/loss": 2.0, "val/loss@0-63": 2.5, "val/loss@64-127": 1.8})  # fmt: skip
+        config = run / ".hydra" / "config.yaml"
+        config.write_text(config.read_text() + "model:\n  ffn_dim: 608\n")
+    with pytest.raises(ValueError, match=r"differ in model.ffn_dim \(608 against None\)"):
+        compare(tmp_path / "out", runs=lm_runs)
+    family = family_file(tmp_path / "family.yaml", """\
+  - task: lm
+    baseline: lm-mha8-rope_sdpa
+    designs: ["lm-gqa8-rope_sdpa {model.ffn_dim=*}"]
+    metrics: [val/loss]
+""")  # fmt: skip
+    _, paths = compare(tmp_path / "out", runs=lm_runs, split_by=["model.ffn_dim"],
+                       family=family)  # fmt: skip
+    held = section(paths[0].read_text(), "## The family of tests")
+    assert "whole family of 1 tests" in held
+    (row,) = [line for line in held.splitlines() if line.startswith("| lm |")]
+    assert row.startswith("| lm | gqa (lm-gqa8-rope_sdpa {model.ffn_dim=608}) | mha | val/loss |")
+
+
+def test_the_held_out_loss_of_each_package_is_reported(lm_runs, tmp_path):
+    """Runs that log val/loss/NAME per source package: each design's mean over its seeds,
+    here MHA's sympy loss (2.0, 2.1, 2.3) at 2.1333."""
+    for design in LOSSES:
+        for seed, sympy in zip((1, 2, 3), (2.0, 2.1, 2.3), strict=True):
+            path = lm_runs / f"{design}_s{seed}" / "summary.json"
+            figures = {"val/loss/sympy": sympy, "val/loss/django": 3.0}
+            path.write_text(json.dumps(json.loads(path.read_text()) | figures))
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    text = paths[0].read_text()
+    assert "| design | django | sympy |" in text
+    assert "| mha | 3.0000 | 2.1333 |" in text

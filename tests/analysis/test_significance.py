@@ -63,6 +63,8 @@ def write_run(root: Path, name: str, kind: str, kv: int, seed: int, lines: list[
     }
     (run / "summary.json").write_text(json.dumps(summary))
     (run / hyp).write_text("".join(f"{line}\n" for line in lines))
+    (run / ".hydra").mkdir(exist_ok=True)  # the config training keeps (one without is refused)
+    (run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
 
 
 def lc_tok_by_hand(lines: list[str]) -> list[str]:
@@ -342,7 +344,6 @@ def test_references_default_to_the_test_split_the_runs_name(
     write_run(root, "mha", "mha", 4, 1, system(references, 3, 0), "hypotheses.test.txt")
     write_run(root, "gqa", "gqa", 2, 1, system(references, 2, 1), "hypotheses.test.txt")
     for job in ("mha", "gqa"):
-        (root / job / ".hydra").mkdir()
         (root / job / ".hydra" / "config.yaml").write_text(
             f"seed: 1\ndata:\n  name: bentrevett/multi30k\n  src_lang: en\n  tgt_lang: de\n"
             f"  local_dir: {multi30k_dir}\n  test_limit: {N}\n  cache_dir: ${{paths.cache_dir}}\n"

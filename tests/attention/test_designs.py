@@ -269,3 +269,69 @@ def test_runs_of_two_settings_of_an_option_get_two_tags(outside):
         == "_".join(f"{part}-mha4-shared3" for part in ("enc", "dec", "cross")) + "_sdpa"
     )
     assert len({run_tag(), run_tag(num_shared_heads=1), run_tag(num_shared_heads=2)}) == 3
+
+
+# Each built-in design at a setting where every option matters (MLA with its rotary key),
+# and for each of its constructor's options a value that computes differently. A new option
+# without an entry fails the test: its tag must tell it apart, or the entry says why not.
+TAG_SETTINGS = {
+    "mla": (
+        {"kv_latent_dim": 16, "rotary_dim": 4},
+        {"qk_head_dim": 2, "v_head_dim": 2, "softmax_scale": 0.5, "kv_latent_dim": 8,
+         "kv_latent_norm": True, "rotary_dim": 8, "rope_theta": 500.0, "rope_interleaved": True,
+         "rope_inv_freq": [0.5, 0.25], "rope_kv_heads": 2, "q_latent_dim": 8},
+    ),
+    "moh": ({"top_k_heads": 2}, {"top_k_heads": 1, "num_shared_heads": 1}),
+    "talking_heads": ({"backend": "math"}, {}),
+    "group_mlp": ({}, {"mixing_groups": 4}),
+    "head_attention": ({}, {}),
+    "diff": ({}, {"lambda_init": 0.5, "norm_eps": 0.5}),
+}  # fmt: skip
+BUILT_IN = sorted(n for n, c in DESIGNS.items() if c.__module__.startswith("multihead."))
+
+
+@pytest.mark.parametrize("design", BUILT_IN)
+def test_each_option_of_a_design_that_computes_differently_changes_its_tag(design):
+    """docs/reuse.md: two settings that compute differently get two tags (compare.py pools
+    runs of one tag as seeds of one model). MLA's widths and scale (qk_head_dim, v_head_dim,
+    softmax_scale) and its rotary base, pairing and frequencies were left out of its tag;
+    at the defaults the tag is unchanged (``mla4r16``, ``mha4-diff``: kept runs still pool)."""
+    from multihead.attention.designs import _options
+
+    base, varied = TAG_SETTINGS[design]
+    assert varied.keys() == _options(DESIGNS[design]).keys()  # every option has a value
+    x = torch.randn(2, 5, E)
+
+    def built(**change):
+        layer = MultiHeadAttention(E, H, design=design, **{**base, **change}).eval()
+        torch.manual_seed(0)
+        with torch.no_grad():  # no part at its identity start (group_mlp's zero rows)
+            for p in layer.parameters():
+                p.normal_(0, 0.5)
+        return layer.head_tag, layer(x, is_causal=True)
+
+    tag, out = built()
+    for name, value in varied.items():
+        other_tag, other_out = built(**{name: value})
+        assert not torch.allclose(out, other_out), f"{name}={value!r} computes the same"
+        assert other_tag != tag, f"{design}: {name}={value!r} keeps the tag {tag}"
+
+
+def test_the_layers_rotary_options_change_its_tag():
+    """The layer's own rotary part (``rotary_dim``, ``rope_theta``, ``rope_interleaved``) was
+    ``-rope`` at every setting; rotating every feature at base 10,000 keeps ``-rope``."""
+    x = torch.randn(2, 5, E)
+
+    def built(**rotary):
+        torch.manual_seed(0)
+        layer = MultiHeadAttention(E, H, **rotary).eval()
+        return layer.head_tag, layer(x, is_causal=True)
+
+    tag, out = built(rotary_dim=4)
+    assert tag == "mha4-rope" == built(rotary_dim=4, rope_theta=10000.0)[0]  # D = 4: every one
+    tags = {tag}
+    for change in ({"rotary_dim": 2}, {"rope_theta": 500.0}, {"rope_interleaved": True}):
+        other_tag, other_out = built(**{"rotary_dim": 4, **change})
+        assert not torch.allclose(out, other_out) and other_tag not in tags, change
+        tags.add(other_tag)
+    assert built(rotary_dim=2)[0] == "mha4-rope2"

@@ -398,7 +398,8 @@ def test_head_design_names_and_active_fraction():
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_with_kv_heads_keeps_the_design(design):
-    layer = build(design)
+    # From H K/V heads, so that pooling to one is a change (to its own count it is refused).
+    layer = build(design, num_kv_heads=H)
     pooled = with_kv_heads(layer, 1)
     assert pooled.head_tag.split("-", 1)[1] == layer.head_tag.split("-", 1)[1]
     for name in ("head_gate", "head_mix"):
@@ -431,7 +432,11 @@ def test_with_kv_heads_keeps_the_design(design):
         ),
         ({"design": "group_mlp", "top_k_heads": 2}, r"'group_mlp' takes no option top_k_heads"),
         ({"design": "group_mlp", "mixing_groups": 3}, r"mixing_groups \(3\).*num_heads \(4\)"),
-        ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups"),
+        ({"design": "moh", "top_k_heads": 2, "groups": 2}, r"'moh' takes no option groups;"),
+        (
+            {"design": "moh", "top_k_heads": 2, "num_shared_head": 1},
+            r"'moh' takes no option num_shared_head \(closest: num_shared_heads\); its options",
+        ),
         ({"design": "moh", "top_k_heads": None}, r"head design 'moh' needs option top_k_heads"),
         # A design's options come with its name: none chooses it, none is "off" without it.
         ({"top_k_heads": 2}, r"options top_k_heads are a head design's, and design= names no"),

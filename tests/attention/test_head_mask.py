@@ -230,11 +230,15 @@ def test_pruning_twice_equals_masking_both_sets_of_heads(embed_dim, first, secon
 
 @pytest.mark.parametrize("convert", ["with_kv_heads", "with_kv_latent"])
 def test_kv_conversions_keep_the_head_mask(convert):
-    """25fe9c2 dropped it (0.26 off at with_kv_heads(H)); both keep every query head."""
+    """25fe9c2 dropped it (0.26 off at with_kv_heads(H)); both keep every query head. The
+    K/V heads come in identical pairs, so that pooling them into 2 is exact."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(16, 4).eval()
+    with torch.no_grad():
+        kv = layer.in_proj.weight[16:].view(2, 2, 2, 4, 16)  # (K/V, pair, head, D, E)
+        kv.copy_(kv[:, :, :1].expand_as(kv))
     layer.head_mask = torch.tensor([1.0, 0.0, 0.5, 1.0])
-    new = with_kv_heads(layer, 4) if convert == "with_kv_heads" else with_kv_latent(layer, 16)
+    new = with_kv_heads(layer, 2) if convert == "with_kv_heads" else with_kv_latent(layer, 16)
     x = torch.randn(2, 5, 16)
     assert new.head_mask is layer.head_mask
     with torch.no_grad():

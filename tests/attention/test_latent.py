@@ -247,7 +247,8 @@ def test_deepseek_widths_and_low_rank_query_decode_absorbed_as_the_full_pass():
     ).eval()  # fmt: skip
     assert layer.in_proj.weight.shape == (4 * 6, 5) and layer.out_proj.weight.shape == (24, 40)
     assert layer.design.up.weight.shape == (4 * (6 + 10), 8)
-    assert layer.head_tag == "mla4r8nq5rope4"
+    # Q/K heads D = 6 wide (not spelled), V heads 10, a digest of the interleaved pairs
+    assert re.fullmatch(r"mla4r8nq5rope4v10-[0-9a-f]{6}", layer.head_tag), layer.head_tag
     assert {"v_head_dim": 10, "q_latent_dim": 5}.items() <= layer.head_config.items()
     x = torch.randn(2, 5, 24)
     cache = layer.make_kv_cache(2, 5)
@@ -280,7 +281,7 @@ def test_load_factors_sets_the_latents_weights_and_linear_kv_gives_them_back():
     down, up_k, up_v = (torch.randn(*s, generator=g) for s in ((R, E), (H * Dq, R), (H * D, R)))
     q_rope, k_rope = torch.randn(H * d_R, E, generator=g), torch.randn(G_R * d_R, E, generator=g)
     before = copy.deepcopy(latent.state_dict())
-    with pytest.raises(ValueError, match=r"^up_k of head design 'mla' \(r12rope4x2\) must be "
+    with pytest.raises(ValueError, match=r"^up_k of head design 'mla' \(r12rope4x2qk6\) must be "
                                          r"\(24, 12\), got \(32, 12\)$"):  # fmt: skip
         latent.load_factors(down, up_v, up_v, q_rope=q_rope, k_rope=k_rope)
     with pytest.raises(ValueError, match=r"rotary key \(rotary_dim=4\): .* needs q_rope and k_r"):

@@ -1,6 +1,7 @@
 """The layer's projections, conversions and argument checks (CPU, tiny sizes)."""
 
 import doctest
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import multihead.attention.layer
 import multihead.attention.sparse
 from multihead import MultiHeadAttention
 from multihead.attention import from_torch, with_kv_heads
+from multihead.attention.rotary import RotaryPositions
 
 E, H = 32, 4
 B, L, S = 2, 6, 9
@@ -241,6 +243,15 @@ def test_with_kv_heads_rejects_a_non_divisor():
         with_kv_heads(MultiHeadAttention(E, H), 3)
 
 
+def test_with_kv_heads_refuses_the_count_the_layer_has():
+    """It returned a copy that differed only in its in_proj layout: stacked, where a swapped
+    HF layer's is separate, so that save_pretrained refused the model (issue 84)."""
+    layer = MultiHeadAttention(E, H, num_kv_heads=2)
+    message = "with_kv_heads(2) would leave 'gqa4kv2' as it is: it has 2 K/V heads already"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        with_kv_heads(layer, 2)
+
+
 # --------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
 @pytest.mark.parametrize("num_kv_heads", [None, 1])
@@ -311,6 +322,29 @@ def test_key_padding_mask_wrong_shape():
 def test_bad_dropout():
     with pytest.raises(ValueError, match=r"1.5"):
         MultiHeadAttention(E, H, dropout=1.5)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: MultiHeadAttention(E, H, bias="no"), "bias must be a bool, got 'no'"),
+        (lambda: MultiHeadAttention(E, H, bias=0), "bias must be a bool, got 0"),
+        (
+            lambda: MultiHeadAttention(E, H, rotary_dim=8, rope_interleaved="false"),
+            "rope_interleaved must be a bool, got 'false'",
+        ),
+        (
+            lambda: MultiHeadAttention(E, H, design="mla", kv_latent_dim=8, kv_latent_norm="no"),
+            "kv_latent_norm must be a bool, got 'no'",
+        ),
+        (lambda: RotaryPositions(8, interleaved="no"), "rope_interleaved must be a bool, got 'no'"),
+    ],
+    ids=["bias-str", "bias-int", "rope_interleaved", "kv_latent_norm", "rotary-part"],
+)
+def test_a_switch_takes_a_bool_only(build, message):
+    """``bias="no"`` built a layer with biases (issue 84): a switch is True or False."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build()
 
 
 # --------------------------------------------------------------------------- docs

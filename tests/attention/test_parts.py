@@ -453,7 +453,7 @@ def test_no_file_reads_a_designs_internals_outside_its_own():
     # Still reaching in, for want of a seam: DeepSeek's swap puts HF's own norm modules and
     # low-rank query into the latent and drops its rotary query's bias, and keeps HF's
     # frozen parameters frozen. (DiffLlama's lambda vectors now go through its HF layout.)
-    known = {("huggingface.py", "_from_deepseek")}
+    known = {("deepseek.py", "from_deepseek")}
 
     def is_design(node, bound=frozenset()) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr in holders) or (

@@ -115,6 +115,30 @@ def test_scope_names() -> None:
         resolve_scope([])
 
 
+def test_a_parameter_matched_checkpoint_converts_with_the_ffn_it_was_trained_with(tmp_path):
+    """GQA 4 / 2 widened to MHA's parameters, converted to MQA: matched again, the FFN would
+    be wider than the weights; it keeps its width, and the uptrain command says so. By hand
+    (d_model 32, 2 + 2 layers, heads of 8): GQA lacks K and V of 2 heads, 2 x 2 x (32 x 8 +
+    8) = 1,056 parameters in each of 6 attention layers; an FFN unit costs 4 x (2 x 32 + 1)
+    = 260: 24.4 units, 24 to a multiple of 8, so 64 + 24 = 88."""
+    from helpers.ct2_models import save_checkpoint, tokenizer
+
+    path = tmp_path / "matched.ckpt"
+    heads = {"num_heads": 4, "num_kv_heads": 2, "backend": "sdpa"}
+    trained = save_checkpoint(path, tokenizer(), attention=heads, match_parameters="mha")
+    ckpt = torch.load(path, weights_only=False)
+    config = ckpt["multihead"]["config"]  # as train.py stores it: set beside the heads
+    config["attention"]["match_parameters"] = config["model"].pop("match_parameters")
+    torch.save(ckpt, path)
+    assert load_trained_model(path).model.ffn_dim == trained.ffn_dim == 88
+    out = tmp_path / "mqa.ckpt"
+    _, overrides = convert_kv_heads(path, 1, out, "all")
+    converted = load_trained_model(out).model
+    assert converted.ffn_dim == 88
+    assert {c["num_kv_heads"] for c in converted.head_config.values()} == {1}
+    assert {"attention.match_parameters=null", "model.ffn_dim=88"} <= set(overrides)
+
+
 # ---------------------------------------------------------------------- real checkpoints
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, smoke_run_dir, multi30k_dir) -> Path:
@@ -227,7 +251,9 @@ def test_latent_conversion_is_exact_at_full_rank_and_uptrains(trained, tmp_path)
     assert "attention.decoder_self_attention.design=mla" in overrides
     assert "++attention.decoder_self_attention.design_options.kv_latent_dim=32" in overrides
     assert "attention.cross_attention.num_kv_heads=4" in overrides
-    with pytest.raises(ValueError, match="set exactly one of num_kv_heads and kv_latent_dim"):
+    with pytest.raises(
+        ValueError, match="set exactly one of num_kv_heads, kv_latent_dim and cache_budget"
+    ):
         convert_checkpoint(trained, 2, kv_latent_dim=8)
 
 

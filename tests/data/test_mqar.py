@@ -52,17 +52,33 @@ def test_the_same_seed_gives_the_same_sequences_and_bad_settings_are_refused():
 def test_the_datamodule_trains_on_its_settings_in_turn_and_holds_the_grid_fixed():
     dm = MQARDataModule(
         train_settings=[[64, 4], [128, 8]], eval_settings=[[64, 4], [128, 16]],
-        batch_tokens=1024, eval_examples=70, seed=5,
+        batch_tokens=1024, eval_examples=70, select_examples=30, seed=5,
     )  # fmt: skip
     dm.setup()
     batches = iter(dm.train_dataloader())
     first, second = next(batches), next(batches)
     assert first["input_ids"].shape == (16, 64) and second["input_ids"].shape == (8, 128)
-    assert dm.val_names == ["64x4", "128x16"]
+    # The scored sets, then the selection sets (what a learning rate is chosen on).
+    assert dm.val_sets == [
+        ("val", "64x4"), ("val", "128x16"), ("select", "64x4"), ("select", "128x16"),
+    ]  # fmt: skip
     held = [torch.cat([b["input_ids"] for b in loader]) for loader in dm.val_dataloader()]
-    assert [h.shape for h in held] == [(70, 64), (70, 128)]
+    assert [h.shape for h in held] == [(70, 64), (70, 128), (30, 64), (30, 128)]
+    # The scored sequences are the ones they have always been (seed 10,000 + the setting's
+    # index), whatever the run's seed; the selection ones are other sequences (20,000 + i).
+    for i, (seq_len, pairs) in enumerate([(64, 4), (128, 16)]):
+        scored, _ = multiquery_ar(
+            70, seq_len, pairs, 8192, torch.Generator().manual_seed(10_000 + i)
+        )
+        chosen, _ = multiquery_ar(
+            30, seq_len, pairs, 8192, torch.Generator().manual_seed(20_000 + i)
+        )
+        assert torch.equal(held[i], scored) and torch.equal(held[2 + i], chosen)
+        assert not (held[2 + i][:, None] == held[i][None]).all(-1).any()  # no sequence shared
     other = MQARDataModule(
         train_settings=[[64, 4]], eval_settings=[[64, 4], [128, 16]], eval_examples=70, seed=9
     )
     other.setup()
     assert torch.equal(torch.cat([b["input_ids"] for b in other.val_dataloader()[0]]), held[0])
+    with pytest.raises(ValueError, match="data.select_examples must be a positive int, got 0"):
+        MQARDataModule(train_settings=[[64, 4]], eval_settings=[[64, 4]], select_examples=0)

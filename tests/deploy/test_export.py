@@ -286,6 +286,16 @@ def test_existing_output_is_kept_unless_overwrite(ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left
 
 
+def test_overwrite_takes_a_bool_only_and_keeps_the_output(tmp_path):
+    """overwrite="no" replaced the output (a truthy string; issue 84)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"^overwrite must be a bool, got 'no'$"):
+        export_ctranslate2(ckpt=tmp_path / "a.ckpt", out=out, overwrite="no")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
 def test_failed_export_leaves_the_old_output(ckpt, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()

@@ -37,6 +37,11 @@ def test_empty_input_is_an_error() -> None:
         list(translate_lines([], upper, progress=False))
 
 
+def test_progress_takes_a_bool_only() -> None:
+    with pytest.raises(ValueError, match=r"^progress must be a bool, got 'no'$"):
+        list(translate_lines(["ein Hund"], upper, progress="no"))
+
+
 def test_invalid_utf8_names_the_line() -> None:
     data = io.BytesIO("ein Hund\nzwei Männer\n".encode() + b"caf\xe9\r\nok\n")
     lines = read_lines(data, "stdin")

@@ -284,7 +284,7 @@ def test_a_cache_that_forgets_fails_the_generation_test(monkeypatch) -> None:
     # The generation test catches a cache that drops what was written before.
     eager = eager_model("gpt2").eval()
     ours = through(eager, "swap")
-    monkeypatch.setattr(hf._CacheLayer, "update", lambda self, k, v: (k, v))
+    monkeypatch.setattr(hf.CacheLayer, "update", lambda self, k, v: (k, v))
     ids, mask = left_padded_batch()
     assert not torch.equal(generate(ours, ids, mask), generate(eager, ids, mask))
 

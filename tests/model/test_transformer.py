@@ -149,6 +149,11 @@ def test_a_sublayer_naming_another_design_takes_that_designs_options_alone():
             {"top_k_heads": 2},
             r"unknown key\(s\) \['top_k_heads'\] in attention;.*attention.design_o",
         ),
+        (
+            {"num_kv_headz": 1},
+            r"unknown key\(s\) \['num_kv_headz'\] in attention \(num_kv_headz: closest "
+            r"num_kv_heads\); expected",
+        ),
         ({"design": "moh", "design_options": 2}, r"attention.design_options must be a mapping"),
         (
             {"design": "moh", "design_options": {"top_k_heads": 2, "num_kv_heads": 1}},

@@ -1,6 +1,6 @@
 """scripts/evaluate.py: prints BLEU and writes the hypotheses into Hydra's run directory;
-a user error ends the process with one line. Scoring itself is tested in
-tests/evaluation/test_scoring.py."""
+a user error ends the process with one line, a key that no code reads too. Scoring itself
+is tested in tests/evaluation/test_scoring.py."""
 
 from __future__ import annotations
 
@@ -35,3 +35,11 @@ def test_an_error_is_one_line_in_a_process(tmp_path) -> None:
     result = run_script("evaluate.py", "ckpt=/nonexistent/x.ckpt", f"hydra.run.dir={tmp_path}")
     line = assert_one_error_line(result, "checkpoint not found: /nonexistent/x.ckpt")
     assert result.stderr.strip().splitlines()[-1] == line
+
+
+def test_evaluate_refuses_a_key_that_no_code_reads(tmp_path) -> None:
+    """The same callback in every script's config (tests/training/test_configs.py checks
+    that they all have it): ``limitt`` would have scored the whole split."""
+    result = run_script("evaluate.py", "ckpt=none.ckpt", "++limitt=4", f"hydra.run.dir={tmp_path}")
+    assert_one_error_line(result, "++limitt=4 sets limitt, which no code reads (closest: limit)")
+    assert not any(tmp_path.iterdir())

@@ -6,6 +6,7 @@ uninterrupted one trains on."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -25,10 +26,11 @@ ATTENTION = {"mha": "mha_h8", "gqa": "gqa_h8_kv2", "mqa": "mqa_h8", "mla": "mla_
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     where = tmp_path_factory.mktemp("wheels")
-    (pin,) = tiny_corpus_wheels(where)
-    packages = "[{" + ", ".join(f"{k}: '{v}'" for k, v in pin.items()) + "}]"
+    pins = [", ".join(f"{k}: '{v}'" for k, v in p.items()) for p in tiny_corpus_wheels(where)]
+    packages = "[" + ", ".join("{" + p + "}" for p in pins) + "]"
     return [
         "data.context=64", "data.vocab_size=300", "data.batch_size=2", "data.val_windows=3",
+        "data.select_windows=2",
         f"data.packages={packages}", f"data.find_links={where}",
         f"paths.cache_dir={tmp_path_factory.mktemp('cache')}",
         "model.d_model=64", "model.ffn_dim=64", "model.num_layers=1",
@@ -57,9 +59,10 @@ def test_a_tiny_run_of_each_design_writes_what_it_measured(design, tiny, tmp_pat
     )  # fmt: skip
     data.setup()
     with torch.no_grad():
-        windows = data.blocks["validation"]
+        windows = data.scored_windows()
         loss = position_losses(trained.model(windows), windows).mean().item()
     assert loss == pytest.approx(summary["val/loss"], rel=1e-5)
+    assert {"val/loss/halfpkg", "val/loss/tinypkg", "select/loss"} <= set(summary)
     assert summary["kv_cache/bytes_per_token"] == trained.model.kv_cache_bytes_per_token()
 
 
@@ -159,4 +162,15 @@ def test_a_stopped_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(
     a, b = (torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
             for run in (straight, stopped))  # fmt: skip
     assert a["global_step"] == 6
+    # With several validation loaders (held-out sets, the selection set), Lightning counts
+    # the validation a resumed run skips (the one after the step it resumed at) by its largest
+    # loader's batches, not all loaders' (EvaluationLoop.increment_progress_to_evaluation_end):
+    # its batch counter differs, and nothing else; what the runs logged is the same.
+    for ckpt in (a, b):
+        ckpt["loops"]["fit_loop"].pop("epoch_loop.val_loop.batch_progress")
     assert_same_training_state(a, b)
+    logged = [
+        [r for r in csv.DictReader((run / "csv" / "metrics.csv").open()) if r.get("val/loss")]
+        for run in (straight, stopped)
+    ]
+    assert logged[1] and logged[1] == logged[0][-len(logged[1]) :]

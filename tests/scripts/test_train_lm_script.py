@@ -88,7 +88,8 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     result = run_script(
         "convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
         "--fractions", "0.34", "0.67",  # 1 and 2 of the 3 steps
-        "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "mla_default", "--distill",
+        "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "mla_default", "mla_budget",
+        "--distill",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
@@ -126,6 +127,7 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     assert tests.returncode == 0, tests.stderr[-2000:]
     table_lines = [line for line in tests.stdout.splitlines() if line.startswith("| 1/2 |")]
     assert [line.split(" | ")[1:3] for line in table_lines] == [
+        ["mla_budget", "0"], ["mla_budget", "2"],
         ["mla_pca_bkv_shared", "0"], ["mla_pca_bkv_shared", "2"],
         ["mla_svd", "0"], ["mla_svd", "2"],
     ]  # fmt: skip
@@ -135,8 +137,23 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
         rows["mla_pca_bkv_shared 1/4"]["value"],
         rows["mla_pca_bkv_shared 1/4"]["rope_dim"],
     ) == (4, 4)
+    # The budget (issue 84): 1/2 and 1/4 of 32 numbers; its one layer's split measured among
+    # per-group keys of one pair = R/4 = 2 or R/2 = 4 rotated features (2 groups) or one key of
+    # twice that, the latent the rest (16 - 4 = 12 or 16 - 8 = 8; at 1/4, 8 - 4 = 4 only).
+    splits = {
+        2: {("per_group", 2, 12), ("per_group", 4, 8), ("shared", 4, 12), ("shared", 8, 8)},
+        4: {("per_group", 2, 4), ("shared", 4, 4)},
+    }
+    for ratio, numbers in ((2, 16), (4, 8)):
+        row = rows[f"mla_budget 1/{ratio}"]
+        (chosen,) = row["chosen"]
+        tried = {(c["rotary_key"], c["rope_dim"], c["kv_latent"]) for c in chosen["candidates"]}
+        assert tried == splits[ratio] and len(chosen["candidates"]) == 4 * len(tried)
+        keys = chosen["rope_dim"] * (2 if chosen["rotary_key"] == "per_group" else 1)
+        assert row["kv_bytes_per_token"] == (chosen["kv_latent"] + keys) * 4 == numbers * 4
     table = (out / "table.md").read_text()
-    for name in ("gqa 1/4", "gqa 1/8", "mla_svd 1/8", "mla_pca_bkv_shared 1/8"):
+    assert "| mla_budget 1/2 (cache_budget=0.5) | 64 | 0.5 |" in table
+    for name in ("gqa 1/4", "gqa 1/8", "mla_svd 1/8", "mla_pca_bkv_shared 1/8", "mla_budget 1/8"):
         assert f"| {name}: n/a, " in table
     assert (out / "uptraining.png").stat().st_size > 0
 

@@ -1,5 +1,6 @@
 """scripts/train.py: a bad config value ends the process with one line; a typo in an option is
-Hydra's own message, without a traceback; a head design written outside the package trains
+Hydra's own message, without a traceback; a key added with ``++`` that no code reads is one
+line naming the closest real key; a head design written outside the package trains
 by its import path, and its checkpoint evaluates in another process.
 
 The other bad values are tested where they are raised, in this process
@@ -43,6 +44,47 @@ def test_a_config_typo_is_hydras_message_without_a_traceback(tmp_path) -> None:
     assert "Could not find 'attention/gqx'" in result.stderr
     assert "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_keys_that_no_code_reads_are_refused_in_one_line_before_anything_is_written(
+    tmp_path, multi30k_dir, cache_dir
+) -> None:
+    """``++`` adds a key the config lacks: a misspelt one trained at the seed, test
+    checkpoint and decoding it misspelt (exit 0); one that reached a ``_partial_``
+    constructor ended in a traceback inside the training loop. Both are refused by name with
+    the closest real key, before Hydra writes the run directory's ``.hydra``."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    kept = run / ".hydra" / "config.yaml"
+    kept.write_text("seed: 7\n")  # a run directory's kept config, not to be replaced
+    fast = [
+        "experiment=smoke", "logger=csv", f"data.local_dir={multi30k_dir}",
+        f"paths.cache_dir={cache_dir}", f"hydra.run.dir={run}", "trainer.max_steps=1",
+        "test=false",
+    ]  # fmt: skip
+    for typed, said in [
+        (
+            ["++seedd=2", "++test_ckptt=avg10", "++summary.decod_speed=false"],
+            ["++seedd=2 sets seedd, which no code reads (closest: seed)",
+             "++test_ckptt=avg10 sets test_ckptt, which no code reads (closest: test_ckpt)",
+             "sets summary.decod_speed, which no code reads (closest: summary.decode_speed)"],
+        ),
+        (
+            ["++module.optimizer.lrr=1", "++module.scheduler.warmup_step=1"],
+            ["module.optimizer.lrr: torch.optim.Adam takes no argument 'lrr' (closest: 'lr')",
+             "module.scheduler.warmup_step: multihead.training.InverseSqrtWarmup takes no "
+             "argument 'warmup_step' (closest: 'warmup_steps')"],
+        ),
+        (  # the heads' keys: the model refuses them, built on the meta device
+            ["++attention.num_kv_headz=1"],
+            ["unknown key(s) ['num_kv_headz'] in attention (num_kv_headz: closest "
+             "num_kv_heads)"],
+        ),
+    ]:  # fmt: skip
+        line = assert_one_error_line(run_script("train.py", *fast, *typed), said[0])
+        assert all(part in line for part in said), line
+        assert sorted(p.name for p in run.rglob("*")) == [".hydra", "config.yaml"]
+        assert kept.read_text() == "seed: 7\n"
 
 
 @pytest.mark.slow  # a training and an evaluation, each a process

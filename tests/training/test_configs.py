@@ -1,11 +1,15 @@
-"""Every config option composes and instantiates (a typo in an option's name: test_train_script.py).
+"""Every config option composes and instantiates, and each of its keys is read (a typo in an
+option's name: test_train_script.py; a key that no code reads: test_bad_input.py).
 
 Bad values are tested where they are raised (tests/training/test_bad_input.py lists where).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from multihead.cli import RefuseUnreadKeys, unread_constructor_keys
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from multihead.attention.designs import design_class
 from multihead.model import build_model
 from multihead.training.precision import resolve_precision
 
-from helpers import CONFIG_DIR
+from helpers import CONFIG_DIR, REPO_ROOT
 from helpers.training import compose_config
 
 
@@ -32,6 +36,58 @@ def base(tmp_path: Path) -> list[str]:
 # The translation models; the decoder-only ones (decoder_lm, llama_lm) are tested below.
 TRANSLATION_MODELS = [m for m in options("model") if m.startswith("transformer")]
 LM_DATA = ("documents", "mqar", "lm_multi30k")  # tested in tests/data and tests/scripts
+# Presets whose widths are the decoder-only LM's (d_model 128: MQAR's controls).
+LM_ATTENTION = ("mla_h8_r24_qk8",)
+
+
+GROUPS = ("data", "model", "attention", "trainer", "logger", "callbacks", "module", "budget")
+
+
+def _plain_keys(node: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of ``node`` outside ``_target_`` nodes (their targets read those)."""
+    if "_target_" in node:
+        return []
+    keys = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            keys += _plain_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def test_every_key_of_every_training_config_is_read(tmp_path) -> None:
+    """Each option of each group and each experiment: a ``_target_`` node's keys are its
+    target's parameters (the check the scripts run); the other keys (``seed``,
+    ``summary.decode_speed``, ...) are read by the package or the scripts by name
+    (``cfg.seed``, ``s.limit``, ``.get("ckpt_path")``) or by an interpolation of the configs.
+    ``attention`` is read whole by the model, which refuses keys it does not take
+    (tests/model/test_transformer.py)."""
+    files = [p for d in ("src", "scripts") for p in (REPO_ROOT / d).rglob("*.py")]
+    code = "\n".join(p.read_text() for p in files)
+    yaml = "\n".join(p.read_text() for p in Path(CONFIG_DIR).rglob("*.yaml"))
+    chosen = [[f"{g}={o}"] for g in GROUPS for o in options(g)]
+    chosen += [[f"experiment={e}"] for e in options("experiment")]
+    for choice in chosen:
+        cfg = compose_config("train", [*choice, *base(tmp_path)])
+        config = OmegaConf.to_container(cfg, resolve=False)
+        assert unread_constructor_keys(config) == [], choice
+        for key in _plain_keys({k: v for k, v in config.items() if k != "attention"}):
+            name = re.escape(key.split(".")[-1])
+            by_code = re.search(rf"\.{name}\b|get\(\"{name}\"|\[\"{name}\"\]", code)
+            by_yaml = re.search(rf"\$\{{[^}}]*\b{re.escape(key)}\b", yaml)
+            assert by_code or by_yaml, f"{key} ({choice}) is read by no code"
+
+
+def test_every_scripts_config_refuses_keys_that_no_code_reads() -> None:
+    """The one mechanism: each config a script's ``hydra.main`` composes has the callback."""
+    scripts = (REPO_ROOT / "scripts").glob("*.py")
+    names = [m for p in scripts for m in re.findall(r'config_name="(\w+)"', p.read_text())]
+    assert len(names) >= 12
+    for name in names:
+        callbacks = OmegaConf.load(Path(CONFIG_DIR) / f"{name}.yaml").hydra.callbacks
+        targets = [c._target_ for c in callbacks.values()]
+        assert f"{RefuseUnreadKeys.__module__}.{RefuseUnreadKeys.__name__}" in targets, name
 
 
 @pytest.mark.parametrize("attention", options("attention"))
@@ -40,6 +96,8 @@ def test_model_and_attention_options_instantiate(model, attention, tmp_path) -> 
     """Every layer has the heads its preset names: H, G, the design and the design's options
     (each design's tag and formula are tested in tests/attention, so a new preset needs
     nothing here); the decoder-only LM takes every preset as the Transformer does."""
+    if attention in LM_ATTENTION and model != "decoder_lm":
+        pytest.skip(f"{attention} has the decoder-only LM's widths")
     lm = ["experiment=lm_long"] if model == "decoder_lm" else []
     overrides = [*lm, f"model={model}", f"attention={attention}", *base(tmp_path)]
     cfg = compose_config("train", overrides)

@@ -21,11 +21,11 @@ def tiny_lm() -> DecoderLM:
     ).eval()  # fmt: skip
 
 
-def logged_figures(module, batches, val_names=None) -> dict[str, float]:
+def logged_figures(module, batches, val_sets=None) -> dict[str, float]:
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
     # validation_step reads the held-out sets' names from the trainer's datamodule.
-    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(val_names=val_names))
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(val_sets=val_sets))
     with torch.no_grad():
         for i, (batch, idx) in enumerate(batches):
             module.validation_step(batch, i, idx)
@@ -70,11 +70,38 @@ def test_recall_accuracy_counts_the_labelled_positions_alone():
     logged = logged_figures(
         module,
         [({"input_ids": ids, "labels": labels}, 0), ({"input_ids": ids, "labels": other}, 1)],
-        val_names=["12x2", "12x1"],
+        val_sets=[("val", "12x2"), ("val", "12x1")],
     )
     assert logged["val/acc@12x2"] == 0.5
     assert logged["val/acc@12x1"] == 1.0
     assert logged["val/acc"] == 0.75
+
+
+def test_the_scored_loss_is_also_split_by_package_and_the_selection_split_kept_apart():
+    """Loaders: package a's scored windows, package b's, the selection windows. val/loss is
+    the mean over the tokens of a and b; val/loss/a of a's alone; select/ of the third."""
+    model = tiny_lm()
+    module = LanguageModelModule(model, torch.optim.AdamW, position_buckets=[8])
+    a, b, chosen = (torch.randint(1, 50, (n, 16)) for n in (3, 1, 2))
+    logged = logged_figures(
+        module, [(a, 0), (b, 1), (chosen, 2)],
+        val_sets=[("val", "a"), ("val", "b"), ("select", None)],
+    )  # fmt: skip
+    with torch.no_grad():
+
+        def nll(batch):  # (N, 15): by hand, each token's loss from those before it
+            logp = torch.log_softmax(model(batch).double(), dim=-1)[:, :-1]
+            return -logp.gather(-1, batch[:, 1:, None]).squeeze(-1)
+
+        losses = {name: nll(batch) for name, batch in (("a", a), ("b", b), ("s", chosen))}
+    scored = torch.cat([losses["a"], losses["b"]])
+    assert logged["val/loss"] == pytest.approx(scored.mean().item(), rel=1e-5)
+    assert logged["val/loss/a"] == pytest.approx(losses["a"].mean().item(), rel=1e-5)
+    assert logged["val/loss/b"] == pytest.approx(losses["b"].mean().item(), rel=1e-5)
+    assert logged["val/loss@8-15"] == pytest.approx(scored[:, 7:].mean().item(), rel=1e-5)
+    assert logged["select/loss"] == pytest.approx(losses["s"].mean().item(), rel=1e-5)
+    assert logged["select/ppl"] == pytest.approx(math.exp(losses["s"].mean().item()), rel=1e-5)
+    assert not any(k.startswith("select/loss/") for k in logged)
 
 
 def test_bad_buckets_are_refused_by_name():

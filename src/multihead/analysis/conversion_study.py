@@ -17,7 +17,10 @@ the K/V outputs on the run's first ``calibration_batches`` training batches, ``m
 K/V balancing, ``mla_pca_bkv_shared`` one rotary key shared by all heads, of the per-group
 keys' ``G * rope_dim`` numbers; ``mla_default`` names none of them: each layer's
 factorisation, balancing and key layout are chosen by the loss on the held-out quarter of
-the calibration batches (:func:`~multihead.checkpoints.conversion.convert_attention`).
+the calibration batches (:func:`~multihead.checkpoints.conversion.convert_attention`);
+``mla_budget`` is the default given the cache, ``1/k`` of each sublayer's, instead of a
+rank: how to spend it (the rotary keys' width against the latent's) is measured too, and
+``rope_dim`` is not used.
 ``distill`` uptrains every row, the MHA control too, with
 the KL to the trained checkpoint added to its loss (``distill_from``). The uptraining
 schedule does not depend on its length (no cooldown), so the checkpoint at step ``n`` of
@@ -39,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from multihead.analysis.significance import holm, pooled_paired_bootstrap, t_test_p
+from multihead.attention.checks import check_bool
 from multihead.checkpoints.conversion import (
     SCOPES,
+    budget_numbers,
     convert_kv_heads,
     recorded_overrides,
 )
@@ -50,14 +55,16 @@ from multihead.evaluation import evaluate_checkpoint
 # The MLA conversions: convert_attention's options (convert_lm.py's rows too): the fixed
 # choices of the ablation, one ingredient added at a time, and mla_default, which names none,
 # so each layer's are measured on the calibration batches. "shared" keys get the per-group
-# keys' G * rope_dim.
+# keys' G * rope_dim. mla_budget names none either, and its target is the cache itself.
 MLA_METHODS = {
     "mla_svd": {"factorisation": "svd", "balance_kv": False, "rotary_key": "per_group"},
     "mla_pca": {"factorisation": "pca", "balance_kv": False, "rotary_key": "per_group"},
     "mla_pca_bkv": {"factorisation": "pca", "balance_kv": True, "rotary_key": "per_group"},
     "mla_pca_bkv_shared": {"factorisation": "pca", "balance_kv": True, "rotary_key": "shared"},
     "mla_default": {},
+    "mla_budget": {},
 }
+BUDGET_METHOD = "mla_budget"  # a cache budget (1/k), not a latent's width, to convert to
 METHODS = ("gqa", *MLA_METHODS)
 FIELDS = (
     "method", "ratio", "distill", "target", "kv_bytes_per_token",
@@ -103,6 +110,13 @@ def conversion_target(ckpt: str | Path, method: str, ratio: int, rope_dim: int) 
     added by the caller."""
     model = load_trained_model(str(ckpt)).model
     layers = {kind: attn for kind, _, _, attn in model.attention_sublayers()}
+    if method == BUDGET_METHOD:  # each sublayer's 1/ratio, its split measured
+        try:
+            for kind in SCOPES["decoder"]:
+                budget_numbers(layers[kind], 1 / ratio)
+        except ValueError:  # too small for any split
+            return None
+        return {"cache_budget": 1 / ratio}
     if method == "gqa":
         G = {layers[kind].num_kv_heads for kind in SCOPES["decoder"]}
         if len(G) != 1 or next(iter(G)) % ratio:
@@ -175,8 +189,7 @@ def run_study(
         local_dir, limit: the data directory and the number of test sentences to score.
     """
     check_study(methods, ratios, fractions)
-    if not isinstance(distill, bool):
-        raise ValueError(f"distill={distill!r}; expected true or false")
+    check_bool("distill", distill)
     out = Path(out)
     settings = {
         "ckpt": str(ckpt), "methods": list(methods), "ratios": list(ratios),
@@ -231,7 +244,7 @@ def run_study(
         else:
             written, overrides = convert_kv_heads(
                 ckpt, target.get("num_kv_heads"), row_dir / "converted.ckpt",
-                kv_latent_dim=target.get("kv_latent_dim"),
+                kv_latent_dim=target.get("kv_latent_dim"), cache_budget=target.get("cache_budget"),
                 **mla_options(ckpt, method, rope_dim, selection, calibration_batches, local_dir),
             )  # fmt: skip
             start = written
@@ -302,6 +315,8 @@ def mla_options(
     options = dict(MLA_METHODS[method])
     if options.get("factorisation") != "svd":  # the PCA, or the default's measurement
         options |= {"calibration_batches": calibration_batches, "local_dir": local_dir}
+    if method == BUDGET_METHOD:  # the keys' width is measured: no rope_dim
+        return options
     if options.get("rotary_key") == "shared":  # the per-group keys' numbers, in one key
         model = load_trained_model(str(ckpt)).model
         groups = {a.num_kv_heads for k, _, _, a in model.attention_sublayers()

@@ -1,15 +1,18 @@
-"""The comparison's four plots: test BLEU against decoding speed and against KV-cache size
-(each with its Pareto frontier), Δ BLEU against MHA per configuration with its intervals,
-and the validation curves."""
+"""The comparison's plots (the reported stage): for translation, test BLEU against decoding
+speed and against KV-cache size (each with its Pareto frontier), Δ BLEU against MHA per
+configuration with its intervals, and the validation curves; for the LM and MQAR, held-out
+loss against cache and decoding speed, and each design's learning curves."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
-from multihead.analysis.against_mha import paired_deltas
-from multihead.analysis.report import LOWER_IS_BETTER, Report, pareto_frontier
-from multihead.analysis.runs import CURVE_KEYS, RunResult, number, seed_groups, value
+from multihead.analysis.groups import seed_groups
+from multihead.analysis.report import LOWER_IS_BETTER, Report, curve_rows, pareto_frontier
+from multihead.analysis.runs import CURVE_KEYS, RunResult, number, value
 from multihead.analysis.significance import t_interval
+from multihead.analysis.tested import paired_deltas
 
 
 def plot_bleu_against(
@@ -121,3 +124,73 @@ def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_learning_curves(designs, keys: list[str], names: dict[str, str], path: Path) -> None:
+    """Each design's mean held-out figure at every evaluation during training, one panel
+    per figure (the curves' tables are in the report)."""
+    import matplotlib.pyplot as plt
+
+    cols = min(len(keys), 4)
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        steps, means = curve_rows(designs, key, names)
+        for i, (design, values) in enumerate(means.items()):
+            points = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", color=f"C{i}", label=design)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    _save(fig, path)
+
+
+def pareto_setting(speed_rows: list[dict]) -> tuple[int, int] | None:
+    """The benchmarked ``(context, batch)`` with the most cached tokens per step (context x
+    batch, then the longer context): where the cache weighs most in a step."""
+    return max(
+        ((r["context"], r["batch"]) for r in speed_rows if r.get("ms")),
+        key=lambda setting: (setting[0] * setting[1], setting[0]),
+        default=None,
+    )
+
+
+def plot_pareto(lm: dict, names: dict[str, str], speed_rows: list[dict], key: str,
+                path: Path) -> None:  # fmt: skip
+    """Held-out loss ``key`` (mean over seeds, min-max bars) against KV-cache bytes per token
+    and against decoding tokens/s at :func:`pareto_setting`."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    largest = pareto_setting(speed_rows)
+    speed = {r["design"]: r for r in speed_rows if (r["context"], r["batch"]) == largest}
+    for i, (design, seeds) in enumerate(lm.items()):
+        values = [number(r.get(key)) for r in seeds.values() if r.get(key) is not None]
+        if not values:
+            continue
+        label = names[design]
+        y = statistics.fmean(values)
+        yerr = [[y - min(values)], [max(values) - y]]
+        cache = number(next(iter(seeds.values())).get("kv_cache/bytes_per_token"))
+        axes[0].errorbar([cache], [y], yerr=yerr, fmt="o", color=f"C{i}", capsize=3, label=label)
+        if label in speed:
+            r = speed[label]
+            x = r["batch"] * 1000 / r["ms"]
+            xerr = [[x - r["batch"] * 1000 / r["ms_max"]], [r["batch"] * 1000 / r["ms_min"] - x]]
+            axes[1].errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="o", color=f"C{i}", capsize=3,
+                             label=label)  # fmt: skip
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("KV-cache bytes per token (fp32, all layers)")
+    setting = f"{largest[0]:,} x {largest[1]}" if largest else "no benchmark rows"
+    axes[1].set_xlabel(f"decoding tokens/s at context x batch {setting} (min-max of rounds)")
+    for ax in axes:
+        ax.set_ylabel(f"held-out {key} (nats)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("points: mean over seeds; bars: min-max over seeds (loss), of rounds (speed)")
+    _save(fig, path)

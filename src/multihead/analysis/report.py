@@ -1,6 +1,9 @@
-"""The comparison's words and tables, worked out once: which runs, which BLEU, the tests
-against MHA over seeds, whether the runs' own speeds mean anything, and the Pareto
-frontiers; written as ``comparison.md`` and ``comparison.csv``.
+"""The comparison's last stage, reported: the words and tables, worked out once from what
+the stages before found (the runs, their grouping and grids, their equal terms, the tests):
+for translation ``comparison.md`` and ``comparison.csv`` (whether the runs' own speeds mean
+anything, the Pareto frontiers), for the LM and MQAR ``long_context.md`` and
+``long_context.csv``; the sections every comparison has (equal terms, the learning-rate
+grid, the learning curves, the declared family) are written once for both.
 
 Speeds measured while a run trained mean something only if no other run shared its machine
 then: :func:`training_overlap` tells from the runs' records (``run/start``, ``run/end`` and
@@ -20,27 +23,38 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from multihead.analysis.against_mha import (
-    CORRECTION,
-    SeedTest,
-    contrasts,
-    seed_tests,
-    verdict,
+from multihead.analysis.describe import Description
+from multihead.analysis.groups import (
+    Grid,
+    Grouped,
+    design_of,
+    display_names,
+    has_repeats,
+    is_mha,
+    learning_rate,
+    mha_baseline,
+    pooled_despite_note,
+    seed_groups,
+    seed_means,
 )
 from multihead.analysis.runs import (
     HYP_BLEU,
     SPEED_FILE,
     RunResult,
     beam_key,
-    has_repeats,
-    mha_baseline,
     number,
-    seed_groups,
-    seed_means,
     value,
 )
 from multihead.analysis.significance import ALPHA, POWER
 from multihead.analysis.speed import BEAM_KEY, GREEDY_KEY, TRAIN_KEY
+from multihead.analysis.tested import (
+    CORRECTION,
+    Family,
+    SeedTest,
+    evaluations,
+    is_mha_design,
+    verdict,
+)
 
 MISSING = "–"
 
@@ -300,10 +314,27 @@ class Report:
     speed_setup: dict[str, Any] | None = None  # the side-by-side measurement's setup
     speed_gaps: str = ""  # which runs lack side-by-side speeds, and what was done
     bleu_key: str = "test/bleu"
-    tests: dict[str, SeedTest] = field(default_factory=dict)  # by configuration
+    # every test over seeds, by (task, design, baseline, figure): against MHA, and contrasts
+    keyed: dict[tuple[str, str, str, str], SeedTest] = field(default_factory=dict)
     # scripts/benchmark_long_context.py's rows (its --json), for "what each design buys"
     long_context: list[dict[str, Any]] | None = None
-    contrasts: dict[tuple[str, str], SeedTest] = field(default_factory=dict)
+    grouped: Grouped | None = None
+    described: dict[str, Description] = field(default_factory=dict)  # by design
+    family: Family | None = None
+
+    @property
+    def tests(self) -> dict[str, SeedTest]:
+        """Each configuration's test against MHA, by configuration."""
+        return {d: t for (_, d, b, _k), t in self.keyed.items() if self._is_mha_name(b)}
+
+    @property
+    def contrasts(self) -> dict[tuple[str, str], SeedTest]:
+        """Designs of one cache size against each other."""
+        return {(d, b): t for (_, d, b, _k), t in self.keyed.items() if not self._is_mha_name(b)}
+
+    def _is_mha_name(self, name: str) -> bool:
+        groups = seed_groups(self.runs)
+        return name == "MHA" or (name in groups and is_mha(groups[name][0]))
 
     @property
     def bleu_name(self) -> str:
@@ -320,17 +351,14 @@ class Report:
 
 
 def make_report(
-    runs: list[RunResult], source: str, significance: str, metric: str, margin: float | None
-) -> Report:
-    """Work out the report: the BLEU, the overlap, the side-by-side speeds (dropping
-    those outside the one measurement) and the tests over seeds."""
+    runs: list[RunResult], source: str, significance: str, metric: str, margin: float | None,
+    bleu_key: str = "test/bleu",
+) -> Report:  # fmt: skip
+    """Work out the report: the overlap and the side-by-side speeds (dropping those outside
+    the one measurement); the tests come from the stage before."""
     setup, gaps = side_by_side(runs)
     report = Report(runs, source, significance, metric, margin, training_overlap(runs), setup, gaps)
-    if runs and all(run.get(HYP_BLEU) is not None for run in runs):
-        report.bleu_key = HYP_BLEU
-    if has_repeats(runs):
-        report.tests = seed_tests(runs, report.bleu_key, margin)
-        report.contrasts = contrasts(runs, report.bleu_key, margin)
+    report.bleu_key = bleu_key
     return report
 
 
@@ -375,6 +403,8 @@ def how_tested(report: Report, family: str) -> str:
         if report.margin is not None
         else "no equivalence test (`equivalence_margin: null`), so no design is called equal"
     )
+    if report.family is not None:
+        family = family_words(report.family)
     return (
         f"p (paired t) is the two-sided t-test of the per-seed differences, unadjusted; "
         f"p ({CORRECTION}) is {CORRECTION}'s step-down adjustment over the {family}, which "
@@ -524,6 +554,16 @@ def comparison_markdown(report: Report) -> str:
     if has_repeats(runs):
         parts.append(seed_means_markdown(report))
     parts.append(_frontier_lines(report))
+    if report.described:
+        parts.append(equal_terms_section(report.described))
+    if report.grouped is not None:
+        parts.append(grid_section(report.grouped.grids))
+    keys = [k for k in ("val/bleu", "val/loss") if any(k in run.curves for run in runs)]
+    if keys:
+        designs = {name: dict(enumerate(group)) for name, group in seed_groups(runs).items()}
+        parts.append(curves_section(designs, keys, figure="validation_curves.png"))
+    if has_repeats(runs):
+        parts.append(family_section(report.keyed, report.family, runs))
     if report.long_context is not None:
         parts.append(long_context_markdown(report))
     parts.append(
@@ -688,3 +728,406 @@ def pareto_frontier(
 
 # Which end of each plotted axis is better: fewer cache bytes, more sentences per second.
 LOWER_IS_BETTER = {"kv_cache/bytes_per_token": True}
+
+
+# ---------------------------------------------------------------------------------------
+# Every comparison's sections: equal terms, the grid, the learning curves, the family
+
+
+def family_words(family: Family) -> str:
+    return (
+        f"whole family of {len(family.confirmatory)} tests declared in `{family.path}` "
+        f"({family.declared.isoformat()}, commit {family.commit}; declared tests without runs "
+        "count as p = 1)"
+    )
+
+
+def equal_terms_rows(
+    described: dict[str, Description], names: dict[str, str] | None = None
+) -> tuple[list[str], list[list[Any]]]:
+    """What else differs between the designs, unformatted: the rows of the equal-terms
+    table and of its wandb table."""
+    contexts = {d.context for d in described.values()}
+    at = f" at {contexts.pop():,}" if len(contexts) == 1 else ""
+    fields = [
+        "design", "parameters", "attention parameters", f"multiply-adds per token{at}",
+        "score width per head (rotary features)", "KV-cache bytes/token (fp32)", "note",
+    ]  # fmt: skip
+    rows = [
+        [(names or {}).get(design, design), d.params, d.attention_params,
+         None if math.isnan(d.macs_per_token) else d.macs_per_token, d.score_cell or None,
+         d.kv_bytes_per_token, "; ".join(d.notes) or None]
+        for design, d in described.items()
+    ]  # fmt: skip
+    return fields, rows
+
+
+def equal_terms_section(described: dict[str, Description], names=None) -> str:
+    """The equal-terms table, each figure as a multiple of the first design's beside it."""
+    fields, rows = equal_terms_rows(described, names)
+    first = rows[0] if rows else None
+    cells = []
+    for row in rows:
+        line = [str(row[0])]
+        for i in (1, 2, 3):
+            mine, theirs = row[i], first[i]
+            ratio = f" (×{mine / theirs:.3f})" if mine and theirs and row is not first else ""
+            line.append(format_cell(mine, ",.0f") + ratio)
+        line += [row[4] or MISSING, format_cell(row[5], ",d"), row[6] or ""]
+        cells.append(line)
+    return "\n".join([
+        "\n## Equal terms: what else differs between the designs\n",
+        "Counted from each design's model, built from its run's saved config "
+        "(`multihead.analysis.describe`): parameters, multiply-adds per token of a causal "
+        "pass at the trained context (linear maps, convolutions, and each head's `q·k` and "
+        "`weights·v` over the keys a query sees), each head's score width and how many of its "
+        "features are rotated by position, and the KV cache per decoded token. Each design's "
+        "own arithmetic: MLA's kernel here pads V to the score width, which is not counted. "
+        "× is against the first design. "
+        "A design that differs in more than its cache differs in these too: read a verdict "
+        "with them.\n",
+        markdown_table(fields[:-1] + ["note"], cells),
+    ])  # fmt: skip
+
+
+def grid_section(grids: dict[str, Grid], names: dict[str, str] | None = None) -> str:
+    """Each design's learning rates, the figure each scored, and the rate chosen."""
+    rows = []
+    for name, grid in grids.items():
+        design = (names or {}).get(name, name)
+        for rate, pool in grid.runs.items():
+            chosen = "**chosen**" if rate == grid.chosen else ""
+            if rate == grid.chosen and len(grid.runs) == 1:
+                chosen = "one grid point: nothing to choose"
+            elif rate == grid.chosen and grid.edge:
+                chosen += " (at the grid's edge: extend the grid)"
+            score = grid.scores.get(rate)
+            shown = MISSING if score is None else f"{score:.4f}"
+            rate_cell = MISSING if rate is None else f"{rate:g}"
+            rows.append([design, rate_cell, str(len(pool)), grid.metric, shown, chosen])
+    return "\n".join([
+        "\n## Learning rates\n",
+        "Each design's runs by learning rate (`module.optimizer.lr`): the rate with the best "
+        "mean of the grid's figure, on a split the tests do not score, is the design's own, "
+        "and only its runs at that rate enter the tests. A best rate at the grid's edge asks "
+        "for a wider grid.\n",
+        markdown_table(["design", "learning rate", "runs", "chosen by", "mean", "choice"], rows),
+    ])  # fmt: skip
+
+
+def curve_rows(designs: dict[str, dict[Any, RunResult]], key: str, names=None):
+    """Per design, the mean over its runs of ``key`` at each evaluation during training
+    (:func:`~multihead.analysis.tested.evaluations`); ``(steps, {design: [mean or None]})``."""
+    curves = {
+        design: [dict(evaluations(run.curves[key])) for run in seeds.values() if key in run.curves]
+        for design, seeds in designs.items()
+    }
+    steps = sorted({s for found in curves.values() for c in found for s in c})
+    rows = {}
+    for design, found in curves.items():
+        means = []
+        for step in steps:
+            values = [c[step] for c in found if step in c]
+            means.append(statistics.fmean(values) if len(values) == len(found) and values else None)
+        rows[(names or {}).get(design, design)] = means
+    return steps, rows
+
+
+def curves_section(designs: dict[str, dict[Any, RunResult]], keys: list[str], names=None,
+                   figure: str | None = None) -> str:  # fmt: skip
+    """The learning curves: each design's mean figure at every evaluation, per key."""
+    parts = [
+        "\n### Learning curves\n",
+        "Each design's mean over its runs (at its chosen rate) at every evaluation during "
+        "training, on the held-out data. A verdict below is stated only where the order "
+        "against the baseline agrees at the last two evaluations.",
+    ]
+    counts = {len(evaluations(c)) for s in designs.values() for r in s.values()
+              for k, c in r.curves.items() if k in keys}  # fmt: skip
+    if counts and min(counts) < 5:
+        parts.append(
+            f"**These runs were evaluated at {min(counts)} points during training**, fewer "
+            "than the five a verdict about what a design can do needs."
+        )
+    if figure:
+        parts.append(f"\n![learning curves]({figure})")
+    for key in keys:
+        steps, rows = curve_rows(designs, key, names)
+        if not steps:
+            continue
+        table = [[d, *(format_cell(v, ".4f") for v in means)] for d, means in rows.items()]
+        parts.append(f"\n**{key}**\n\n" + markdown_table(["design", *map(str, steps)], table))
+    return "\n".join(parts)
+
+
+def family_section(
+    tests: dict[tuple[str, str, str, str], SeedTest], family: Family | None,
+    runs: list[RunResult], names=None,
+) -> str:  # fmt: skip
+    """How the tests were corrected: the declared family, its Holm table, the declared
+    tests without runs, and the exploratory tests apart."""
+    if family is None:
+        return (
+            "\n## The family of tests\n\nNo family of tests was declared (`family=null`): Holm "
+            "runs over the designs of each figure, and every verdict is exploratory in the "
+            "sense of a declared analysis. Declare one in a file written before the runs "
+            "(`family=PATH`)."
+        )
+    show = (names or {}).get
+    starts = [(run, run.get("run/start")) for run in runs]
+    early = [run for run, start in starts if start and utc_time(start) < family.declared]
+    parts = [
+        "\n## The family of tests\n",
+        f"Holm's step-down adjustment runs over the {family_words(family)}; a test the report "
+        "makes outside it (not listed, or added after the declaration) is exploratory and "
+        "keeps its unadjusted p.",
+    ]
+    if early:
+        parts.append(
+            f"{len(early)} of the {len(runs)} runs started before the family was declared "
+            "(reused runs, whose results could be seen when it was written)."
+        )
+    rows, explore = [], []
+    for (task, design, base, metric), test in tests.items():
+        cells = [task, show(design, design) if task != "translation" else design,
+                 show(base, base) if task != "translation" else base, metric,
+                 MISSING if test.interval is None else f"{test.interval[0]:+.4f}",
+                 p_cell(test.p_value)]  # fmt: skip
+        last = MISSING if test.last_two is None else (
+            f"{test.last_two[0]:+.4f} → {test.last_two[1]:+.4f}")  # fmt: skip
+        if test.exploratory:
+            explore.append([*cells, last, test.verdict])
+        else:
+            rows.append([*cells, p_cell(test.p_adjusted), last, test.verdict])
+    heads = ["task", "design", "baseline", "figure", "mean Δ", "p (paired t)"]
+    parts.append(
+        "\n" + markdown_table([*heads, f"p ({CORRECTION}, the family)",
+                               "Δ at the last two evaluations", "verdict"], rows)  # fmt: skip
+    )
+    found = {k for k, t in tests.items() if not t.exploratory}
+    missing = [t for t in family.confirmatory
+               if not any(t.matches(*k) for k in found)]  # fmt: skip
+    if missing:
+        listed = "; ".join(f"{t.task} {t.design} vs {t.baseline} on {t.metric}"
+                           for t in missing[:8])  # fmt: skip
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        parts.append(
+            f"\n{len(missing)} declared tests have no runs yet (each counts as p = 1): "
+            f"{listed}{more}."
+        )
+    if explore:
+        parts += [
+            "\n### Exploratory tests (outside the declared family; p unadjusted)\n",
+            markdown_table([*heads, "Δ at the last two evaluations", "verdict"], explore),
+        ]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# The long-context comparison: the LM's loss by position, MQAR's accuracy by setting
+
+# Margins for "equal", set before the runs: 0.02 nats of held-out loss (a 2% perplexity
+# ratio) and 2 points of MQAR accuracy.
+LOSS_MARGIN = 0.02
+ACC_MARGIN = 0.02
+LONG_CONTEXT_FILES = ("long_context.md", "long_context.csv")
+
+
+def _mean_sd(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _test_cells(test: SeedTest | None, digits: int = 4) -> list[str]:
+    if test is None or test.interval is None:
+        deltas = "" if test is None else ", ".join(f"{d:+.{digits}f}" for d in test.deltas)
+        return [deltas, "", "", "", "", "one seed: no test" if test else ""]
+    mean, low, high = test.interval
+    p = test.p_value if test.exploratory else test.p_adjusted
+    return [
+        ", ".join(f"{d:+.{digits}f}" for d in test.deltas),
+        f"**{mean:+.{digits}f}**, {low:+.{digits}f} to {high:+.{digits}f}",
+        "< 0.001" if p < 0.001 else f"{p:.3f}",
+        "" if test.detectable is None else f"±{test.detectable:.{digits}f}",
+        "" if test.tost is None else f"{test.tost:.3f}",
+        test.verdict,
+    ]
+
+
+def quality_section(designs, tests, task: str, keys: list[str], margin: float, what: str,
+                    names: dict[str, str]) -> str:  # fmt: skip
+    """Per figure: each design's mean ± sd over seeds, and its test against plain MHA."""
+    parts = []
+    mha = next((d for d, seeds in designs.items()  # by_design puts variants last
+                if is_mha_design(next(iter(seeds.values())))), None)  # fmt: skip
+    for key in keys:
+        rows = []
+        for design, seeds in designs.items():
+            values = [number(r.get(key)) for r in seeds.values() if r.get(key) is not None]
+            if not values:
+                continue
+            if design == mha:
+                cells = [""] * 5 + ["(the reference)"]
+            else:
+                cells = _test_cells(tests.get((task, design, mha, key)))
+            rows.append([names[design], str(len(values)), _mean_sd(values), *cells])
+        headers = [
+            "design", "seeds", f"{what} (mean ± sd)", "Δ vs MHA per seed",
+            "mean Δ, 95% t-interval", "p, Holm", "detectable",
+            f"TOST ±{margin:g}", "verdict",
+        ]  # fmt: skip
+        parts.append(f"**{key}**\n\n" + markdown_table(headers, rows))
+    return "\n\n".join(parts)
+
+
+def speed_section(rows: list[dict[str, Any]]) -> str:
+    order = {"mha": 0, "gqa": 1, "mqa": 2, "mla": 3}
+    headers = [
+        "design", "context x batch", "ms/token, median (min-max of rounds)",
+        "speed x MHA, median (min-max)", "cache MiB held", "rounds",
+    ]  # fmt: skip
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["context"], r["batch"], order.get(r["design"], 9))):
+        if r.get("ms") is None:
+            lines.append(
+                [r["design"], f"{r['context']} x {r['batch']}", r.get("note", ""), "", "", ""]
+            )
+            continue
+        lines.append([
+            r["design"], f"{r['context']:,} x {r['batch']}",
+            f"{r['ms']:.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f})",
+            f"{r['x_mha']:.2f} ({r['x_mha_min']:.2f}-{r['x_mha_max']:.2f})",
+            f"{r['cache_bytes'] / 2**20:,.1f}", str(len(r.get("round_ms") or [])),
+        ])  # fmt: skip
+    return markdown_table(headers, lines)
+
+
+def context_use_section(designs, first: str, last: str, names: dict[str, str]) -> str:
+    """How much each design's loss falls from the first position bucket to the last: what
+    distant context is worth to it (per seed, and their mean)."""
+    rows = []
+    for design, seeds in designs.items():
+        gains = [
+            100 * (1 - number(r.get(last)) / number(r.get(first)))
+            for r in seeds.values()
+            if r.get(first) is not None and r.get(last) is not None
+        ]
+        if gains:
+            per_seed = ", ".join(f"{g:+.2f}%" for g in gains)
+            rows.append([names[design], per_seed, f"{statistics.fmean(gains):+.2f}%"])
+    what = f"Context use: the loss at {last.split('@')[1]} below the loss at {first.split('@')[1]}"
+    return f"**{what}**\n\n" + markdown_table(["design", "per seed", "mean"], rows)
+
+
+def package_section(designs, names: dict[str, str]) -> str:
+    """The held-out loss of each source package (``val/loss/NAME``), each design's mean over
+    its seeds; empty where the runs logged none."""
+    packages = sorted({k for s in designs.values() for r in s.values() for k in r.summary
+                       if k.startswith("val/loss/")})  # fmt: skip
+    if not packages:
+        return ""
+    rows = []
+    for design, seeds in designs.items():
+        means = []
+        for key in packages:
+            values = [number(r.get(key)) for r in seeds.values() if r.get(key) is not None]
+            means.append(format_cell(statistics.fmean(values) if values else None, ".4f"))
+        rows.append([names[design], *means])
+    headers = ["design", *(k.removeprefix("val/loss/") for k in packages)]
+    return (
+        "**Held-out loss by source package** (mean over seeds; the scored windows are drawn "
+        "from every package in proportion to its bytes)\n\n" + markdown_table(headers, rows)
+    )
+
+
+def runs_section(designs, names: dict[str, str]) -> str:
+    rows = []
+    for design, seeds in designs.items():
+        run = next(iter(seeds.values()))
+        rows.append([names[design], design, ", ".join(str(s) for s in seeds),
+                     str(run.get("steps"))])  # fmt: skip
+    return markdown_table(["design", "run name", "seeds", "steps"], rows)
+
+
+def lm_markdown(
+    tasks: dict[str, dict[str, dict[Any, RunResult]]], keys: dict[str, list[str]],
+    tests, report: Report, speed_rows: list[dict[str, Any]] | None, figures: dict[str, str],
+) -> str:  # fmt: skip
+    """The text of ``long_context.md``."""
+    parts = ["# What each design costs and buys at long context\n"]
+    grouped = report.grouped
+    if grouped is not None and grouped.despite:
+        parts.append(pooled_despite_note(grouped.despite).strip() + "\n")
+    for task, designs in tasks.items():
+        names = report_names(designs)
+        title, what = {"lm": ("The language model", "held-out loss, nats"),
+                       "mqar": ("MQAR", "accuracy")}[task]  # fmt: skip
+        margin = LOSS_MARGIN if task == "lm" else ACC_MARGIN
+        parts += [f"## {title}\n", runs_section(designs, names)]
+        described = {d: report.described[(task, d)] for d in designs
+                     if (task, d) in report.described}  # fmt: skip
+        parts.append(equal_terms_section(described, names).replace("\n## ", "\n### "))
+        if grouped is not None:
+            mine = {k.split(": ", 1)[-1]: g for k, g in grouped.grids.items()
+                    if k.startswith(f"{task}: ") or ": " not in k}  # fmt: skip
+            parts.append(grid_section(mine, names).replace("\n## ", "\n### "))
+        parts.append(curves_section(designs, keys[task], names, figures.get(task)))
+        parts.append("\n### Against MHA\n")
+        if task == "lm":
+            parts += [context_use_section(designs, keys[task][1], keys[task][-1], names), ""]
+            parts += [package_section(designs, names), ""]
+        parts += [quality_section(designs, tests, task, keys[task], margin, what, names),
+                  ""]  # fmt: skip
+    if speed_rows:
+        parts += ["## Decoding the trained checkpoints\n", speed_section(speed_rows), ""]
+    all_names = {d: n for designs in tasks.values() for d, n in report_names(designs).items()}
+    runs = [r for designs in tasks.values() for s in designs.values() for r in s.values()]
+    parts.append(family_section(tests, report.family, runs, all_names))
+    return "\n".join(parts) + "\n"
+
+
+def report_names(designs) -> dict[str, str]:
+    return display_names(designs)
+
+
+def long_context_rows(tasks, keys) -> list[dict[str, Any]]:
+    """The rows of ``long_context.csv``: each run's figures."""
+    rows = []
+    for task, designs in tasks.items():
+        extra = ["val/ppl"] if task == "lm" else []
+        for design, seeds in designs.items():
+            name = report_names(designs)[design]
+            for seed, run in seeds.items():
+                rows.append({"task": task, "design": name, "seed": seed,
+                             **{k: run.get(k) for k in keys[task] + extra}})  # fmt: skip
+    return rows
+
+
+def learning_curve_rows(runs: list[RunResult]) -> tuple[list[str], list[list[Any]]]:
+    """Every run's held-out figures at every evaluation during training, one row each: the
+    wandb table ``learning_curves`` (and ``learning_curves.csv`` of the LM comparison)."""
+    from multihead.analysis.groups import task
+
+    fields = ["task", "design", "seed", "learning rate", "figure", "step", "value"]
+    rows = [
+        [task(run), design_of(run), run.seed, learning_rate(run), key, step, found]
+        for run in runs
+        for key, curve in sorted(run.curves.items())
+        for step, found in evaluations(curve)
+    ]
+    return fields, rows
+
+
+def tested_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[str], list[list]]:
+    """Every test, unformatted: the wandb table ``tests``."""
+    fields = ["task", "design", "baseline", "figure", "Δ (mean)", "Δ low", "Δ high",
+              "p (paired t)", f"p ({CORRECTION})", "exploratory", "Δ at the second-last evaluation",
+              "Δ at the last evaluation", "verdict"]  # fmt: skip
+    rows = []
+    for (task, design, base, metric), test in tests.items():
+        mean, low, high = test.interval or (statistics.fmean(test.deltas), None, None)
+        last = test.last_two or (None, None)
+        rows.append([task, design, base, metric, mean, low, high, test.p_value,
+                     test.p_adjusted, test.exploratory, *last, test.verdict])  # fmt: skip
+    return fields, rows

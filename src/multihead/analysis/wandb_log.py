@@ -1,29 +1,15 @@
-"""The comparison as a wandb run of its own (job type ``comparison``): the table of runs,
-the table of configurations over seeds, and the plots."""
+"""The comparison as a wandb run of its own (job type ``comparison``): its tables (the runs,
+the configurations over seeds, the equal terms) and its plots."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from multihead.analysis.report import Report, seed_rows, table_rows
 from multihead.analysis.runs import RunResult
 from multihead.wandb_setup import configure_wandb_mode, finish_wandb
 
 log = logging.getLogger(__name__)
-
-
-def log_to_wandb(
-    report: Report, paths: list[Path], *, group: str | None, project: str, entity: str | None
-) -> str:
-    """Log the comparison to a wandb run of its own (job type ``comparison``) in ``group``:
-    the table of runs as a ``wandb.Table`` named ``comparison``, the configurations over
-    seeds and the contrasts (means, intervals, p, Holm's p, verdicts) as ``seed_means``,
-    the plots as images. Offline
-    without an API key, as training is. Returns the run's path or offline directory."""
-    tables = {"comparison": table_rows(report), "seed_means": seed_rows(report)}
-    config = {"source": report.source, "runs": len(report.runs), "bleu": report.bleu_name}
-    return log_comparison(tables, paths, group=group, project=project, entity=entity, config=config)
 
 
 def log_comparison(

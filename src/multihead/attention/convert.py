@@ -57,13 +57,20 @@ def with_kv_heads(layer: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtte
 
     This is the checkpoint conversion of the GQA paper (Ainslie et al., 2023): the ``G``
     current K (and V) projection heads are split into ``num_kv_heads`` consecutive groups
-    and each group is mean-pooled into one head.
+    and each group is mean-pooled into one head. ``num_kv_heads`` equal to ``G`` is refused:
+    nothing to pool, and the copy would differ only in its ``in_proj`` layout (stacked, where a
+    swapped HF layer's is separate, which ``save_pretrained`` needs).
     """
     G = layer.num_kv_heads
     _check_unpruned(layer, "with_kv_heads")
     _check_design(layer, "with_kv_heads")
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
         raise TypeError(f"num_kv_heads must be an integer, got {num_kv_heads!r}")
+    if num_kv_heads == G:  # as convert_attention refuses it
+        raise ValueError(
+            f"with_kv_heads({num_kv_heads}) would leave {layer.head_tag!r} as it is: it has "
+            f"{G} K/V heads already"
+        )
     if num_kv_heads <= 0 or G % num_kv_heads != 0:  # no argument named: callers name it apart
         raise ValueError(f"cannot pool {G} K/V heads into {num_kv_heads}: it must divide {G}")
     new = rebuild(layer, num_kv_heads=num_kv_heads, **design_arguments(layer.design))

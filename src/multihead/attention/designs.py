@@ -13,10 +13,8 @@ formula, through the math kernel's hooks), how the heads become the output
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import inspect
-import json
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import ClassVar, NamedTuple, Protocol
@@ -24,9 +22,10 @@ from typing import ClassVar, NamedTuple, Protocol
 from torch import Tensor, nn
 
 from multihead.attention.backends import attend
+from multihead.attention.checks import closest_name
 from multihead.attention.kv_cache import KVCache
 from multihead.attention.masks import AttentionMask
-from multihead.attention.positional import PositionalPart
+from multihead.attention.positional import PositionalPart, tag_digest
 from multihead.attention.projection import QKVProjection
 
 
@@ -276,27 +275,17 @@ def _same(value: object, default: object) -> bool:
 
 def options_digest(design: HeadDesign, spelled: tuple[str, ...] = ()) -> str:
     """``"-"`` and six hex digits of a hash of ``design``'s options that differ from its
-    constructor's defaults, leaving out those its tag already spells (``spelled``) and the
-    rotary ones (``rotary_dim``, ``rope_*``: positions' options, which no tag spells);
-    ``""`` if none (a design at its defaults keeps its bare tag). Stable across
-    processes: the options as sorted JSON (tensors as lists)."""
+    constructor's defaults, leaving out those its tag already spells (``spelled``);
+    ``""`` if none (a design at its defaults keeps its bare tag). Its own rotary options
+    (MLA's ``rope_theta``, ...) are among them: they change what it computes. Stable across
+    processes (:func:`~multihead.attention.positional.tag_digest`)."""
     defaults = _options(type(design))
     differ = {
         k: v
         for k, v in design.options.items()
-        if k not in spelled
-        and k != "rotary_dim"
-        and not k.startswith("rope_")
-        and not _same(v, defaults.get(k, inspect.Parameter.empty))
+        if k not in spelled and not _same(v, defaults.get(k, inspect.Parameter.empty))
     }
-    if not differ:
-        return ""
-    text = json.dumps(differ, sort_keys=True, default=_json_value)
-    return "-" + hashlib.sha1(text.encode()).hexdigest()[:6]
-
-
-def _json_value(value: object) -> object:
-    return value.tolist() if isinstance(value, Tensor) else repr(value)
+    return tag_digest(differ)
 
 
 def check_design(design: HeadDesign) -> None:
@@ -459,8 +448,11 @@ def resolve_design(
     takes = _options(cls)
     unknown = sorted(set(options) - set(takes))
     if unknown:
+        near = [(k, closest_name(k, takes)) for k in unknown]
         raise ValueError(
-            f"head design {design!r} takes no option {', '.join(unknown)}; its options: "
+            f"head design {design!r} takes no option "
+            + ", ".join(k + (f" (closest: {c})" if c else "") for k, c in near)
+            + "; its options: "
             + (", ".join(takes) or "none")
         )
     missing = [k for k in _required(cls) if k not in options]

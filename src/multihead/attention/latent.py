@@ -41,8 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention.checks import check_int_in, check_positive_int
-from multihead.attention.designs import AttentionLayer, Call, HeadDesign, register_design
+from multihead.attention.checks import check_bool, check_int_in, check_positive_int
+from multihead.attention.designs import (
+    AttentionLayer,
+    Call,
+    HeadDesign,
+    options_digest,
+    register_design,
+)
 from multihead.attention.kv_cache import CacheLayout
 from multihead.attention.masks import AttentionMask
 from multihead.attention.rotary import RotaryPositions
@@ -91,6 +97,7 @@ class LatentKV(HeadDesign):
         v_head_dim: int | None = None, q_latent_dim: int | None = None,
     ) -> None:  # fmt: skip
         check_positive_int("kv_latent_dim", kv_latent_dim)
+        check_bool("kv_latent_norm", kv_latent_norm)
         check_positive_int("rope_kv_heads", rope_kv_heads)
         if num_heads % rope_kv_heads != 0:
             raise ValueError(f"rope_kv_heads={rope_kv_heads} must divide num_heads={num_heads}")
@@ -147,10 +154,29 @@ class LatentKV(HeadDesign):
 
     @property
     def tag(self) -> str:
+        """``r<latent>``, ``n`` with the latent's norm, ``q<width>`` with a low-rank query,
+        ``rope<d_R>`` with the decoupled rotary key (``x<G_R>`` with several), ``qk<width>``
+        and ``v<width>`` for heads other than ``D`` wide, then a digest of any other option
+        that differs from its default (``softmax_scale``, the rotary base, pairing and
+        frequencies: :func:`~.designs.options_digest`). E.g. ``r64``, ``r512q1536rope64qk128``."""
         rope = f"rope{self.rope_dim}" if self.rope_dim else ""
         rope += f"x{self.rope_kv_heads}" if self.rope_kv_heads > 1 else ""
         q = "" if self.q_latent_dim is None else f"q{self.q_latent_dim}"
-        return f"r{self.latent_dim}" + ("n" if self.norm is not None else "") + q + rope
+        qk = "" if self.qk_head_dim == self.head_dim else f"qk{self.qk_head_dim}"
+        v = "" if self.v_head_dim == self.head_dim else f"v{self.v_head_dim}"
+        spelled = (
+            "kv_latent_dim", "kv_latent_norm", "q_latent_dim", "rotary_dim", "rope_kv_heads",
+            "qk_head_dim", "v_head_dim",
+        )  # fmt: skip
+        norm = "n" if self.norm is not None else ""
+        return f"r{self.latent_dim}{norm}{q}{rope}{qk}{v}{options_digest(self, spelled)}"
+
+    @property
+    def score_features(self) -> tuple[int, int]:
+        """Each head's score width and how many of its features carry positions:
+        ``qk_head_dim`` position-free features from the latent and ``d_R`` rotary ones
+        (``multihead.analysis.describe`` reads it)."""
+        return self.qk_head_dim + self.rope_dim, self.rope_dim
 
     @staticmethod
     def widths(embed_dim: int, num_heads: int, options: dict) -> tuple[int, int, int, bool]:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 # The built-in head designs register themselves by name when imported.
 from multihead.attention import differential, latent, mixing, sparse  # noqa: F401
 from multihead.attention.backends import BACKENDS, attend, check_backend, default_scale
-from multihead.attention.checks import check_positive_int
+from multihead.attention.checks import check_bool, check_positive_int
 from multihead.attention.designs import (
     Call,
     HeadDesign,
@@ -114,6 +114,8 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        check_bool("bias", bias)
+        check_bool("rope_interleaved", rope_interleaved)
         # Construction knows the name, packages and dropout; the device and dtype are checked
         # on the first forward pass on each, since the parameters may still move.
         check_backend(backend, None, dtype or torch.float32, dropout=dropout)

@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.attention.positional import PositionalPart
+from multihead.attention.checks import check_bool
+from multihead.attention.positional import PositionalPart, tag_digest
+
+# The layer's (and MLA's) rotary options at their defaults, which a tag leaves out.
+ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_interleaved": False}
 
 
 class RotaryPositions(PositionalPart):
@@ -39,7 +43,6 @@ class RotaryPositions(PositionalPart):
     """
 
     seam = "rotate"
-    tag = "-rope"
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class RotaryPositions(PositionalPart):
             )
         if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 1:
             raise ValueError(f"rope_theta must be a number > 1, got {theta!r}")
+        check_bool("rope_interleaved", interleaved)
         n = rotary_dim // 2
         # A config value checked here, on the CPU whatever device the layer is built on (a
         # model built on the meta device to check its settings reads these numbers).
@@ -76,6 +80,17 @@ class RotaryPositions(PositionalPart):
         self.rotary_dim = rotary_dim
         self.theta = float(theta)
         self.interleaved = bool(interleaved)
+
+    @property
+    def tag(self) -> str:
+        """``-rope`` at the defaults (every feature, base 10,000, halves paired, no explicit
+        frequencies); ``-rope<R>`` where it rotates ``R`` of the ``D`` features of a head, and
+        a digest of a base, a pairing or frequencies other than the defaults
+        (:func:`~multihead.attention.positional.tag_digest`)."""
+        width = "" if self.rotary_dim == self.head_dim else str(self.rotary_dim)
+        other = {k: v for k, v in self.options.items() if k != "rotary_dim"}
+        other = {k: v for k, v in other.items() if (k, v) not in ROPE_DEFAULTS.items()}
+        return f"-rope{width}{tag_digest(other)}"
 
     @property
     def options(self) -> dict[str, int | float | bool]:

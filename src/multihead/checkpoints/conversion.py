@@ -14,6 +14,7 @@ init_from=...``, optionally distilling from the checkpoint it was converted from
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import json
 import logging
@@ -61,24 +62,36 @@ def resolve_scope(scope: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _target(
-    num_kv_heads: int | None, kv_latent_dim: int | None,
-    names: tuple[str, str] = ("num_kv_heads", "kv_latent_dim"),
-) -> dict[str, int]:  # fmt: skip
+    kv_heads: int | None, kv_latent: int | None, budget: int | float | None,
+    names: tuple[str, str, str] = ("num_kv_heads", "kv_latent_dim", "cache_budget"),
+) -> dict[str, Any]:  # fmt: skip
     """The one conversion asked for, as ``{name: value}``; bad values raise, naming them."""
-    asked = {
-        k: v for k, v in zip(names, (num_kv_heads, kv_latent_dim), strict=True) if v is not None
-    }
+    given = dict(zip(names, (kv_heads, kv_latent, budget), strict=True))
+    asked = {k: v for k, v in given.items() if v is not None}
     if len(asked) != 1:
-        raise ValueError(
-            f"set exactly one of {names[0]} and {names[1]}, got {names[0]}={num_kv_heads}, "
-            f"{names[1]}={kv_latent_dim}"
-        )
+        got = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ValueError(f"set exactly one of {names[0]}, {names[1]} and {names[2]}, got {got}")
     ((name, value),) = asked.items()
+    if name == names[2]:
+        _check_budget(name, value)
+        return asked
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {name}={value}")
     return asked
+
+
+def _check_budget(name: str, budget: Any) -> None:
+    """A cache budget is bytes (an integer) or a fraction of the cache (a float in (0, 1])."""
+    what = (
+        f"{name} must be a layer's KV cache bytes per token (a positive integer) or a fraction "
+        f"of its cache (a float in (0, 1]), got {budget!r}"
+    )
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise TypeError(what)
+    if not (0 < budget <= 1 if isinstance(budget, float) else budget >= 1):
+        raise ValueError(what)
 
 
 # What a latent's options are when not passed: an option set otherwise is refused where it
@@ -92,20 +105,27 @@ ROTARY_DEFAULTS = {"rope_dim": None, "selection": "high", "rotary_key": None,
 CHOICES = {"factorisation": ("svd", "pca"), "balance_kv": (False, True),
            "rotary_key": ("per_group", "shared")}  # fmt: skip
 HELD_OUT = 4  # one part in 4 of the calibration (at least one batch or sequence) is held out
+# A cache budget's rotary keys, per K/V group: one pair and these parts of the rotated
+# features R (whole pairs), the latent the rest. On an outside Llama (D = 32) the key's width
+# decided more than any other choice: +31% perplexity with 4 against +13% with 8 (issue 84);
+# the LM study's grid kept 2 at 1/8.
+BUDGET_ROPE_PARTS = (8, 4, 2)
+NUMBER_BYTES = 4  # the cache's bytes per number, as the report counts them (fp32)
 
 
 def convert_attention(
     model: nn.Module, *, kv_heads: int | None = None, kv_latent: int | None = None,
-    rope_dim: int | None = None, selection: str = "high", rotary_key: str | None = None,
-    freqfold: int | None = None, factorisation: str | None = None,
-    balance_kv: bool | None = None, calibration: Any = None,
+    cache_budget: int | float | None = None, rope_dim: int | None = None,
+    selection: str = "high", rotary_key: str | None = None, freqfold: int | None = None,
+    factorisation: str | None = None, balance_kv: bool | None = None, calibration: Any = None,
     scope: str | Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Convert every attention layer of ``model`` in place: to ``kv_heads`` pooled K/V heads
-    (:func:`~multihead.attention.convert.with_kv_heads`) or to a ``kv_latent`` K/V latent
+    (:func:`~multihead.attention.convert.with_kv_heads`), to a ``kv_latent`` K/V latent
     (:func:`~multihead.attention.convert.with_kv_latent`: ``factorisation``, ``balance_kv``;
     rotary layers keep ``rope_dim`` rotated features, ``rotary_key`` one key per K/V group
-    chosen by ``selection``, or one shared key of ``freqfold``-folded components).
+    chosen by ``selection``, or one shared key of ``freqfold``-folded components), or to a
+    latent within ``cache_budget`` (below).
 
     ``model``: our :class:`Transformer` (the sublayers of ``scope``, default ``"decoder"``, see
     :func:`resolve_scope`; its ``attention_config`` rewritten so that it rebuilds the result),
@@ -114,11 +134,12 @@ def convert_attention(
     generating, its cache holding each layer's latent). ``calibration``: the model's inputs,
     called as ``model(*calibration)`` (a tuple), ``model(**calibration)`` (a mapping) or
     ``model(calibration)``, or a list of such batches (each called in turn): our
-    Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` or
-    ``{"input_ids": ..}``. Each layer's K/V source inputs on them, padding left out where
-    the call has a ``key_padding_mask``, are the latent's calibration (``"pca"``), choose
-    ``selection="norm"``'s pairs and measure the errors below. Bad calibration (a batch
-    the model refuses, an empty one, a layer it never reaches) is refused in one line,
+    Transformer's ``(src, tgt_in)``, an HF model's token ids ``(B, S)`` (of any integer
+    dtype: read as int64) or ``{"input_ids": .., "attention_mask": ..}``. Each layer's K/V source
+    inputs on them, padding left out where the call has a ``key_padding_mask``, are the
+    latent's calibration (``"pca"``), choose ``selection="norm"``'s pairs and measure the
+    errors below. Bad calibration (empty, not tensors, a batch the model refuses, an
+    ``attention_mask`` that is not 0/1, a layer it never reaches) is refused in one line,
     before any layer changes.
 
     **The latent's choices are measured, not assumed.** ``factorisation`` (``"svd"`` or
@@ -134,17 +155,28 @@ def convert_attention(
     Transformer's ``tgt_in``; padding left out), the layers before it converted as chosen
     and those after as they were; else the layer's output error on its held-out calls. In
     our Transformer, whose config holds one layout per sublayer kind, a kind's first layer
-    chooses the layout for the others. A tie (within 1e-6) goes to the weights alone. A
-    named option is used as it is: all named, no selection, every batch fitted. Without
-    calibration: the SVD, no balancing, per-group keys. One log line (``logging``, INFO)
-    says what each layer kept.
+    chooses the layout (and a budget's split) for the others. A tie (within 1e-6) goes to
+    the weights alone. A named option is used as it is: all named, no selection, every batch
+    fitted. Without calibration: the SVD, no balancing, per-group keys. One log line
+    (``logging``, INFO) says what each layer kept.
+
+    **A cache budget** instead of ``kv_latent``: each layer's KV cache, bytes per token
+    (an integer; fp32, as ``bytes_after``) or a fraction of its own (a float in (0, 1]).
+    How to spend it is measured with the choices above: the rotary keys' width against the
+    latent's, per-group keys of one pair, ``R/8``, ``R/4`` or ``R/2`` rotated features
+    (whole pairs; a shared key of ``G`` times that: the same cache) and the latent the
+    numbers left (at most the K/V stack's rank). A named ``rope_dim`` fixes the keys, the
+    latent taking the rest; a layer without rotary positions gets a latent of all of it.
+    Measuring the width needs ``calibration``.
 
     Returns:
         Per layer: ``layer`` (its path), ``bytes_before`` and ``bytes_after`` (KV cache bytes
-        per token, fp32); for a latent, ``latent``, the choices it got
-        (``factorisation``, ``balance_kv``, a rotary layer's ``rotary_key``), and where they
+        per token, fp32), with a budget ``budget_bytes`` (the bytes it allowed); for a
+        latent, ``latent``, what it got, as :func:`convert_attention`'s arguments that
+        rebuild it (``kv_latent``, ``factorisation``, ``balance_kv``, a rotary layer's
+        ``rotary_key`` and ``rope_dim``, the width of its rotary key(s)), and where they
         were measured ``scored_by`` (``"held-out loss"`` or ``"held-out out_error"``) and
-        ``candidates``, each combination with its ``score``; with ``calibration``:
+        ``candidates``, each with its ``score``; with ``calibration``:
         ``k_error`` and ``v_error``, the relative Frobenius error of K and V (per query head,
         before RoPE and without biases, which move exactly; a rotary key's part counted
         exact, being moved, not approximated), and ``out_error``, the relative error of the
@@ -155,22 +187,25 @@ def convert_attention(
                "freqfold": freqfold, "factorisation": factorisation,
                "balance_kv": balance_kv}  # fmt: skip
     return _convert(
-        model, kv_heads, kv_latent, calibration=calibration, scope=scope,
-        names=("kv_heads", "kv_latent"), **options,
+        model, kv_heads, kv_latent, cache_budget, calibration=calibration, scope=scope,
+        names=("kv_heads", "kv_latent", "cache_budget"), **options,
     )  # fmt: skip
 
 
 def _convert(
-    model: nn.Module, kv_heads: int | None, kv_latent: int | Mapping[str, int] | None, *,
-    calibration: Any, scope: str | Sequence[str] | None, names: tuple[str, str], **options,
+    model: nn.Module, kv_heads: int | None, kv_latent: int | Mapping[str, int] | None,
+    budget: int | float | None, *, calibration: Any, scope: str | Sequence[str] | None,
+    names: tuple[str, str, str], **options,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """:func:`convert_attention`, its refusals naming the arguments ``names`` (the public
-    function's ``kv_heads``, ``kv_latent``; :func:`convert_checkpoint`'s own); ``kv_latent``
-    may give each sublayer kind of our Transformer its own ``r`` (checked by the caller)."""
+    function's ``kv_heads``, ``kv_latent``, ``cache_budget``; :func:`convert_checkpoint`'s
+    own); ``kv_latent`` may give each sublayer kind of our Transformer its own ``r``
+    (checked by the caller)."""
     per_kind = isinstance(kv_latent, Mapping)
     if not per_kind:
-        _target(kv_heads, kv_latent, names)
-    asked = f"{names[0]}={kv_heads}" if kv_heads is not None else f"{names[1]}={kv_latent}"
+        _target(kv_heads, kv_latent, budget, names)
+    given = zip(names, (kv_heads, kv_latent, budget), strict=True)
+    asked = next(f"{name}={value}" for name, value in given if value is not None)
     transformer = isinstance(model, Transformer)
     if transformer:
         kinds = resolve_scope("decoder" if scope is None else scope)
@@ -222,46 +257,62 @@ def _convert(
         raise ValueError(f"{' and '.join(ignored)} would be ignored: {why}")
     if options["balance_kv"] is not None and not isinstance(options["balance_kv"], bool):
         raise TypeError(f"balance_kv must be a bool or None, got {options['balance_kv']!r}")
-    unset = [k for k in CHOICES if options[k] is None]
-    measure = (
-        kv_heads is None
-        and calibration is not None
-        and bool(
-            {"factorisation", "balance_kv"} & set(unset)
-            or ("rotary_key" in unset and any(a.positions is not None for _, a, _ in layers))
+    rotary = any(a.positions is not None for _, a, _ in layers)
+    # A budget's split: the numbers per token it allows each layer, checked before any work.
+    allowed = {} if budget is None else {
+        path: budget_numbers(attn, budget, path=path, name=names[2], options=options)
+        for path, attn, _ in layers
+    }  # fmt: skip
+    widths = budget is not None and options["rope_dim"] is None and rotary  # measured
+    if widths and options["freqfold"] is not None:
+        raise ValueError(
+            f"freqfold={options['freqfold']!r} folds one width of shared key, and "
+            f"{names[2]}={budget!r} tries several: name rope_dim too, or leave freqfold unset"
         )
-    )
-    batches = None if calibration is None else _batches(calibration)
-    fit, held, held_words = _split(batches) if measure else (batches, None, "")
+    if widths and calibration is None:
+        raise ValueError(
+            f"{names[2]}={budget!r} measures the rotary keys' width against the latent's on "
+            "calibration: pass calibration (the model's inputs), or name rope_dim (the latent "
+            "then takes the rest)"
+        )
+    # The options whose None is measured: naming them all leaves nothing to measure.
+    unset = [k for k in CHOICES if options[k] is None and (k != "rotary_key" or rotary)]
+    unset += ["rope_dim"] if widths else []
+    measure = kv_heads is None and calibration is not None and bool(unset)
+    batches = None if calibration is None else _batches(model, calibration, widths)
+    fit, held, held_words = _split(batches, unset) if measure else (batches, None, "")
     whole = batches[0] if measure and len(batches) == 1 else None  # its sequences split
     calls = {} if calibration is None else _layer_calls(model, layers, fit, whole)
     held_calls = {} if held is None else _layer_calls(model, layers, held, whole)
     fit_rows = {path: _source_rows(found) for path, found in calls.items()}  # (1, N, E) each
-    for path, found in held_calls.items():
-        calls[path] = calls[path] + found  # the report's errors: on all the calibration
+    if whole is not None:  # the report's errors and the last fit on the whole batch, run
+        calls = _layer_calls(model, layers, batches)  # whole: the same bits as a named choice
+    else:
+        for path, found in held_calls.items():
+            calls[path] = calls[path] + found  # the report's errors: on all the calibration
     sources = {path: _source_rows(found) for path, found in calls.items()}
     converted, report_choices = {}, {}  # every layer first: a refusal leaves the model as it was
     originals = {path: attn for path, attn, _ in layers}
     mode = model.training
     try:
         scorer = _loss_scorer(model.eval(), held) if measure else None
-        layouts: dict[str, str] = {}  # our Transformer: a sublayer kind's layout, its first's
+        # Our Transformer: a sublayer kind's layout and split, its first layer's (one config).
+        kept: dict[str, dict[str, Any]] = {}
         for path, attn, kind in layers:
             if kv_heads is not None:
                 converted[path] = with_kv_heads(attn, kv_heads)
                 continue
             r = kv_latent[kind] if per_kind else kv_latent
             fixed = {k: options[k] for k in CHOICES if options[k] is not None}
-            if kind in layouts:
-                fixed["rotary_key"] = layouts[kind]
-            candidates = _candidates(attn, fixed, measure)
+            fixed |= kept.get(kind, {})
+            candidates = _candidates(attn, fixed, measure, options, r, allowed.get(path))
             if len(candidates) == 1:  # named, or nothing to measure on: every batch fitted
-                converted[path] = _with_latent(attn, r, candidates[0], options, sources.get(path))
+                converted[path] = _with_latent(attn, candidates[0], options, sources.get(path))
                 report_choices[path] = {"latent": candidates[0]}
                 continue
             scored = []
             for choice in candidates:
-                new = _with_latent(attn, r, choice, options, fit_rows[path])
+                new = _with_latent(attn, choice, options, fit_rows[path])
                 if scorer is None:
                     score = _out_error(attn, new, held_calls[path])
                 else:
@@ -275,12 +326,13 @@ def _convert(
             # Chosen, the held-out part is not needed apart: fit on all of it, as a named
             # choice is (measured on the LM study at 1/8: fitted on 3/4 only, 0.37% higher
             # perplexity right after conversion than the same choice named).
-            new = _with_latent(attn, r, choice, options, sources[path])
+            new = _with_latent(attn, choice, options, sources[path])
             if scorer is not None:  # the next layers are scored with this one converted
                 model.set_submodule(path, new)
             converted[path] = new
-            if transformer and "rotary_key" in choice:
-                layouts[kind] = choice["rotary_key"]
+            if transformer:
+                kept[kind] = {k: choice[k] for k in ("kv_latent", "rotary_key", "rope_dim")
+                              if k in choice}  # fmt: skip
             report_choices[path] = {
                 "latent": choice,
                 "scored_by": "held-out out_error" if scorer is None else "held-out loss",
@@ -298,6 +350,7 @@ def _convert(
         new = converted[path]
         row = {"layer": path, "bytes_before": attn.kv_cache_bytes_per_token(),
                "bytes_after": new.kv_cache_bytes_per_token(),
+               **({"budget_bytes": allowed[path] * NUMBER_BYTES} if allowed else {}),
                **report_choices.get(path, {})}  # fmt: skip
         if path in calls:
             row |= _kv_errors(attn, new, sources[path])
@@ -318,47 +371,125 @@ def _convert(
     return report
 
 
-def _candidates(attn: MultiHeadAttention, fixed: dict[str, Any], measure: bool) -> list[dict]:
-    """The latent choices to build for ``attn``: the ``fixed`` ones as they are, every value
-    of each other one of :data:`CHOICES` where ``measure``, else its first."""
+def budget_numbers(
+    attn: MultiHeadAttention, budget: int | float, *, path: str = "the layer",
+    name: str = "cache_budget", options: Mapping[str, Any] = ROTARY_DEFAULTS,
+) -> int:  # fmt: skip
+    """The numbers per token a cache ``budget`` (see :func:`convert_attention`) allows
+    ``attn``, whose rotary ``options`` are ``convert_attention``'s; a budget above its cache,
+    or too small for any split, refused in one line naming ``path``."""
+    _check_budget(name, budget)
+    before = attn.kv_cache_bytes_per_token()
+    allowed = int(budget * before) if isinstance(budget, float) else budget  # bytes
+    if allowed > before:
+        raise ValueError(
+            f"{name}={budget!r} is more than the KV cache of {path}, {before} bytes per token: "
+            "a budget cuts the cache"
+        )
+    numbers = allowed // NUMBER_BYTES
+    layouts = [options["rotary_key"]] if options["rotary_key"] else CHOICES["rotary_key"]
+    if attn.positions is None:
+        layouts = [None]
+    if any(_splits(attn, layout, options, None, numbers) for layout in layouts):
+        return numbers
+    keys = min(
+        cached for layout in layouts for _, cached in _key_widths(attn, layout, options, True)
+    )
+    keys = f"its narrowest rotary keys take {keys * NUMBER_BYTES} bytes, and " if keys else ""
+    raise ValueError(
+        f"{name}={budget!r} allows {path} {allowed} bytes per token, too few for any split: "
+        f"{keys}a latent needs at least {NUMBER_BYTES}{' more' if keys else ''}"
+    )
+
+
+def _key_widths(
+    attn: MultiHeadAttention, layout: str | None, options: dict[str, Any], budget: bool
+) -> list[tuple[int, int]]:
+    """``(rope_dim, numbers cached)`` of ``attn``'s rotary key(s) with ``layout`` (``None``:
+    none): a named ``rope_dim`` (``None``: all ``R``), else with a ``budget`` one pair and
+    each part of :data:`BUDGET_ROPE_PARTS` of ``R`` per K/V group; with the layout measured,
+    a shared key has the ``G`` groups' numbers (the same cache), a named one ``rope_dim``."""
+    if layout is None:
+        return [(0, 0)]
+    R, G = getattr(attn.positions, "rotary_dim", None), attn.num_kv_heads
+    if R is None:  # other positions (ALiBi): with_kv_latent refuses them by name
+        return [(0, 0)]
+    if options["rope_dim"] is not None or not budget:
+        per_group = [R if options["rope_dim"] is None else options["rope_dim"]]
+        own = options["rotary_key"] is not None  # a named layout: rope_dim is its key's width
+    else:
+        parts = {max(2, R // part // 2 * 2) for part in BUDGET_ROPE_PARTS}  # whole pairs
+        per_group, own = sorted({2} | parts), False
+    widths = [d if own or layout == "per_group" else G * d for d in per_group]
+    return [(w, G * w if layout == "per_group" else w) for w in widths]
+
+
+def _splits(
+    attn: MultiHeadAttention, layout: str | None, options: dict[str, Any], r: int | None,
+    numbers: int | None,
+) -> list[dict[str, int]]:  # fmt: skip
+    """``attn``'s latent and rotary key widths (``kv_latent``, ``rope_dim``; ``None`` layout:
+    no rotary key) to build: ``r`` beside the key asked for, or within a budget of
+    ``numbers`` per token, the latent the numbers each key width leaves (at least 1, at most
+    the K/V stack's rank, beyond which its numbers are always zero)."""
+    E, G, D = attn.embed_dim, attn.num_kv_heads, attn.head_dim
+    found = []
+    for width, cached in _key_widths(attn, layout, options, numbers is not None):
+        key = {} if layout is None else {"rope_dim": width}
+        if numbers is None:
+            found.append({"kv_latent": r, **key})
+        elif numbers - cached >= 1:
+            rank = min(E, 2 * G * D - width if layout == "shared" else G * (2 * D - width))
+            found.append({"kv_latent": min(numbers - cached, rank), **key})
+    return found
+
+
+def _candidates(
+    attn: MultiHeadAttention, fixed: dict[str, Any], measure: bool, options: dict[str, Any],
+    r: int | None, numbers: int | None,
+) -> list[dict]:  # fmt: skip
+    """The latents to build for ``attn``, each as :func:`convert_attention`'s arguments that
+    build it: the ``fixed`` ones as they are, every value of each other one of
+    :data:`CHOICES` where ``measure``, else its first, each with its splits (:func:`_splits`)."""
     names = [k for k in CHOICES if k != "rotary_key" or attn.positions is not None]
     values = [
         [fixed[k]] if k in fixed else list(CHOICES[k] if measure else CHOICES[k][:1]) for k in names
     ]
-    return [
-        dict(zip(names, combination, strict=True)) for combination in itertools.product(*values)
-    ]
+    found = []
+    for combination in itertools.product(*values):
+        choice = dict(zip(names, combination, strict=True))
+        for split in _splits(attn, choice.get("rotary_key"), options, r, numbers):
+            candidate = {"kv_latent": split["kv_latent"], **choice, **split}
+            if all(candidate.get(k, v) == v for k, v in fixed.items()):  # rotary ones: if any
+                found.append(candidate)
+    return found
 
 
 def _with_latent(
-    attn: MultiHeadAttention, r: int, choice: dict[str, Any], options: dict[str, Any],
+    attn: MultiHeadAttention, choice: dict[str, Any], options: dict[str, Any],
     rows: Tensor | None,
 ) -> MultiHeadAttention:  # fmt: skip
-    """``attn`` with a latent of ``r`` by ``choice``, the rotary ``options`` where they apply:
-    a layout left to measure (``options["rotary_key"]`` None) gives its per-group keys
-    ``rope_dim`` and ``selection``, its shared key ``G rope_dim`` (the same cache) and
-    ``freqfold``; calibration ``rows`` passed where the choice reads them."""
-    own = dict(choice)
+    """``attn`` with the latent ``choice`` (:func:`_candidates`), the other rotary
+    ``options`` where they apply: a layout left to measure (``options["rotary_key"]`` None)
+    gives its per-group keys ``selection``, its shared key ``freqfold``; calibration
+    ``rows`` passed where the choice reads them."""
+    own = {k: v for k, v in choice.items() if k != "kv_latent"}
     if attn.positions is not None:
-        rotary = {k: options[k] for k in ("rope_dim", "selection", "freqfold")}
-        if options["rotary_key"] is None:  # the layout measured: each its own options
-            if choice["rotary_key"] == "shared":
-                kept = (
-                    attn.positions.rotary_dim if rotary["rope_dim"] is None else rotary["rope_dim"]
-                )
-                rotary = {"rope_dim": attn.num_kv_heads * kept, "freqfold": rotary["freqfold"]}
-            else:
-                rotary = {"rope_dim": rotary["rope_dim"], "selection": rotary["selection"]}
+        rotary = {k: options[k] for k in ("selection", "freqfold")}
+        if options["rotary_key"] is None:  # the layout measured: each its own option
+            rotary.pop("selection" if choice["rotary_key"] == "shared" else "freqfold")
         own |= {k: v for k, v in rotary.items() if v != ROTARY_DEFAULTS[k]}
     reads = own["factorisation"] == "pca" or own.get("selection") == "norm"
-    return with_kv_latent(attn, r, calibration=rows if reads else None, **own)
+    return with_kv_latent(attn, choice["kv_latent"], calibration=rows if reads else None, **own)
 
 
 def _label(choice: dict[str, Any]) -> str:
-    """A latent choice in a few words: ``pca+bkv, shared key``."""
+    """A latent choice in a few words: ``pca+bkv, r=6, a shared key of 4``."""
     bkv = "+bkv" if choice["balance_kv"] else ""
-    keys = {None: "", "per_group": ", per-group keys", "shared": ", shared key"}
-    return f"{choice['factorisation']}{bkv}{keys[choice.get('rotary_key')]}"
+    keys = {None: "", "per_group": ", per-group keys of", "shared": ", a shared key of"}
+    key = keys[choice.get("rotary_key")]
+    width = f" {choice['rope_dim']}" if key else ""
+    return f"{choice['factorisation']}{bkv}, r={choice['kv_latent']}{key}{width}"
 
 
 def _summary(row: dict[str, Any]) -> str:
@@ -370,20 +501,21 @@ def _summary(row: dict[str, Any]) -> str:
     )
 
 
-def _split(batches: list) -> tuple[list, list, str]:
+def _split(batches: list, unset: list[str]) -> tuple[list, list, str]:
     """The calibration ``batches`` as a fitting and a held-out list, and the held-out part in
     words: the last quarter of the batches, or of a single batch's sequences (each tensor's
-    rows), at least one."""
+    rows), at least one; ``unset``: the options measured (named, none is)."""
     if len(batches) != 1:
         n = max(1, len(batches) // HELD_OUT)
         return batches[:-n], batches[-n:], f"{n} of {len(batches)} batches"
     (batch,) = batches
     sizes = [len(x) for x in _parts(batch) if isinstance(x, Tensor) and x.dim()]
-    if not sizes or sizes[0] < 2:
+    if sizes[0] < 2:
+        named = f"{', '.join(unset[:-1])} and {unset[-1]}" if len(unset) > 1 else unset[0]
         raise ValueError(
             f"calibration {_describe(batch)} is one sequence, which cannot be split into a part "
-            "to fit and a part to score the latent's choices on: pass two or more, or name "
-            "factorisation, balance_kv and rotary_key"
+            f"to fit and a part to score the latent's choices on: pass two or more, or name "
+            f"{named}"
         )
     B = sizes[0]
     cut = B - max(1, B // HELD_OUT)
@@ -404,14 +536,13 @@ def _token_targets(model: nn.Module, batch: Any) -> tuple[Tensor, Tensor] | None
     if isinstance(model, Transformer) and isinstance(batch, tuple) and len(batch) == 2:
         ids = batch[1]
         return ids, ids != model.pad_id
-    mask = None
-    if isinstance(batch, Mapping):
-        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-    else:
-        ids = batch
+    arguments = _arguments(model, batch)  # a tuple's (ids, mask) too, as forward takes them
+    ids = arguments.get("input_ids", batch if isinstance(batch, Tensor) else None)
+    mask = arguments.get("attention_mask")
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
         return None
-    return ids, (torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool())
+    counted = mask.bool() if isinstance(mask, Tensor) and mask.shape == ids.shape else None
+    return ids, (torch.ones_like(ids, dtype=torch.bool) if counted is None else counted)
 
 
 def _loss_scorer(model: nn.Module, batches: list) -> Any:
@@ -441,6 +572,19 @@ def _loss_scorer(model: nn.Module, batches: list) -> Any:
     return loss if loss() is not None else None
 
 
+def _arguments(model: nn.Module, batch: Any) -> dict[str, Any]:
+    """A calibration batch by the names of ``model.forward``'s parameters, as :func:`_run`
+    passes it (none where it does not bind: the model says why when it runs)."""
+    if isinstance(batch, Mapping):
+        args, kwargs = (), dict(batch)
+    else:
+        args, kwargs = (batch if isinstance(batch, tuple) else (batch,)), {}
+    try:
+        return dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
+
+
 def _run(model: nn.Module, batch: Any) -> Any:
     """``model`` called on one calibration batch: a tuple spread, a mapping by keyword."""
     if isinstance(batch, tuple):
@@ -463,17 +607,59 @@ def _shared_options(kind: str, layers: list[MultiHeadAttention]) -> dict[str, An
     return found[0]
 
 
-def _batches(calibration: Any) -> list:
-    """``calibration`` (one batch or a list of them) as a list of batches; an empty list or
-    an empty tensor refused in one line."""
+def _batches(model: nn.Module, calibration: Any, required: bool) -> list:
+    """``calibration`` (one batch or a list of them) as a list of batches; empty or unusable
+    calibration and an ``attention_mask`` that is not 0/1 refused in one line, with what to
+    pass (``required``: calibration is, else ``None`` is an answer)."""
+    fix = "pass the model's inputs (an HF model's token ids (B, S), our Transformer's (src, " + (
+        "tgt_in))" if required else "tgt_in)), or calibration=None: the weights alone"
+    )
     batches = calibration if isinstance(calibration, list) else [calibration]
-    if not batches:
-        raise ValueError("calibration is an empty list; pass at least one batch")
-    for batch in batches:
-        for part in _parts(batch):
-            if isinstance(part, Tensor) and part.numel() == 0:
-                raise ValueError(f"calibration holds an empty tensor of shape {tuple(part.shape)}")
-    return batches
+    for batch in batches or [[]]:
+        if not isinstance(batch, Tensor | tuple | Mapping):
+            if hasattr(batch, "__len__") and len(batch) == 0:
+                raise ValueError(f"calibration {calibration!r} is empty: {fix}")
+            raise TypeError(
+                f"calibration holds a {type(batch).__name__} where the model's inputs go: pass "
+                "torch tensors (torch.as_tensor(x) for an array), a tuple or a mapping of them, "
+                "or a list of such batches"
+            )
+        tensors = [x for x in _parts(batch) if isinstance(x, Tensor)]
+        if not tensors or any(x.numel() == 0 for x in tensors):
+            raise ValueError(f"calibration {_describe(batch)} is empty: {fix}")
+        if all(x.dim() == 0 for x in tensors):
+            raise ValueError(
+                f"calibration {_describe(batch)} is one number, not a batch of sequences: {fix}"
+            )
+        _check_mask(model, batch)
+    return [_long_integers(batch) for batch in batches]
+
+
+def _long_integers(batch: Any) -> Any:
+    """``batch`` with its integer tensors (token ids, masks) as int64: ids of any integer
+    dtype read alike (torch's embedding takes int32 and int64 only, the loss int64)."""
+
+    def widen(x: Any) -> Any:
+        integer = isinstance(x, Tensor) and x.dtype != torch.bool and not x.is_floating_point()
+        return x.long() if integer and not x.is_complex() else x
+
+    if isinstance(batch, Mapping):
+        return {k: widen(v) for k, v in batch.items()}
+    return tuple(map(widen, batch)) if isinstance(batch, tuple) else widen(batch)
+
+
+def _check_mask(model: nn.Module, batch: Any) -> None:
+    """The ``attention_mask`` a calibration batch gives ``model`` (a 2-D one), if any, holds
+    0 and 1 only: ``(ids, ids)``, spread over HF's ``forward(input_ids, attention_mask, ..)``,
+    made the ids a mask in silence."""
+    mask = _arguments(model, batch).get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(
+            f"calibration {_describe(batch)} gives {type(model).__name__}'s attention_mask "
+            f"values other than 0 and 1 ({mask.min().item()} to {mask.max().item()}): a "
+            "tuple goes to forward's arguments in order; pass the token ids alone, or "
+            "{'input_ids': ids, 'attention_mask': mask}"
+        )
 
 
 def _parts(batch: Any) -> tuple:
@@ -683,6 +869,7 @@ def convert_checkpoint(
     scope: str | Sequence[str] = "decoder",
     *,
     kv_latent_dim: int | Mapping[str, int] | None = None,
+    cache_budget: int | float | None = None,
     rope_dim: int | None = None,
     selection: str = "high",
     rotary_key: str | None = None,
@@ -692,8 +879,8 @@ def convert_checkpoint(
     calibration_batches: int = 0,
     local_dir: str | None = None,
 ) -> dict[str, Any]:
-    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads
-    or a ``kv_latent_dim`` K/V latent.
+    """A checkpoint whose attention sublayers in ``scope`` have ``num_kv_heads`` K/V heads,
+    a ``kv_latent_dim`` K/V latent or one within ``cache_budget``.
 
     The result loads with :func:`~multihead.checkpoints.load_trained_model` and can
     initialise a new run; it keeps no optimiser, scheduler, loop or callback state, so it
@@ -706,6 +893,10 @@ def convert_checkpoint(
         kv_latent_dim: ``r``, instead of ``num_kv_heads``, or ``{kind: r}`` for every kind
             in ``scope`` (e.g. a rotary self-attention's latent beside its rotary keys, and
             a wider one in cross-attention, for the same cache).
+        cache_budget: instead, each converted sublayer's KV cache bytes per token (an
+            integer) or a fraction of its own (a float in (0, 1]); the rotary keys' width
+            against the latent's measured on the calibration batches (see
+            :func:`convert_attention`).
         rope_dim, selection, rotary_key, freqfold, factorisation, balance_kv: see
             :func:`convert_attention` (the rotary ones for the kinds with rotary layers;
             ``None``: measured on the calibration batches, whose loss scores each choice).
@@ -716,11 +907,11 @@ def convert_checkpoint(
     kinds = resolve_scope(scope)
     per_kind = dict(kv_latent_dim) if isinstance(kv_latent_dim, Mapping) else None
     if per_kind is None:
-        target = _target(num_kv_heads, kv_latent_dim)
-    elif num_kv_heads is not None or set(per_kind) != set(kinds):
+        target = _target(num_kv_heads, kv_latent_dim, cache_budget)
+    elif num_kv_heads is not None or cache_budget is not None or set(per_kind) != set(kinds):
         raise ValueError(
             f"kv_latent_dim={per_kind} must give one r for each of {list(kinds)}, without "
-            f"num_kv_heads (got {num_kv_heads})"
+            f"num_kv_heads or cache_budget (got {num_kv_heads}, {cache_budget})"
         )
     else:
         target = {"kv_latent_dim": per_kind}
@@ -742,8 +933,9 @@ def convert_checkpoint(
     if calibration_batches:
         calibration = training_batches(ckpt, calibration_batches, local_dir)
     report = _convert(
-        model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind,
-        calibration=calibration, scope=kinds, names=("num_kv_heads", "kv_latent_dim"), **latent,
+        model, num_kv_heads, kv_latent_dim if per_kind is None else per_kind, cache_budget,
+        calibration=calibration, scope=kinds,
+        names=("num_kv_heads", "kv_latent_dim", "cache_budget"), **latent,
     )  # fmt: skip
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -759,6 +951,12 @@ def convert_checkpoint(
     # The run config with the K/V settings of kinds, so that it rebuilds the result.
     extra["config"] = config = copy.deepcopy(extra["config"])
     attention = config["attention"]  # the one place heads are set
+    # A parameter-matched control's FFN keeps the width it was trained at: matched again to
+    # the converted heads, it would be another width than the weights'.
+    frozen = {}
+    if attention.get("match_parameters") is not None:
+        frozen = {"ffn_dim": model.ffn_dim}
+        config["model"]["ffn_dim"], attention["match_parameters"] = model.ffn_dim, None
     changed: dict[str, list[str]] = {}
     for kind in kinds:
         now = model.attention_config[kind]  # the keys set, and those a rotary latent changed
@@ -776,6 +974,7 @@ def convert_checkpoint(
         **target,
         "scope": list(kinds),
         "previous_num_kv_heads": {kind: before[kind] for kind in kinds},
+        **frozen,
         # The options that shaped the result: the rotary ones where a rotary latent changed
         # keys, the latent's (and its calibration) for a latent.
         **({k: latent[k] for k in ROTARY_DEFAULTS} if any(changed.values()) else {}),
@@ -821,6 +1020,8 @@ def uptrain_overrides(ckpt_path: str | Path, out: str | Path, converted: dict) -
         for key in info.get("changed_keys", {}).get(kind, ()):
             where, value = ("design_options.", own[key]) if key in own else ("", sublayer[key])
             heads.append(f"++attention.{kind}.{where}{key}={json.dumps(value)}")
+    if "ffn_dim" in info:  # a parameter-matched control's FFN, kept at its trained width
+        heads += ["attention.match_parameters=null", f"model.ffn_dim={info['ffn_dim']}"]
     ours = {h.lstrip("+").split("=", 1)[0] for h in heads}
     return [*recorded_overrides(ckpt_path, ours), f"init_from={out}", *heads]
 

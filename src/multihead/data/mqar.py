@@ -8,7 +8,8 @@ replacement with probabilities following a power law (``a * x^(a-1)``, ``a = pow
 most queries come soon after the pairs and some much later. Every other position holds a
 random token. The model must predict, at each query, the value that was paired with its key:
 ``labels`` holds that value at the query's position and ``-100`` (ignored) everywhere else.
-This follows Zoology's ``multiquery_ar`` generator (``zoology/data/associative_recall.py``).
+This follows Zoology's ``multiquery_ar`` generator (``zoology/data/multiquery_ar.py``,
+github.com/HazyResearch/zoology).
 """
 
 from __future__ import annotations
@@ -91,10 +92,18 @@ class MQARDataModule(CountsTrainingBatches, L.LightningDataModule):
         eval_settings: the grid reported, each its own validation set.
         vocab_size: keys and values share it (Zoology: 8,192).
         batch_tokens: tokens per training batch (``batch_tokens // seq_len`` sequences).
-        eval_examples: sequences per evaluated setting.
-        seed: the training sequences; the held-out ones come from fixed seeds, the same
-            for every run.
+        eval_examples: scored held-out sequences per setting (``val/acc@SEQxPAIRS``).
+        select_examples: sequences per setting that a learning rate is chosen on
+            (``select/loss``, ``select/acc@SEQxPAIRS``), never scored.
+        seed: the training sequences. The held-out ones come from fixed seeds, the same for
+            every run: setting ``i``'s scored ones from ``10_000 + i``, its selection ones
+            from ``20_000 + i`` (a run's ``seed`` must be neither).
+
+    :attr:`val_sets` names the validation loaders: ``("val", "SEQxPAIRS")`` per setting,
+    then ``("select", "SEQxPAIRS")`` per setting.
     """
+
+    SEEDS = {"val": 10_000, "select": 20_000}  # + the setting's index
 
     def __init__(
         self,
@@ -104,27 +113,34 @@ class MQARDataModule(CountsTrainingBatches, L.LightningDataModule):
         vocab_size: int = 8192,
         batch_tokens: int = 16384,
         eval_examples: int = 256,
+        select_examples: int = 128,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        for key, value in (("eval_examples", eval_examples), ("select_examples", select_examples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{key} must be a positive int, got {value!r}")
         self.train_settings = [tuple(s) for s in train_settings]
         self.eval_settings = [tuple(s) for s in eval_settings]
         for seq_len, pairs in self.train_settings + self.eval_settings:
             multiquery_ar(1, seq_len, pairs, vocab_size, torch.Generator())  # checks the values
         self.vocab_size, self.pad_id = vocab_size, 0
-        self.batch_tokens, self.eval_examples, self.seed = batch_tokens, eval_examples, seed
+        self.batch_tokens, self.seed = batch_tokens, seed
+        self.examples = {"val": eval_examples, "select": select_examples}
         self.tokenizer = None
-        self.val_names = [f"{s}x{p}" for s, p in self.eval_settings]
+        names = [f"{s}x{p}" for s, p in self.eval_settings]
+        self.val_sets = [(split, name) for split in self.SEEDS for name in names]
 
     def setup(self, stage: str | None = None) -> None:
         self.eval_sets = []
-        for i, (seq_len, pairs) in enumerate(self.eval_settings):
-            generator = torch.Generator().manual_seed(10_000 + i)
-            inputs, labels = multiquery_ar(
-                self.eval_examples, seq_len, pairs, self.vocab_size, generator
-            )
-            self.eval_sets.append([{"input_ids": x, "labels": y} for x, y in zip(
-                inputs.split(64), labels.split(64), strict=True)])  # fmt: skip
+        for split, first_seed in self.SEEDS.items():
+            for i, (seq_len, pairs) in enumerate(self.eval_settings):
+                generator = torch.Generator().manual_seed(first_seed + i)
+                inputs, labels = multiquery_ar(
+                    self.examples[split], seq_len, pairs, self.vocab_size, generator
+                )
+                self.eval_sets.append([{"input_ids": x, "labels": y} for x, y in zip(
+                    inputs.split(64), labels.split(64), strict=True)])  # fmt: skip
 
     def save_tokenizer(self, run_dir) -> None:
         """MQAR's tokens are their ids: there is no tokenizer to save."""

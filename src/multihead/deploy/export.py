@@ -45,6 +45,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
+from multihead.attention.checks import check_bool
 from multihead.attention.convert import expand_latent
 from multihead.checkpoints.io import load_trained_model, search_settings
 from multihead.data import Tokenizer
@@ -306,6 +307,7 @@ def export_ctranslate2(*, ckpt: str | Path, out: str | Path, overwrite: bool = F
         FileExistsError: ``out`` exists, is not empty and ``overwrite`` is false.
         ExportError: the model cannot be expressed, or ctranslate2 is missing.
     """
+    check_bool("overwrite", overwrite)  # "no" would replace out
     ctranslate2 = import_ctranslate2()
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -13,6 +13,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
+from multihead.attention.checks import check_bool
+
 
 def read_lines(stream: BinaryIO, name: str) -> Iterator[str]:
     """The lines of a byte stream as text, without their line ends.
@@ -51,6 +53,7 @@ def translate_lines(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_bool("progress", progress)
     bar = tqdm(unit=" lines", file=sys.stderr, disable=not progress, mininterval=1.0)
     count = 0
     chunk: list[str] = []

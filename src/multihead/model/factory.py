@@ -17,8 +17,10 @@ def build_model(
 
     ``attention`` is the one place heads are set: its top-level keys apply to every
     attention sublayer, its ``encoder_self_attention`` / ``decoder_self_attention`` /
-    ``cross_attention`` sections override them for one sublayer. ``backend`` replaces every
-    sublayer's backend (e.g. to translate with another kernel than the one trained with).
+    ``cross_attention`` sections override them for one sublayer; ``match_parameters``
+    (``mha``: the FFN widened to MHA's parameter count) goes to the model. ``backend``
+    replaces every sublayer's backend (e.g. to translate with another kernel than the one
+    trained with).
     """
     # Run configs are Hydra's (the `train` extra); the model itself needs torch alone.
     from hydra.utils import instantiate
@@ -26,6 +28,9 @@ def build_model(
 
     attention = OmegaConf.to_container(OmegaConf.create(dict(config["attention"])), resolve=True)
     per_sublayer = {name: attention.pop(name, None) for name in ATTENTION_SUBLAYERS}
+    # A control of the comparison, set beside the heads it controls (attention presets such
+    # as gqa_h8_kv2_matched); the model widens its FFN.
+    match = {"match_parameters": attention.pop("match_parameters", None)}
     if backend is not None:
         attention["backend"] = backend
         for section in per_sublayer.values():
@@ -37,6 +42,7 @@ def build_model(
         # group's default would be accepted and never honoured, so it is refused.
         heads = ("num_heads", "num_kv_heads", "design_options")
         asked = {k: v for k, v in attention.items() if k not in heads and v not in (None, {})}
+        asked |= {k: v for k, v in match.items() if v is not None}
         if asked.get("backend") == "sdpa":  # the group's default, which every preset carries
             del asked["backend"]
         for name, section in per_sublayer.items():
@@ -65,6 +71,7 @@ def build_model(
             pad_id=pad_id,
             attention=attention,
             decoder_self_attention=per_sublayer["decoder_self_attention"],
+            **match,
         )
     return instantiate(
         config["model"],
@@ -73,6 +80,7 @@ def build_model(
         pad_id=pad_id,
         attention=attention,
         **per_sublayer,
+        **match,
     )
 
 

@@ -36,6 +36,8 @@ from multihead.model.transformer import (
     _layer_arguments,
     _ResidualLayer,
     _shared_or_joined,
+    check_match,
+    matched_ffn_dim,
 )
 
 SUBLAYER = (
@@ -120,6 +122,10 @@ class DecoderLM(nn.Module):
             head width unless given; with ``design="mla"`` it is the decoupled rotary key).
         decoder_self_attention: keys that override ``attention`` (``None`` values inherit),
             as the Transformer's section of that name: the attention presets' form.
+        match_parameters: ``"mha"``: a parameter-matched control, the FFN's width set so that
+            the model has the parameters of the same model with MHA (Llama 2's ablation;
+            :func:`~multihead.model.transformer.matched_ffn_dim`; ``ffn_dim`` is then MHA's
+            width, and the width built is in :attr:`head_tag`); ``None``: ``ffn_dim``.
 
     Shapes:
         input_ids ``(B, T)`` long; logits ``(B, T, V)``, position ``t`` predicting ``t + 1``.
@@ -145,8 +151,10 @@ class DecoderLM(nn.Module):
         pad_id: int = 0,
         attention: Mapping[str, Any] | None = None,
         decoder_self_attention: Mapping[str, Any] | None = None,
+        match_parameters: str | None = None,
     ) -> None:
         super().__init__()
+        check_match(match_parameters)
         sizes = {
             "vocab_size": vocab_size,
             "d_model": d_model,
@@ -172,6 +180,9 @@ class DecoderLM(nn.Module):
             MultiHeadAttention(d_model, **layer, device="meta")
         except DesignBackendError as err:
             raise ValueError(f"{err}; set attention.backend={err.backends[0]}") from None
+        if match_parameters is not None:
+            ffn_dim = matched_ffn_dim(d_model, ffn_dim, num_layers, [layer] * num_layers)
+        self.ffn_dim, self.match_parameters = ffn_dim, match_parameters
         self.blocks = nn.ModuleList(
             DecoderBlock(
                 d_model,
@@ -260,6 +271,8 @@ class DecoderLM(nn.Module):
 
     @property
     def head_tag(self) -> str:
-        """A run-name fragment, e.g. ``lm-gqa8kv2_sdpa``."""
+        """A run-name fragment, e.g. ``lm-gqa8kv2_sdpa``; a parameter-matched control's
+        names its FFN's width, ``lm-gqa8kv2_ffn608_sdpa``."""
         config = self.head_config[SUBLAYER]
-        return f"lm-{config['tag']}_{config['backend']}"
+        ffn = "" if self.match_parameters is None else f"_ffn{self.ffn_dim}"
+        return f"lm-{config['tag']}{ffn}_{config['backend']}"

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from multihead.attention import BACKENDS, DesignBackendError, KVCache, MultiHeadAttention
 from multihead.attention.alibi import ALiBi
+from multihead.attention.checks import check_bool, closest_name
 from multihead.model.dropout import Dropout
 from multihead.model.embedding import TransformerEmbedding, make_token_embedding
 from multihead.packed import PackedLinear
@@ -61,6 +62,46 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+# A parameter-matched control (Llama 2's attention ablation, Table 18): the FFN widened, or
+# narrowed, until the model has the parameters of the same model with MHA in every attention
+# layer. The width stays a multiple of 8, so that the total lands within one step of width
+# (ffn_layers * (2E + 1) parameters) of MHA's.
+MATCHED_TO = ("mha",)
+FFN_WIDTH_MULTIPLE = 8
+
+
+def matched_ffn_dim(
+    d_model: int, ffn_dim: int, ffn_layers: int, attention_layers: list[dict[str, Any]]
+) -> int:
+    """The FFN width at which a model whose attention layers take ``attention_layers`` (one
+    :class:`~multihead.attention.MultiHeadAttention` argument mapping per layer) has as many
+    parameters as the same model with MHA of the same heads in each, to the nearest multiple
+    of :data:`FFN_WIDTH_MULTIPLE`; ``ffn_dim`` is MHA's width and ``ffn_layers`` the FFNs.
+    """
+
+    def count(layer: dict[str, Any]) -> int:
+        attn = MultiHeadAttention(d_model, **layer, device="meta")  # no memory
+        return sum(p.numel() for p in attn.parameters())
+
+    short = sum(count({"num_heads": a["num_heads"]}) - count(a) for a in attention_layers)
+    per_width = ffn_layers * (2 * d_model + 1)  # FeedForward: linear1 and linear2, with biases
+    width = ffn_dim + FFN_WIDTH_MULTIPLE * round(short / per_width / FFN_WIDTH_MULTIPLE)
+    if width < 1:
+        raise ValueError(
+            f"match_parameters: the attention has {-short} parameters more than MHA's, more "
+            f"than an FFN of width {ffn_dim} can give up"
+        )
+    return width
+
+
+def check_match(match_parameters: str | None) -> None:
+    if match_parameters is not None and match_parameters not in MATCHED_TO:
+        raise ValueError(
+            f"attention.match_parameters={match_parameters!r}; expected null (the FFN as "
+            f"given) or one of {', '.join(MATCHED_TO)} (the FFN widened to its parameter count)"
+        )
 
 
 def _sublayer_attention(
@@ -262,7 +303,8 @@ class OutputProjection(PackedLinear):
 
     At ``V`` ~ 8,000 this is the largest matmul of every decoding step. On the CPU,
     ``F.linear`` calls Intel MKL's sgemm; oneDNN on a weight kept in its own blocked layout
-    ran the same product faster on an AVX2 AMD EPYC (docs/results.md, "Beam search per host").
+    ran the same product faster on an AVX2 AMD EPYC (docs/results/deployment.md, "Beam search
+    per host").
     """
 
 
@@ -285,9 +327,12 @@ def _attention_config(
             raise TypeError(f"{name} must be a mapping or None, got {type(mapping).__name__}")
         unknown = set(mapping) - set(options)
         if unknown:
+            near = [(k, closest_name(k, options)) for k in sorted(unknown)]
             raise ValueError(
-                f"unknown key(s) {sorted(unknown)} in {name}; expected {list(options)} (a head "
-                f"design's own options go in {name}.design_options)"
+                f"unknown key(s) {[k for k, _ in near]} in {name}"
+                + "".join(f" ({k}: closest {c})" for k, c in near if c)
+                + f"; expected {list(options)} (a head design's own options go in "
+                f"{name}.design_options)"
             )
         own = mapping.get("design_options")
         if own is not None and not isinstance(own, Mapping):
@@ -411,6 +456,10 @@ class Transformer(nn.Module):
             ``Mapping`` (an omegaconf ``DictConfig`` too). A head design with an
             ``at_depth`` hook is given its layer's depth in its stack (0 first): e.g. a
             differential sublayer without a ``lambda_init`` gets the paper's for that depth.
+        match_parameters: ``"mha"``: a parameter-matched control, the FFN's width set so that
+            the model has the parameters of the same model with MHA in every sublayer
+            (:func:`matched_ffn_dim`; ``ffn_dim`` is then MHA's width, and the width built
+            is in :attr:`head_tag`); ``None``: ``ffn_dim``.
 
     Shapes:
         src ``(B, S)`` long; tgt_in ``(B, T)`` long (bos-prefixed); logits ``(B, T, V)``.
@@ -449,8 +498,10 @@ class Transformer(nn.Module):
         encoder_self_attention: Mapping[str, Any] | None = None,
         decoder_self_attention: Mapping[str, Any] | None = None,
         cross_attention: Mapping[str, Any] | None = None,
+        match_parameters: str | None = None,
     ) -> None:
         super().__init__()
+        check_match(match_parameters)
         sizes = {
             "d_model": d_model,
             "ffn_dim": ffn_dim,
@@ -470,6 +521,12 @@ class Transformer(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+        for name, value in (
+            ("norm_first", norm_first),
+            ("share_embeddings", share_embeddings),
+            ("tie_output", tie_output),
+        ):
+            check_bool(name, value)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings=True needs one joint vocabulary, but src_vocab_size="
@@ -527,6 +584,11 @@ class Transformer(nn.Module):
             activation_dropout=activation_dropout,
         )
         enc, dec, cross = map(_layer_arguments, self.attention_config.values())
+        if match_parameters is not None:
+            layers = [enc] * num_encoder_layers + [dec, cross] * num_decoder_layers
+            ffns = num_encoder_layers + num_decoder_layers
+            ffn_dim = matched_ffn_dim(d_model, ffn_dim, ffns, layers)
+        self.ffn_dim, self.match_parameters = ffn_dim, match_parameters
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(d_model, ffn_dim, enc, **layer_args) for _ in range(num_encoder_layers)
         )
@@ -831,10 +893,11 @@ class Transformer(nn.Module):
     def head_tag(self) -> str:
         """A short run-name fragment, e.g. ``enc-mha8_dec-gqa8kv2_cross-mha8_sdpa``: each
         sublayer's layer tag (a head design follows its heads, e.g. ``enc-mha8-moh-k2s1``),
-        then the backends."""
+        the FFN's width of a parameter-matched control (``ffn288``), then the backends."""
         config = self.head_config
         shorts = ("enc", "dec", "cross")
         parts = [f"{short}-{c['tag']}" for short, c in zip(shorts, config.values(), strict=True)]
+        parts += [] if self.match_parameters is None else [f"ffn{self.ffn_dim}"]
         backends = sorted({c["backend"] for c in config.values()})
         return "_".join(parts + ["-".join(backends)])
 

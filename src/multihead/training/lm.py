@@ -55,8 +55,14 @@ def bucket_edges(edges: Sequence[int], length: int) -> list[tuple[int, int]]:
 class LanguageModelModule(pl.LightningModule):
     """Trains a causal LM and logs ``val/loss``, ``val/ppl``, the loss by position bucket
     (``val/loss@LO-HI``: predicted tokens with ``LO .. HI`` tokens of context before them),
-    and for labelled batches ``val/acc@NAME`` per held-out set (the datamodule's
-    ``val_names``).
+    and for labelled batches ``val/acc@NAME`` per held-out set.
+
+    Each validation loader is a set the datamodule names in ``val_sets``, ``(split, name)``:
+    split ``val`` is the scored held-out data, ``select`` the data a learning rate is chosen
+    on (never scored); a text set's name is a part of the split (a source package), logged
+    as ``val/loss/NAME`` beside the split's whole, a labelled set's its setting
+    (``val/acc@NAME``, ``val/loss@NAME``, and ``val/acc``, their mean). A datamodule without
+    ``val_sets`` has one scored set.
 
     Args:
         model: a :class:`DecoderLM` or a Hugging Face causal LM.
@@ -158,28 +164,34 @@ class LanguageModelModule(pl.LightningModule):
         acc[1] = acc[1] + int(count)
 
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        sets = getattr(self.trainer.datamodule, "val_sets", None)
+        split, name = ("val", None) if sets is None else sets[dataloader_idx]
         if isinstance(batch, dict):
             loss, correct = self._recall(batch)
-            name = self.trainer.datamodule.val_names[dataloader_idx]
-            self._add(f"acc@{name}", correct.sum(), correct.numel())
-            self._add(f"loss@{name}", loss * correct.numel(), correct.numel())
+            n = correct.numel()
+            self._add(f"{split}/acc@{name}", correct.sum(), n)
+            self._add(f"{split}/loss@{name}", loss * n, n)
+            self._add(f"{split}/loss", loss * n, n)  # over every query of every setting
             return
         losses = position_losses(next_token_logits(self.model, batch), batch)  # (B, T-1)
-        self._add("loss", losses.sum(), losses.numel())
+        self._add(f"{split}/loss", losses.sum(), losses.numel())
+        if name is not None:
+            self._add(f"{split}/loss/{name}", losses.sum(), losses.numel())
         for lo, hi in bucket_edges(self.position_buckets, batch.shape[1]):
             # Column t - 1 holds the token at position t: positions lo .. hi - 1 (from 1).
             part = losses[:, max(lo, 1) - 1 : hi - 1]
-            self._add(f"loss@{lo}-{hi - 1}", part.sum(), part.numel())
+            self._add(f"{split}/loss@{lo}-{hi - 1}", part.sum(), part.numel())
 
     def on_validation_epoch_end(self) -> None:
-        results = {f"val/{name}": (s / n).item() for name, (s, n) in self._val.items() if n}
+        results = {name: (s / n).item() for name, (s, n) in self._val.items() if n}
         self._val.clear()
-        if "val/loss" in results:
-            results["val/ppl"] = math.exp(results["val/loss"])
-        accs = [v for k, v in results.items() if k.startswith("val/acc@")]
-        if accs:
-            results["val/acc"] = sum(accs) / len(accs)
-        for name, value in results.items():
+        for split in {name.split("/")[0] for name in results}:
+            accs = [v for k, v in results.items() if k.startswith(f"{split}/acc@")]
+            if accs:
+                results[f"{split}/acc"] = sum(accs) / len(accs)
+            else:  # text: its perplexity
+                results[f"{split}/ppl"] = math.exp(results[f"{split}/loss"])
+        for name, value in sorted(results.items()):
             self.log(name, value, add_dataloader_idx=False, prog_bar=name in ("val/ppl", "val/acc"))
 
     def configure_optimizers(self):

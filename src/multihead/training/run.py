@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from multihead.attention.checks import check_bool
 from multihead.checkpoints import (
     load_trained_model,
     model_state_dict,
@@ -115,6 +116,7 @@ def model_summary(model) -> dict[str, Any]:
         "head_tag": model.head_tag,
         "params/total": model.num_parameters(),
         "params/attention": model.attention_parameters(),
+        "ffn_dim": model.ffn_dim,  # a parameter-matched control's is wider than its design's
         "kv_cache/bytes_per_token": model.kv_cache_bytes_per_token(),
     }
 
@@ -244,6 +246,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         return train_language_model(cfg)
     if objective != "translation":
         raise ValueError(f"objective={objective!r}; expected translation or causal_lm")
+    check_bool("test", cfg.get("test", False))
+    check_bool("summary.decode_speed", cfg.summary.decode_speed)
     started = utc_now()
     pl.seed_everything(cfg.seed, workers=True)
     run_dir = str(cfg.paths.output_dir)  # Hydra's job directory unless overridden
