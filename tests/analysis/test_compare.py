@@ -389,6 +389,7 @@ def write_speeds(run_dir: Path, greedy: float, setup: dict = SETUP) -> None:
     (run_dir / "speed.json").write_text(json.dumps({"speeds": speeds, "setup": setup}))
 
 
+@pytest.mark.slow  # 7 s of CPU
 def test_kept_speed_records_give_the_side_by_side_columns(
     headline_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -463,6 +464,7 @@ def test_overlap_reads_naive_and_aware_times_and_tells_machines_by_boot_id(
     assert "1 of 3 runs recorded none, and for them by host name, which clones share." in md
 
 
+@pytest.mark.slow  # times every run: 5 s of CPU
 def test_speed_true_measures_every_run_side_by_side(
     smoke_run_dir: Path, multi30k_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -565,6 +567,7 @@ def test_wandb_true_names_the_group_summaries_from_before_it_lack(
     assert "\n" not in line and [bool(run.group) for run in started] == [False]
 
 
+@pytest.mark.slow  # 4 s of CPU
 def test_wandb_true_logs_the_tables_and_plots_to_a_run_of_its_own(
     headline_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:

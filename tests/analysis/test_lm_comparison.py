@@ -197,6 +197,7 @@ def test_seeds_on_other_thread_counts_are_pooled_only_when_the_user_says(lm_runs
     assert "pooled although their configs differ in threads (pool_despite" in paths[0].read_text()
 
 
+@pytest.mark.slow  # 7 s of CPU
 def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tmp_path):
     """GQA also at two more rates: the rate with the lowest mean select/loss is chosen (here
     1e-3, inside the grid), and the tests read only its runs; a best rate at the edge says
@@ -248,6 +249,7 @@ def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_pa
     assert not gqa.endswith("still moving: about learning speed at this budget |")
 
 
+@pytest.mark.slow  # 5 s of CPU
 def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, monkeypatch):
     """Offline: the long-context comparison's wandb run holds its tables (the runs, the
     equal terms, every run's curve points, every test) as the CSVs beside the report."""
@@ -275,6 +277,7 @@ def test_wandb_true_logs_the_equal_terms_curves_and_tests(lm_runs, tmp_path, mon
     assert (counts["learning_curves"], counts["equal_terms"], counts["tests"]) == (18, 3, 6)
 
 
+@pytest.mark.slow  # 10 s of CPU
 def test_a_control_of_one_run_name_is_its_own_design_by_split_by(lm_runs, tmp_path):
     """A parameter-matched GQA (wider FFN) tags itself as GQA does: pooled with GQA it is
     refused; split_by=[model.ffn_dim] makes it a design of its own, which the family names

@@ -46,6 +46,7 @@ def test_a_config_typo_is_hydras_message_without_a_traceback(tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.slow  # 3 processes; in-process: test_bad_input.py
 def test_keys_that_no_code_reads_are_refused_in_one_line_before_anything_is_written(
     tmp_path, multi30k_dir, cache_dir
 ) -> None:

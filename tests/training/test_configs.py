@@ -56,6 +56,7 @@ def _plain_keys(node: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+@pytest.mark.slow  # composes every config: 10 s of CPU
 def test_every_key_of_every_training_config_is_read(tmp_path) -> None:
     """Each option of each group and each experiment: a ``_target_`` node's keys are its
     target's parameters (the check the scripts run); the other keys (``seed``,
