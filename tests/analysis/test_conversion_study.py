@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def test_rotary_mla_checkpoint_is_exact_at_full_rank_and_rebuilds(rope_run, tmp_
     full = {"decoder_self_attention": 32, "cross_attention": 32}
     written, overrides = convert_kv_heads(rope_run, None, out, kv_latent_dim=full)
     old, new = load_trained_model(rope_run).model, load_trained_model(written).model
-    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope8x4"
+    tag = new.head_config["decoder_self_attention"]["tag"]  # every feature rotates: qk0
+    assert re.fullmatch(r"mla4r32rope8x4qk0-[0-9a-f]{6}", tag), tag
     src, tgt = torch.randint(4, 100, (3, 9)), torch.randint(4, 100, (3, 6))
     with torch.no_grad():
         torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
@@ -93,7 +95,8 @@ def test_a_checkpoint_calibrated_on_its_own_training_batches_with_a_shared_key(
         local_dir=str(multi30k_dir),
     )  # fmt: skip
     old, new = load_trained_model(rope_run).model, load_trained_model(written).model
-    assert new.head_config["decoder_self_attention"]["tag"] == "mla4r32rope32"
+    tag = new.head_config["decoder_self_attention"]["tag"]  # one shared 32-wide rotary key
+    assert re.fullmatch(r"mla4r32rope32-[0-9a-f]{6}", tag), tag
     src, tgt = torch.randint(4, 100, (3, 9)), torch.randint(4, 100, (3, 6))
     with torch.no_grad():
         torch.testing.assert_close(new(src, tgt), old(src, tgt), atol=1e-4, rtol=1e-4)
