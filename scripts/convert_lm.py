@@ -20,7 +20,10 @@ python scripts/convert_lm.py RUN_DIR OUT_DIR [--data DIR] [--fractions 0.01 0.02
   heads instead of one per K/V group); ``mla_budget``, the default given each layer's cache,
   1/8, 1/4, 1/2 of MHA's, instead of ``r``: the rotary keys' width against the latent's is
   measured with the other choices (``convert_attention(cache_budget=...)``; no grid below,
-  each layer's split in the row's ``chosen``). A latent of ``r`` beside ``rope_dim`` rotated
+  each layer's split in the row's ``chosen``); ``mla_budget@rope<d>``, a fixed split of the
+  same budget (keys of ``d`` rotated features per K/V group or one shared key of ``G * d``,
+  the latent the rest, the other choices measured: the budget's choice against each fixed
+  split, issue 84). A latent of ``r`` beside ``rope_dim`` rotated
   features per K/V group (or a shared key of ``G * rope_dim``), ``r + G * rope_dim`` = 1/2,
   1/4, 1/8 of MHA's cache; of the ``rope_dim`` (and, for per-group keys, pair selections)
   tried, the one with the lowest loss on the calibration batch (16 training blocks, not the
@@ -54,10 +57,15 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from multihead.analysis.conversion_study import BUDGET_METHOD, MLA_METHODS
+from multihead.analysis.conversion_study import (
+    BUDGET_METHOD,
+    FIXED_SPLIT,
+    MLA_METHODS,
+    split_method,
+)
 from multihead.attention import MultiHeadAttention
 from multihead.checkpoints import write_atomically
-from multihead.checkpoints.conversion import budget_numbers, convert_attention
+from multihead.checkpoints.conversion import ROTARY_DEFAULTS, budget_numbers, convert_attention
 from multihead.data.lm import LanguageModelDataModule
 from multihead.data.tokenizer import Tokenizer
 from multihead.integrations.huggingface import replace_hf_attention
@@ -87,7 +95,8 @@ def convert(model, kind: str, value: int | None, calibration: dict, **options):
         return model, []
     if kind == "gqa":
         return model, convert_attention(model, kv_heads=value, calibration=calibration)
-    options = MLA_METHODS[kind] | options
+    kind, width = split_method(kind)
+    options = MLA_METHODS[kind] | options | ({"rope_dim": width} if width else {})
     size = {"cache_budget": value} if kind == BUDGET_METHOD else {"kv_latent": value}
     return model, convert_attention(model, **size, calibration=calibration, **options)
 
@@ -176,7 +185,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
     distilled = ", distilled" if results["uptrain"].get("distill") else ""
-    ax.set_title(f"Llama-shaped LM (5.2M), Multi30k en+de: converted, uptrained{distilled}")
+    size = f"{results['parameters'] / 1e6:.1f}M" if "parameters" in results else "5.2M"
+    ax.set_title(f"Llama-shaped LM ({size}), Multi30k en+de: converted, uptrained{distilled}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -196,7 +206,7 @@ def table(results: dict) -> str:
             how = ""
         elif row["method"] == "gqa":
             how = f" (G={row['value']})"
-        elif row["method"] == BUDGET_METHOD:  # each layer's split: its row's "chosen"
+        elif split_method(row["method"])[0] == BUDGET_METHOD:  # each layer's: its "chosen"
             how = f" (cache_budget={row['value']:g})"
         else:
             keys = row.get("rotary_key") or row.get("selection")  # shared, or the pairs
@@ -229,8 +239,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="names of the rows to run (default: all)")
     parser.add_argument("--lr", type=float, default=UPTRAIN_LR, help="the uptraining rate")
     parser.add_argument(
-        "--methods", nargs="+", default=["gqa", "mla_svd"], choices=METHODS,
-        help="the converted rows beside MHA (default: gqa mla_svd, issue 56's study)",
+        "--methods", nargs="+", default=["gqa", "mla_svd"], metavar="METHOD",
+        help=f"the converted rows beside MHA: {', '.join(METHODS)} or {FIXED_SPLIT}<d> (a "
+        "fixed split of the budget); default: gqa mla_svd, issue 56's study",
     )  # fmt: skip
     parser.add_argument(
         "--distill",
@@ -242,6 +253,11 @@ def main() -> None:
         help="the uptraining's seed: the order of its batches (the conversions do not change)",
     )  # fmt: skip
     args = parser.parse_args()
+    unknown = [m for m in args.methods if split_method(m)[0] not in METHODS]
+    if unknown:
+        raise ValueError(
+            f"--methods {unknown[0]}: expected one of {', '.join(METHODS)} or {FIXED_SPLIT}<d>"
+        )
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     torch.manual_seed(args.seed)
@@ -274,10 +290,12 @@ def main() -> None:
         budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
         for method in args.methods:
             name = f"{method} 1/{ratio}"
-            if method == BUDGET_METHOD:  # the split measured by convert_attention itself
+            base, width = split_method(method)
+            if base == BUDGET_METHOD:  # the split measured by convert_attention (or named)
                 try:
                     for attn in layers:
-                        budget_numbers(attn, 1 / ratio)
+                        named = ROTARY_DEFAULTS | {"rope_dim": width}  # None: measured
+                        budget_numbers(attn, 1 / ratio, options=named)
                 except ValueError as error:
                     unreachable.append({"name": name, "why": str(error)})
                     continue
@@ -336,14 +354,16 @@ def main() -> None:
         uptrain=recipe,
         swap_check={"unswapped_val_batch_loss": unswapped, "swapped_val_batch_loss": swapped},
         mha_bytes_per_token=mha_bytes, mla_selection_grid=grid, unreachable=unreachable,
+        parameters=sum(p.numel() for p in model.parameters()),
     )  # fmt: skip
     done = {row["name"] for row in results["rows"]}
     teacher = copy.deepcopy(model).eval() if args.distill else None  # the trained model
     for name, kind, value, options in plan:
         if (args.only and name not in args.only) or name in done:
             continue
-        start = time.time()
+        start, began = time.time(), time.process_time()
         m, report = convert(model, kind, value, calibration, **options)
+        convert_seconds = round(time.process_time() - began, 2)
         errors = {key: [row[key] for row in report] for key in ("k_error", "v_error", "out_error")}
         if any("candidates" in layer for layer in report):  # the default: what it measured
             errors["chosen"] = [{**layer["latent"], "candidates": layer["candidates"]}
@@ -358,10 +378,11 @@ def main() -> None:
                 raise RuntimeError(f"{name}: held-out blocks give ppl {math.exp(mean):.4f} "
                                    f"at step {step}, the trainer {ppl[int(step)]:.4f}")  # fmt: skip
         row = {
-            "name": name, "method": kind, "value": value, **MLA_METHODS.get(kind, {}), **options,
+            "name": name, "method": kind, "value": value,
+            **MLA_METHODS.get(split_method(kind)[0], {}), **options,
             "kv_bytes_per_token": cache_bytes(m), "ratio_of_mha": cache_bytes(m) / mha_bytes,
             "ppl": {str(s): p for s, p in ppl.items()}, "block_loss": blocks, **errors,
-            "seconds": round(time.time() - start),
+            "seconds": round(time.time() - start), "convert_cpu_seconds": convert_seconds,
             "greedy_sample": greedy_sample(m.eval(), tokenizer, "A man"),
         }  # fmt: skip
         print(json.dumps(row), flush=True)

@@ -142,10 +142,16 @@ def test_the_fixed_methods_name_every_choice_and_the_default_none() -> None:
         "rope_dim": 4,
         "selection": "high",
     }
-    # The budget measures the rotary keys' width too: no rope_dim (issue 84).
+    # The budget measures the rotary keys' width too: no rope_dim (issue 84); a fixed split
+    # of it names its own, whatever the study's rope_dim.
     assert mla_options("unused.ckpt", "mla_budget", 4, "high", 8, "data") == {
         "calibration_batches": 8,
         "local_dir": "data",
+    }
+    assert mla_options("unused.ckpt", "mla_budget@rope8", 4, "high", 8, "data") == {
+        "calibration_batches": 8,
+        "local_dir": "data",
+        "rope_dim": 8,
     }
 
 
@@ -185,6 +191,10 @@ def test_a_checkpoint_converts_within_a_cache_budget_and_its_overrides_rebuild_i
     assert conversion_target(rope_run, "mla_budget", 2, 4) == {"cache_budget": 0.5}
     assert conversion_target(rope_run, "mla_budget", 4, 4) == {"cache_budget": 0.25}
     assert conversion_target(rope_run, "mla_budget", 8, 4) is None
+    # A fixed split: keys of 2 per group (8 numbers) fit 1/4's 16, keys of 4 (16) do not.
+    assert conversion_target(rope_run, "mla_budget@rope2", 4, 4) == {"cache_budget": 0.25}
+    assert conversion_target(rope_run, "mla_budget@rope4", 4, 4) is None
+    assert conversion_target(rope_run, "mla_budget@rope4", 2, 4) == {"cache_budget": 0.5}
     # The CLI: a budget it cannot spend, in one line, nothing written.
     line = fails_in_one_line(
         script_main, capsys, "convert_kv_heads.py", "convert", f"ckpt={rope_run}",
@@ -283,6 +293,8 @@ def test_study_writes_every_row_and_marks_unreachable_ratios(
     [
         (["mla"], [2], [0.01], r"methods=\['mla'\]; expected a list of gqa, mla_svd, mla_pca, "),
         (["gqa"], [1], [0.01], "ratios: 1 is not an integer >= 2"),
+        (["mla_budget@rope3"], [2], [0.01], r"'mla_budget@rope3': expected mla_budget@rope<d>, "),
+        (["mla_default@rope4"], [2], [0.01], r"or mla_budget@rope<d> \(a fixed split"),
         (["gqa"], [2], [0.0], r"fractions=\[0.0\]; expected numbers in \(0, 1\]"),
     ],
 )

@@ -89,7 +89,7 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
         "convert_lm.py", str(tiny_run), str(out), "--data", str(multi30k_dir),
         "--fractions", "0.34", "0.67",  # 1 and 2 of the 3 steps
         "--methods", "gqa", "mla_svd", "mla_pca_bkv_shared", "mla_default", "mla_budget",
-        "--distill",
+        "mla_budget@rope2", "mla_budget@rope4", "--distill",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
@@ -128,6 +128,8 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
     table_lines = [line for line in tests.stdout.splitlines() if line.startswith("| 1/2 |")]
     assert [line.split(" | ")[1:3] for line in table_lines] == [
         ["mla_budget", "0"], ["mla_budget", "2"],
+        ["mla_budget@rope2", "0"], ["mla_budget@rope2", "2"],
+        ["mla_budget@rope4", "0"], ["mla_budget@rope4", "2"],
         ["mla_pca_bkv_shared", "0"], ["mla_pca_bkv_shared", "2"],
         ["mla_svd", "0"], ["mla_svd", "2"],
     ]  # fmt: skip
@@ -151,7 +153,21 @@ def test_the_conversion_study_runs_on_the_tiny_model(tiny_run, tmp_path, multi30
         assert tried == splits[ratio] and len(chosen["candidates"]) == 4 * len(tried)
         keys = chosen["rope_dim"] * (2 if chosen["rotary_key"] == "per_group" else 1)
         assert row["kv_bytes_per_token"] == (chosen["kv_latent"] + keys) * 4 == numbers * 4
+    # A fixed split (issue 84): the budget with the keys' width named, only the layout (and
+    # the default's other choices) measured: keys of 2 per group or one of 4 at 1/2 and 1/4;
+    # keys of 4 per group (8 numbers) fit 1/2 only, and fill 1/4's 8 (no latent: n/a).
+    for name, tried in (
+        ("mla_budget@rope2 1/2", {("per_group", 2, 12), ("shared", 4, 12)}),
+        ("mla_budget@rope2 1/4", {("per_group", 2, 4), ("shared", 4, 4)}),
+        ("mla_budget@rope4 1/2", {("per_group", 4, 8), ("shared", 8, 8)}),
+    ):
+        (chosen,) = rows[name]["chosen"]
+        assert {(c["rotary_key"], c["rope_dim"], c["kv_latent"])
+                for c in chosen["candidates"]} == tried  # fmt: skip
+        assert rows[name]["convert_cpu_seconds"] > 0
+    assert "mla_budget@rope4 1/4" not in rows
     table = (out / "table.md").read_text()
+    assert "| mla_budget@rope4 1/4: n/a, " in table
     assert "| mla_budget 1/2 (cache_budget=0.5) | 64 | 0.5 |" in table
     for name in ("gqa 1/4", "gqa 1/8", "mla_svd 1/8", "mla_pca_bkv_shared 1/8", "mla_budget 1/8"):
         assert f"| {name}: n/a, " in table

@@ -20,7 +20,10 @@ factorisation, balancing and key layout are chosen by the loss on the held-out q
 the calibration batches (:func:`~multihead.checkpoints.conversion.convert_attention`);
 ``mla_budget`` is the default given the cache, ``1/k`` of each sublayer's, instead of a
 rank: how to spend it (the rotary keys' width against the latent's) is measured too, and
-``rope_dim`` is not used.
+``rope_dim`` is not used. ``mla_budget@rope<d>`` is a fixed split of the same budget: keys of
+``d`` rotated features per K/V group (or one shared key of ``G * d``, the same cache), the
+latent the rest, the other choices measured as the budget's (issue 84: the budget's choice
+against the best fixed split).
 ``distill`` uptrains every row, the MHA control too, with
 the KL to the trained checkpoint added to its loss (``distill_from``). The uptraining
 schedule does not depend on its length (no cooldown), so the checkpoint at step ``n`` of
@@ -36,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +48,7 @@ from typing import Any
 from multihead.analysis.significance import holm, pooled_paired_bootstrap, t_test_p
 from multihead.attention.checks import check_bool
 from multihead.checkpoints.conversion import (
+    ROTARY_DEFAULTS,
     SCOPES,
     budget_numbers,
     convert_kv_heads,
@@ -66,18 +71,43 @@ MLA_METHODS = {
 }
 BUDGET_METHOD = "mla_budget"  # a cache budget (1/k), not a latent's width, to convert to
 METHODS = ("gqa", *MLA_METHODS)
+FIXED_SPLIT = f"{BUDGET_METHOD}@rope"  # + d: the budget with rope_dim=d named (a fixed split)
 FIELDS = (
     "method", "ratio", "distill", "target", "kv_bytes_per_token",
     "cross_kv_bytes_per_source_token", "uptrain_fraction", "uptrain_steps", "bleu_lc_tok",
-    "bleu", "checkpoint",
+    "bleu", "checkpoint", "convert_cpu_seconds",
 )  # fmt: skip
+
+
+def split_method(method: str) -> tuple[str, int | None]:
+    """``method``'s conversion and the rotary key width it names: ``mla_budget@rope4`` is
+    ``("mla_budget", 4)``, the budget with ``rope_dim=4`` named; any other method names none.
+    A width that is not an even number >= 2 is refused by name."""
+    if not method.startswith(FIXED_SPLIT):
+        return method, None
+    width = method[len(FIXED_SPLIT) :]
+    if not width.isdigit() or int(width) < 2 or int(width) % 2:
+        raise ValueError(
+            f"{method!r}: expected {FIXED_SPLIT}<d>, d an even number >= 2 of rotated features "
+            "per K/V group (whole pairs), e.g. mla_budget@rope4"
+        )
+    return BUDGET_METHOD, int(width)
+
+
+def row_dirname(method: str, ratio: int) -> str:
+    """A row's directory in a study: ``mla_default8``; a fixed split's ``mla_budget@rope4-1of8``
+    (its width and ratio apart)."""
+    return f"{method}{ratio}" if split_method(method)[1] is None else f"{method}-1of{ratio}"
 
 
 def check_study(methods: Sequence[str], ratios: Sequence[int], fractions: Sequence[float]) -> None:
     """Refuse bad study settings in one line each, before any work."""
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if split_method(m)[0] not in METHODS]
     if unknown or not methods:
-        raise ValueError(f"methods={list(methods)}; expected a list of {', '.join(METHODS)}")
+        raise ValueError(
+            f"methods={list(methods)}; expected a list of {', '.join(METHODS)} or "
+            f"{FIXED_SPLIT}<d> (a fixed split of the budget)"
+        )
     for k in ratios:
         if isinstance(k, bool) or not isinstance(k, int) or k < 2:
             raise ValueError(f"ratios: {k!r} is not an integer >= 2 (cache 1/k of MHA's)")
@@ -110,11 +140,13 @@ def conversion_target(ckpt: str | Path, method: str, ratio: int, rope_dim: int) 
     added by the caller."""
     model = load_trained_model(str(ckpt)).model
     layers = {kind: attn for kind, _, _, attn in model.attention_sublayers()}
-    if method == BUDGET_METHOD:  # each sublayer's 1/ratio, its split measured
+    method, width = split_method(method)
+    if method == BUDGET_METHOD:  # each sublayer's 1/ratio, its split measured (or named)
+        options = ROTARY_DEFAULTS | {"rope_dim": width}
         try:
             for kind in SCOPES["decoder"]:
-                budget_numbers(layers[kind], 1 / ratio)
-        except ValueError:  # too small for any split
+                budget_numbers(layers[kind], 1 / ratio, options=options)
+        except ValueError:  # too small for any split (or for the named one)
             return None
         return {"cache_budget": 1 / ratio}
     if method == "gqa":
@@ -231,7 +263,7 @@ def run_study(
     _write_rows(out, kept)
     rows.extend(kept)
     for method, ratio, target in plan:
-        row_dir = out / f"{method}{ratio}"
+        row_dir = out / row_dirname(method, ratio)
         if any(_row_key(r) == (method, ratio) for r in kept):
             continue
         if row_dir.exists():
@@ -239,21 +271,24 @@ def run_study(
         if target is None:
             record(method=method, ratio=ratio, distill=distill, target="n/a")
             continue
+        convert_seconds = None
         if method == "mha":
             start, overrides = Path(ckpt), [*recorded_overrides(ckpt), f"init_from={ckpt}"]
         else:
+            began = time.process_time()
             written, overrides = convert_kv_heads(
                 ckpt, target.get("num_kv_heads"), row_dir / "converted.ckpt",
                 kv_latent_dim=target.get("kv_latent_dim"), cache_budget=target.get("cache_budget"),
                 **mla_options(ckpt, method, rope_dim, selection, calibration_batches, local_dir),
             )  # fmt: skip
-            start = written
+            start, convert_seconds = written, round(time.process_time() - began, 2)
         if distill:  # the teacher: the trained checkpoint, for the MHA control too
             overrides = [*overrides, f"distill_from={ckpt}"]
         self_bytes, cross_bytes = cache_bytes(start)
         common = dict(
             method=method, ratio=ratio, distill=distill, target=json.dumps(target or "mha"),
             kv_bytes_per_token=self_bytes, cross_kv_bytes_per_source_token=cross_bytes,
+            convert_cpu_seconds=convert_seconds,
         )  # fmt: skip
         run_dir = row_dir / "uptrain"
         points = [(0.0, 0, Path(start))] + [
@@ -310,13 +345,14 @@ def mla_options(
     local_dir: str | None,
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`convert_kv_heads`'s latent options for ``method`` (none for ``gqa``)."""
+    method, width = split_method(method)
     if method not in MLA_METHODS:
         return {}
     options = dict(MLA_METHODS[method])
     if options.get("factorisation") != "svd":  # the PCA, or the default's measurement
         options |= {"calibration_batches": calibration_batches, "local_dir": local_dir}
-    if method == BUDGET_METHOD:  # the keys' width is measured: no rope_dim
-        return options
+    if method == BUDGET_METHOD:  # the keys' width measured, or a fixed split's named
+        return options if width is None else options | {"rope_dim": width}
     if options.get("rotary_key") == "shared":  # the per-group keys' numbers, in one key
         model = load_trained_model(str(ckpt)).model
         groups = {a.num_kv_heads for k, _, _, a in model.attention_sublayers()
@@ -346,7 +382,8 @@ def plot_study(rows: list[dict[str, Any]], path: Path) -> None:
             lines.setdefault((row["method"], row["ratio"]), []).append(
                 (100 * row["uptrain_fraction"], row["bleu_lc_tok"])
             )
-    colours = {method: f"C{i}" for i, method in enumerate(("mha", *METHODS))}
+    methods = dict.fromkeys(("mha", *METHODS, *(method for method, _ in lines)))
+    colours = {method: f"C{i % 10}" for i, method in enumerate(methods)}
     styles = {8: "-", 4: "--", 2: "-."}  # the cache ratio; others dotted
     for (method, ratio), points in lines.items():
         label = "MHA (control)" if method == "mha" else f"{method} 1/{ratio} cache"
@@ -414,7 +451,7 @@ def paired_block_tests(studies: Sequence[dict], baseline: str = "mla_default") -
 
 def hypotheses_path(study: Path, row: dict[str, Any]) -> Path:
     """Where :func:`run_study` wrote a row's test hypotheses."""
-    where = study / f"{row['method']}{row['ratio']}" / f"score_step{row['uptrain_steps']}"
+    where = study / row_dirname(row["method"], row["ratio"]) / f"score_step{row['uptrain_steps']}"
     return where / "hypotheses.test.txt"
 
 
