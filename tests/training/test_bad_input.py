@@ -51,6 +51,7 @@ def unread_keys(*overrides: str) -> str | None:
         # the heads: the model checks them (tests/model); docs/long_context.md's command
         ["experiment=lm_long", "attention=mha_h8", "+attention.rotary_dim=8"],
         ["attention=moh", "++attention.design_options.top_k_heads=3"],
+        ["logger=wandb", "logger.wandb.entity=my-team"],  # a team's runs: in the file
     ],
 )
 def test_added_keys_that_code_reads_pass(overrides) -> None:
