@@ -11,7 +11,9 @@ uptraining; Holm over all of them. The LM's are paired on the held-out blocks
 (:func:`multihead.analysis.conversion_study.paired_block_tests`; Δ perplexity, positive =
 worse), the translation's on the test sentences
 (:func:`multihead.analysis.conversion_study.paired_sentence_tests`; Δ lc-tok BLEU, negative =
-worse). Prints a markdown table.
+worse). A row that is the baseline's model (the same losses or translations in every seed:
+the measured choice was that fixed row) is printed as such and is not in the family.
+Prints a markdown table.
 """
 
 import argparse
@@ -53,6 +55,10 @@ def main() -> None:
         print(f"| ratio | method | step | Δ ppl vs {base} | per seed | blocks | p | Holm p |")
         print("|---|---|---:|---:|---|---:|---:|---:|")
         for t in tests:
+            if t["same"]:
+                print(f"| {t['ratio']} | {t['method']} | {t['step']} | 0 (the same model) | "
+                      f"| {t['blocks']} | | |")  # fmt: skip
+                continue
             seeds = " / ".join(f"{d:+.2f}%" for d in t["seed_deltas"])
             print(f"| {t['ratio']} | {t['method']} | {t['step']} | {t['delta_pct']:+.2f}% "
                   f"| {seeds} | {t['blocks']} | {t['p']:.2g} | {t['p_holm']:.2g} |")  # fmt: skip
@@ -68,6 +74,10 @@ def main() -> None:
           "| sentences | p | Holm p |")  # fmt: skip
     print("|---|---|---:|---:|---|---|---:|---:|---:|")
     for t in tests:
+        if t["same"]:
+            print(f"| 1/{t['ratio']} | {t['method']} | {t['step']} | 0 (the same model) | | "
+                  f"| {t['sentences']} | | |")  # fmt: skip
+            continue
         seeds = " / ".join(f"{d:+.2f}" for d in t["seed_deltas"])
         print(f"| 1/{t['ratio']} | {t['method']} | {t['step']} | {t['delta']:+.2f} | {seeds} "
               f"| {t['low']:+.2f} to {t['high']:+.2f} | {t['sentences']} | {t['p']:.2g} "

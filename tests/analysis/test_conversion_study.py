@@ -345,6 +345,23 @@ def test_the_lm_studys_tests_pair_held_out_blocks_averaged_over_seeds() -> None:
         assert t["seed_deltas"] == pytest.approx([t["delta_pct"]] * 2, rel=1e-9)
 
 
+def test_a_row_that_is_the_baselines_model_is_not_tested() -> None:
+    """Issue 84's budget study: where the measured split is a fixed row's, the two are one
+    model. A t-test of zeros, or sacreBLEU's bootstrap of a system against itself (p 0.001),
+    is no test: the row is marked the same and Holm runs over the others alone."""
+    base = {"0": [2.0, 2.0, 2.0], "100": [1.5, 1.5, 1.5]}
+    seed0 = _lm_study(base, {"0": [2.1, 2.2, 2.3], "100": [1.5, 1.7, 1.9]})
+    seed0["rows"].append({"name": "mla_pca 1/8", "block_loss": base})
+    seed1 = _lm_study(base, {"0": [2.1, 2.2, 2.3], "100": [1.7, 1.7, 1.7]})
+    seed1["rows"].append({"name": "mla_pca 1/8", "block_loss": base})
+    tests = paired_block_tests([seed0, seed1])
+    same = [t for t in tests if t["same"]]
+    assert [(t["method"], t["step"]) for t in same] == [("mla_pca", 0), ("mla_pca", 100)]
+    assert all("p" not in t and "p_holm" not in t for t in same)
+    p = 1 - (12 / 14) ** 0.5  # as above: Holm over the two real tests only
+    assert [t["p_holm"] for t in tests if not t["same"]] == pytest.approx([2 * p, 2 * p])
+
+
 def test_an_lm_study_without_block_losses_is_refused_by_name() -> None:
     old = {"rows": [{"name": "MHA", "ppl": {"0": 26.3}}]}
     with pytest.raises(ValueError, match=r"study 0: rows \['MHA'\] hold no block_loss"):
@@ -422,6 +439,16 @@ def test_the_translation_studys_tests_pair_sentences_averaged_over_seeds(test201
     assert tests[0]["p"] == one_seed.p_value
     smaller = min(t["p"] for t in tests)
     assert min(t["p_holm"] for t in tests) == pytest.approx(min(1.0, 2 * smaller))
+    # A row with the default's translations in every seed is the same model: not tested.
+    for h in seeds:
+        h.update({("mla_pca", step): h[("mla_default", step)] for step in (0, 5, 10)})
+    studies = [_translation_study(tmp_path / f"same{i}", refs, h) for i, h in enumerate(seeds)]
+    again = paired_sentence_tests(studies, refs, "de", metric="sacrebleu")
+    assert [(t["method"], t["step"]) for t in again if t["same"]] == [
+        ("mla_pca", 0),
+        ("mla_pca", 10),
+    ]
+    assert [t["p_holm"] for t in again if not t["same"]] == [t["p_holm"] for t in tests]
 
 
 @pytest.mark.slow  # conversion_tests.py 4 times, 1,000 sentences

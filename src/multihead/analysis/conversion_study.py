@@ -408,10 +408,12 @@ def paired_block_tests(studies: Sequence[dict], baseline: str = "mla_default") -
 
     The unit is the held-out block: each block's loss difference (method minus baseline),
     averaged over the studies (seeds), tested for mean 0 with the one-sample t-test; Holm over
-    every test returned. Right after conversion the seeds give the same losses (the seed
-    orders only the uptraining's batches); after uptraining, ``seed_deltas`` shows whether
-    the seeds agree, the noise a block test cannot see. ``delta_pct`` is the perplexity's
-    change, ``100 * (exp(mean difference) - 1)``: positive when the method is worse.
+    every test returned (a row that is the baseline's model, every block's loss the same in
+    every seed, is marked ``same`` and not tested). Right after conversion the seeds give
+    the same losses (the seed orders only the uptraining's batches); after uptraining,
+    ``seed_deltas`` shows whether the seeds agree, the noise a block test cannot see.
+    ``delta_pct`` is the perplexity's change, ``100 * (exp(mean difference) - 1)``: positive
+    when the method is worse.
     """
     if not studies:
         raise ValueError("no studies given; expected results.json of convert_lm.py")
@@ -438,14 +440,29 @@ def paired_block_tests(studies: Sequence[dict], baseline: str = "mla_default") -
                 a, b = named[name]["block_loss"][step], named[base]["block_loss"][step]
                 per_seed.append([x - y for x, y in zip(a, b, strict=True)])
             blocks = [statistics.fmean(d) for d in zip(*per_seed, strict=True)]
+            if not any(any(d) for d in per_seed):  # the same model: nothing to test
+                tests.append({"ratio": ratio, "method": method, "step": int(step),
+                              "blocks": len(blocks), "same": True})  # fmt: skip
+                continue
             tests.append({
                 "ratio": ratio, "method": method, "step": int(step), "blocks": len(blocks),
                 "delta_pct": 100 * math.expm1(statistics.fmean(blocks)),
                 "seed_deltas": [100 * math.expm1(statistics.fmean(d)) for d in per_seed],
                 "p": t_test_p(blocks),
             })  # fmt: skip
-    for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
+    return _holm_over_the_tested(tests)
+
+
+def _holm_over_the_tested(tests: list[dict]) -> list[dict]:
+    """Holm over the tests that compare two different models; a row that is the same model
+    as the baseline (``same``: every unit's difference 0 in every seed, as when the measured
+    choice is that fixed row) is no test, so it neither counts in the family nor gets a p.
+    (sacreBLEU's paired bootstrap gives a system against itself p = 1 / (samples + 1).)"""
+    tested = [t for t in tests if not t.get("same")]
+    for test, adjusted in zip(tested, holm([t["p"] for t in tested]), strict=True):
         test["p_holm"] = adjusted
+    for test in tests:
+        test.setdefault("same", False)
     return tests
 
 
@@ -469,7 +486,8 @@ def paired_sentence_tests(
     The unit is the test sentence: sacreBLEU's paired bootstrap with the BLEU difference
     averaged over the studies, each resample drawing the same sentences in every study
     (:func:`~multihead.analysis.significance.pooled_paired_bootstrap`); Holm over every test
-    returned. As in :func:`paired_block_tests`, the seeds' own spread is not in the test:
+    returned (a row whose translations are the baseline's in every seed is marked ``same``
+    and not tested). As in :func:`paired_block_tests`, the seeds' own spread is not in the test:
     ``seed_deltas`` shows whether they agree.
     """
     if not studies:
@@ -500,6 +518,10 @@ def paired_sentence_tests(
                 if not path.is_file():
                     raise ValueError(f"{path} is missing; expected run_study's hypotheses")
                 hyps[side].append(path.read_text().splitlines())
+        if hyps["base"] == hyps["method"]:  # the same translations in every seed
+            tests.append({"ratio": ratio, "method": method, "step": steps,
+                          "sentences": len(references), "same": True})  # fmt: skip
+            continue
         result = pooled_paired_bootstrap(
             hyps["base"], hyps["method"], references, metric=metric, lang=lang
         )
@@ -508,6 +530,4 @@ def paired_sentence_tests(
             "delta": result.delta, "seed_deltas": list(result.seed_deltas),
             "low": result.low, "high": result.high, "p": result.p_value,
         })  # fmt: skip
-    for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
-        test["p_holm"] = adjusted
-    return tests
+    return _holm_over_the_tested(tests)
