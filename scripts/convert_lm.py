@@ -61,6 +61,7 @@ from multihead.analysis.conversion_study import (
     BUDGET_METHOD,
     FIXED_SPLIT,
     MLA_METHODS,
+    check_study,
     split_method,
 )
 from multihead.attention import MultiHeadAttention
@@ -253,11 +254,7 @@ def main() -> None:
         help="the uptraining's seed: the order of its batches (the conversions do not change)",
     )  # fmt: skip
     args = parser.parse_args()
-    unknown = [m for m in args.methods if split_method(m)[0] not in METHODS]
-    if unknown:
-        raise ValueError(
-            f"--methods {unknown[0]}: expected one of {', '.join(METHODS)} or {FIXED_SPLIT}<d>"
-        )
+    check_study(args.methods, RATIOS, args.fractions)  # the translation study's check
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     torch.manual_seed(args.seed)

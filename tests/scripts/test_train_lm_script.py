@@ -75,9 +75,20 @@ def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) 
     assert_one_error_line(result, "num_kv_heads=3 must divide num_heads=4")
 
 
-def test_a_bad_uptraining_rate_fails_in_one_line(tmp_path) -> None:
-    result = run_script("convert_lm.py", str(tmp_path / "run"), str(tmp_path / "out"), "--lr", "0")
-    assert_one_error_line(result, "--lr must be in (0, 1), got 0.0")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "0"], "--lr must be in (0, 1), got 0.0"),
+        (
+            ["--methods", "mla_budget@rope3"],
+            "'mla_budget@rope3': expected mla_budget@rope<d>, d an",
+        ),
+        (["--methods", "mla_sdv"], "methods=['mla_sdv']; expected a list of gqa, mla_svd,"),
+    ],
+)
+def test_a_bad_uptraining_rate_or_method_fails_in_one_line(tmp_path, args, message) -> None:
+    result = run_script("convert_lm.py", str(tmp_path / "run"), str(tmp_path / "out"), *args)
+    assert_one_error_line(result, message)
     assert not (tmp_path / "out").exists()
 
 
