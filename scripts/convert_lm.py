@@ -257,6 +257,10 @@ def main() -> None:
     check_study(args.methods, RATIOS, args.fractions)  # the translation study's check
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
+    rows = ["MHA"] + [f"{method} 1/{ratio}" for ratio in RATIOS for method in args.methods]
+    if unknown := [name for name in args.only or [] if name not in rows]:
+        # A misspelt row would otherwise be skipped without a word, and nothing run.
+        raise ValueError(f"--only {unknown[0]!r} is not a row; expected some of {rows}")
     torch.manual_seed(args.seed)
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
     summary = json.loads((args.run_dir / "summary.json").read_text())

@@ -84,9 +84,10 @@ def test_a_bad_model_value_fails_in_one_line(tmp_path, multi30k_dir, cache_dir) 
             "'mla_budget@rope3': expected mla_budget@rope<d>, d an",
         ),
         (["--methods", "mla_sdv"], "methods=['mla_sdv']; expected a list of gqa, mla_svd,"),
+        (["--only", "gqa 1/3"], "--only 'gqa 1/3' is not a row; expected some of ['MHA', 'gqa"),
     ],
 )
-def test_a_bad_uptraining_rate_or_method_fails_in_one_line(tmp_path, args, message) -> None:
+def test_a_bad_uptraining_rate_method_or_row_fails_in_one_line(tmp_path, args, message) -> None:
     result = run_script("convert_lm.py", str(tmp_path / "run"), str(tmp_path / "out"), *args)
     assert_one_error_line(result, message)
     assert not (tmp_path / "out").exists()
