@@ -224,6 +224,11 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def row_name(method: str, ratio: int) -> str:
+    """A converted row's name in results.json and in --only: ``gqa 1/4``."""
+    return f"{method} 1/{ratio}"
+
+
 @exit_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -257,7 +262,7 @@ def main() -> None:
     check_study(args.methods, RATIOS, args.fractions)  # the translation study's check
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
-    rows = ["MHA"] + [f"{method} 1/{ratio}" for ratio in RATIOS for method in args.methods]
+    rows = ["MHA"] + [row_name(method, ratio) for ratio in RATIOS for method in args.methods]
     if unknown := [name for name in args.only or [] if name not in rows]:
         # A misspelt row would otherwise be skipped without a word, and nothing run.
         raise ValueError(f"--only {unknown[0]!r} is not a row; expected some of {rows}")
@@ -290,7 +295,7 @@ def main() -> None:
     for ratio in RATIOS:
         budget = mha_bytes // ratio // 4 // len(layers)  # floats per token and layer
         for method in args.methods:
-            name = f"{method} 1/{ratio}"
+            name = row_name(method, ratio)
             base, width = split_method(method)
             if base == BUDGET_METHOD:  # the split measured by convert_attention (or named)
                 try:
