@@ -44,6 +44,7 @@ def main(cfg: DictConfig) -> None:
         split_by=_listed(cfg.split_by),
         grid=OmegaConf.to_container(cfg.grid),
         family=cfg.family,
+        longer=cfg.longer,
     )
     for run in runs:
         print(f"{run.label}: {run.source} (validation curves: {run.curve_source})")

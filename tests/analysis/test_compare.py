@@ -661,11 +661,14 @@ def test_a_long_context_file_that_is_not_the_benchmark_s_is_named(runs_dir, tmp_
 
 def test_runs_of_one_name_whose_configs_differ_beyond_the_seed_are_not_pooled(tmp_path):
     """Two settings of a design's option once shared a run name, and their runs were
-    averaged as two seeds of one model. Seeds, and where runs write, may differ."""
+    averaged as two seeds of one model. Seeds, and where runs write, may differ (the
+    task_name of a grid's experiment names its output directory)."""
     root = tmp_path / "runs"
     configs = {
-        "a": "seed: 1\npaths:\n  log_dir: /a\nattention:\n  design_options:\n    cap: 5\n",
-        "b": "seed: 2\npaths:\n  log_dir: /b\nattention:\n  design_options:\n    cap: 5\n",
+        "a": "seed: 1\ntask_name: grid\npaths:\n  log_dir: /a\n"
+        "attention:\n  design_options:\n    cap: 5\n",
+        "b": "seed: 2\ntask_name: train\npaths:\n  log_dir: /b\n"
+        "attention:\n  design_options:\n    cap: 5\n",
         "c": "seed: 3\npaths:\n  log_dir: /c\nattention:\n  design_options:\n    cap: 3\n",
     }
     for job, config in configs.items():

@@ -8,6 +8,7 @@ count) refused by name."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -25,7 +26,9 @@ LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
 CACHE = {"mha": 4096, "gqa": 1024, "mqa": 512}
 
 
-def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-3) -> Path:
+def write_run(
+    root: Path, design: str, seed: int, summary: dict, lr: float = 3e-3, steps: int = 3
+) -> Path:
     run = root / f"{design}_s{seed}"
     run.mkdir(parents=True)
     base = {"kind": design, "run_name": f"lm-{design}8-rope_sdpa", "seed": seed, "steps": 3,
@@ -33,7 +36,7 @@ def write_run(root: Path, design: str, seed: int, summary: dict, lr: float = 3e-
             "kv_cache/bytes_per_token": CACHE[design]}  # fmt: skip
     (run / "summary.json").write_text(json.dumps({**base, **summary}))
     (run / ".hydra").mkdir()
-    config = f"seed: {seed}\nmodule:\n  optimizer:\n    lr: {lr}\n"
+    config = f"seed: {seed}\nmodule:\n  optimizer:\n    lr: {lr}\ntrainer:\n  max_steps: {steps}\n"
     (run / ".hydra" / "config.yaml").write_text(config)
     return run
 
@@ -160,13 +163,16 @@ def test_holm_runs_over_the_declared_family_and_a_setting_added_after_is_explora
     explore = section(text, "### Exploratory tests")
     assert "| lm | gqa | mha | val/loss@0-63 |" in explore
     assert "exploratory (unadjusted p" in explore
-    added = FAMILY + """\
+    added = (
+        FAMILY
+        + """\
   - task: lm
     baseline: lm-mha8-rope_sdpa
     designs: [lm-gqa8-rope_sdpa]
     metrics: [val/loss@0-63]
     added: '2026-02-01T00:00:00+00:00'
 """
+    )
     family_file(family, added)
     _, paths = compare(tmp_path / "out", runs=lm_runs, family=family)
     text = paths[0].read_text()
@@ -247,6 +253,43 @@ def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_pa
     gqa = next(line for line in overall.splitlines() if line.startswith("| gqa"))
     assert mqa.endswith("| still moving: about learning speed at this budget |")
     assert not gqa.endswith("still moving: about learning speed at this budget |")
+
+
+def test_an_order_that_flips_when_trained_longer_is_about_learning_speed(lm_runs, tmp_path):
+    """The designs trained twice as long at seed 1: MQA's loss there is below MHA's, the
+    other way round from the compared budget, so its verdict says the order flips; GQA's
+    holds, with its difference there (1.85 - 1.80) beside it. A longer run at another rate,
+    or at no longer budget, is refused by its directory; a missing directory by its name."""
+    longer = tmp_path / "longer"
+    for design, loss in (("mha", 1.80), ("gqa", 1.85), ("mqa", 1.75)):
+        write_run(longer, design, 1, {"val/loss": loss, "val/loss@0-63": 2.3,
+                                      "val/loss@64-127": 1.6}, steps=6)  # fmt: skip
+    family = family_file(tmp_path / "family.yaml", FAMILY)
+    _, paths = compare(tmp_path / "out", runs=lm_runs, family=family, longer=longer)
+    held = section(paths[0].read_text(), "## The family of tests")
+    assert "| Δ trained longer (steps) | verdict |" in held
+    rows = {line.split("|")[2].strip(): line for line in held.splitlines()
+            if line.startswith("| lm |") and "| val/loss |" in line}  # fmt: skip
+    assert rows["mqa"].endswith(
+        "| the order flips at 6 steps: about learning speed at this budget |"
+    )
+    assert "| +0.0500 at 6 (1 seed) | no detectable difference |" in rows["gqa"]
+    with (tmp_path / "out" / "tests.csv").open() as f:
+        found = {(r["design"], r["figure"]): r for r in csv.DictReader(f)}
+    assert found["lm-gqa8-rope_sdpa", "val/loss"]["longer budget (steps)"] == "6"
+    with pytest.raises(FileNotFoundError, match=r"^longer=\S+nowhere: no such directory"):
+        compare(tmp_path / "out", runs=lm_runs, longer=tmp_path / "nowhere")
+    shutil.rmtree(longer / "gqa_s1")
+    write_run(longer, "gqa", 1, {"val/loss": 1.85, "val/loss@0-63": 2.3}, lr=1e-2, steps=6)
+    with pytest.raises(ValueError, match=r"gqa_s1: a longer run of 'lm-gqa8-rope_sdpa' whose "
+                       r"config differs from the compared runs' in module.optimizer.lr \(0.003 "
+                       r"against 0.01\)"):  # fmt: skip
+        compare(tmp_path / "out", runs=lm_runs, longer=longer)
+    shutil.rmtree(longer / "gqa_s1")
+    write_run(longer, "gqa", 1, {"val/loss": 1.85, "val/loss@0-63": 2.3}, steps=3)
+    with pytest.raises(ValueError, match=r"trainer.max_steps=3, where the compared runs of "
+                       r"'lm-gqa8-rope_sdpa' train 3 steps; expected a longer budget"):  # fmt: skip
+        compare(tmp_path / "out", runs=lm_runs, longer=longer)
 
 
 @pytest.mark.slow  # 5 s of CPU

@@ -33,6 +33,7 @@ from multihead.analysis.groups import (
     display_names,
     figures,
     group_runs,
+    longer_budget,
     pooled_despite_note,
     seed_groups,
     task,
@@ -75,6 +76,7 @@ from multihead.analysis.tested import (
     long_context_tests,
     read_family,
     translation_tests,
+    with_longer,
 )
 from multihead.analysis.wandb_log import log_comparison, runs_wandb_group
 from multihead.attention.checks import check_bool
@@ -147,6 +149,7 @@ def compare(
     split_by: Sequence[str] = (),
     grid: Mapping[str, str] | None = None,
     family: str | os.PathLike | None = None,
+    longer: str | os.PathLike | None = None,
 ) -> tuple[list[RunResult], list[Path]]:
     """Read the runs below ``runs`` or in wandb ``group`` and write the comparison to ``out``.
 
@@ -163,7 +166,9 @@ def compare(
     for translation what each design buys, for the LM its trained checkpoints' speeds.
     ``pool_despite``, ``split_by``, ``grid``: as :func:`~multihead.analysis.groups.group_runs`.
     ``family``: the file of tests declared before the runs
-    (:func:`~multihead.analysis.tested.read_family`); ``None``: none declared.
+    (:func:`~multihead.analysis.tested.read_family`); ``None``: none declared. ``longer``: a
+    directory of the compared designs trained longer (one seed is enough): each test says
+    whether its order holds there (:func:`~multihead.analysis.groups.longer_budget`).
     """
     check_bool("speed", speed)
     check_bool("wandb", wandb_log)  # the script's name for it
@@ -178,12 +183,16 @@ def compare(
         results = load_wandb_group(group, project, entity)
         source = f"wandb {entity + '/' if entity else ''}{project}, group {group}"
     declared = None if family is None else read_family(family)
+    longer_results = None if longer is None else load_local_runs(longer, "longer")
     # 2. Grouped.
     grouped = group_runs(results, pool_despite=pool_despite, split_by=split_by, grid=grid)
+    trained_longer = (
+        {} if longer_results is None else longer_budget(grouped.runs, longer_results, split_by)
+    )
     target = wandb_group or group or runs_wandb_group(results) if wandb_log else None
     if grouped.task == "long context":
         speed_rows = None if long_context is None else read_speed_rows(long_context)
-        paths = write_long_context(grouped, source, out, speed_rows, declared)
+        paths = write_long_context(grouped, source, out, speed_rows, declared, trained_longer)
         out_dir = Path(out)
         if wandb_log:
             tables = {name: _csv_table(out_dir / f"{name}.csv") for name in
@@ -217,7 +226,9 @@ def compare(
     key = bleu_key(chosen)
     # 5. Reported.
     report = make_report(chosen, source, notes, metric, equivalence_margin, key)
-    report.keyed = translation_tests(chosen, key, equivalence_margin, declared)
+    report.keyed = with_longer(
+        translation_tests(chosen, key, equivalence_margin, declared), trained_longer
+    )
     report.grouped, report.described, report.family = grouped, described, declared
     report.long_context = long_context_rows
     paths = write_comparison(report, out)
@@ -248,7 +259,7 @@ def log_to_wandb(
 
 
 def write_long_context(
-    grouped: Grouped, source: str, out: str | os.PathLike, speed_rows, family
+    grouped: Grouped, source: str, out: str | os.PathLike, speed_rows, family, longer
 ) -> list[Path]:
     """The LM and MQAR comparison, every stage after grouping: described, tested, and
     written into ``out`` (``long_context.md``, ``long_context.csv``, ``equal_terms.csv``,
@@ -276,7 +287,7 @@ def write_long_context(
     }
     # 4. Tested.
     margins = {"lm": LOSS_MARGIN, "mqar": ACC_MARGIN}
-    tests = long_context_tests(tasks, keys, margins, family)
+    tests = with_longer(long_context_tests(tasks, keys, margins, family), longer)
     # 5. Reported.
     out = Path(out)
     if out.exists() and not out.is_dir():

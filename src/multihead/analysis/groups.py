@@ -85,9 +85,10 @@ def has_repeats(runs: list[RunResult]) -> bool:
 
 
 # Config keys in which the seeds of one configuration may differ: a seed at any level, and
-# where a run reads and writes (any *dir or *dirpath, the loggers, its wandb group, a resume;
-# wandb keeps the config resolved, so these name each run's own directory there).
-NOT_THE_CONFIGURATION = ("ckpt_path", "wandb_group")
+# where a run reads and writes (any *dir or *dirpath, the loggers, its wandb group, a resume,
+# the task_name its output directory is named by; wandb keeps the config resolved, so these
+# name each run's own directory there).
+NOT_THE_CONFIGURATION = ("ckpt_path", "wandb_group", "task_name")
 NOT_THE_CONFIGURATION_PREFIXES = ("logger.",)
 
 
@@ -222,8 +223,6 @@ def paired_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
     return base
 
 
-
-
 def is_mha(run: RunResult) -> bool:
     """Whether ``run`` is the plain MHA layer, the reference: kind ``mha`` with no head design
     or positional part in its decoder tag (``mha8``; not ``mha8-diff`` or ``mha8-alibi``,
@@ -245,8 +244,6 @@ def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
     ]
     candidates.sort(key=lambda c: (c.seed != run.seed, c.get("backend") != run.get("backend")))
     return candidates[0] if candidates else None
-
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -386,6 +383,69 @@ def group_runs(
     kept = [run for run in runs if id(run) in chosen_ids]
     return Grouped(kept, grids, sorted(despite), "translation" if tasks == {"translation"}
                    else "long context")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Runs at a longer budget: does each order hold there?
+
+BUDGET_KEY = "trainer.max_steps"
+
+
+def longer_budget(
+    compared: list[RunResult], longer: list[RunResult], split_by: Sequence[str] = ()
+) -> dict[tuple[str, str], dict[Any, RunResult]]:
+    """``longer``, runs of the compared designs trained longer, as ``{(task, design): {seed:
+    run}}``. Each is checked against the compared runs of its design (``compared``, each
+    design at its chosen rate): the same config but for a larger ``trainer.max_steps``, its
+    seed and where it writes, all at one budget. A run of a design not compared, or whose
+    config differs in anything else (its learning rate, its data), is refused by name: its
+    order would not say whether the compared order holds."""
+    check_saved_configs(longer)
+    for kind in {task(run) for run in longer}:
+        name_designs([run for run in longer if task(run) == kind], split_by)
+    ours: dict[tuple[str, str], RunResult] = {}
+    for run in compared:
+        ours.setdefault((task(run), design_of(run)), run)
+    found: dict[tuple[str, str], dict[Any, RunResult]] = {}
+    for run in longer:
+        key = (task(run), design_of(run))
+        if key not in ours:
+            raise ValueError(
+                f"{run.source}: a longer run of {key[1]!r} ({key[0]}), which the comparison "
+                "has no runs of; expected the compared designs, trained longer"
+            )
+        mine, other = flat(ours[key].config or {}), flat(run.config or {})
+        budget, more = number(mine.get(BUDGET_KEY)), number(other.get(BUDGET_KEY))
+        if more is None or budget is None or more <= budget:
+            raise ValueError(
+                f"{run.source}: {BUDGET_KEY}={other.get(BUDGET_KEY)}, where the compared "
+                f"runs of {key[1]!r} train {mine.get(BUDGET_KEY)} steps; expected a longer "
+                "budget"
+            )
+        for name in sorted(mine.keys() | other.keys()):
+            if name == BUDGET_KEY or _not_the_configuration(name):
+                continue
+            if mine.get(name) != other.get(name):
+                raise ValueError(
+                    f"{run.source}: a longer run of {key[1]!r} whose config differs from the "
+                    f"compared runs' in {name} ({mine.get(name)!r} against "
+                    f"{other.get(name)!r}), not only in {BUDGET_KEY}; expected the same "
+                    "run trained longer (at the design's chosen rate)"
+                )
+        seeds = found.setdefault(key, {})
+        if run.seed in seeds:
+            raise ValueError(
+                f"two longer {key[1]} runs with seed {run.seed}: {seeds[run.seed].source} "
+                f"and {run.source}; give one run per design and seed"
+            )
+        seeds[run.seed] = run
+    budgets = sorted({flat(run.config or {}).get(BUDGET_KEY) for run in longer})
+    if len(budgets) > 1:
+        raise ValueError(
+            f"the longer runs train {', '.join(map(str, budgets))} steps; expected one longer "
+            "budget (compare each budget apart)"
+        )
+    return found
 
 
 # ---------------------------------------------------------------------------------------

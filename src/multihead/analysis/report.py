@@ -887,22 +887,36 @@ def family_section(
             f"{len(early)} of the {len(runs)} runs started before the family was declared "
             "(reused runs, whose results could be seen when it was written)."
         )
+    longer = any(test.longer for test in tests.values())
+    if longer:
+        parts.append(
+            "The designs were also trained longer (the same runs, `trainer.max_steps` alone "
+            "larger, at each design's chosen rate): a verdict whose order is the other way "
+            "round there is about learning speed at the compared budget."
+        )
     rows, explore = [], []
     for (task, design, base, metric), test in tests.items():
         cells = [task, show(design, design) if task != "translation" else design,
                  show(base, base) if task != "translation" else base, metric,
                  MISSING if test.interval is None else f"{test.interval[0]:+.4f}",
                  p_cell(test.p_value)]  # fmt: skip
-        last = MISSING if test.last_two is None else (
-            f"{test.last_two[0]:+.4f} → {test.last_two[1]:+.4f}")  # fmt: skip
+        last = [MISSING if test.last_two is None else (
+            f"{test.last_two[0]:+.4f} → {test.last_two[1]:+.4f}")]  # fmt: skip
+        if longer:
+            last.append(MISSING if test.longer is None else (
+                f"{test.longer[1]:+.4f} at {test.longer[0]} ({test.longer[2]} seed"
+                f"{'s' if test.longer[2] > 1 else ''})"))  # fmt: skip
         if test.exploratory:
-            explore.append([*cells, last, test.verdict])
+            explore.append([*cells, *last, test.verdict])
         else:
-            rows.append([*cells, p_cell(test.p_adjusted), last, test.verdict])
+            rows.append([*cells, p_cell(test.p_adjusted), *last, test.verdict])
     heads = ["task", "design", "baseline", "figure", "mean Δ", "p (paired t)"]
+    ends = ["Δ at the last two evaluations", *(["Δ trained longer (steps)"] if longer else [])]
     parts.append(
-        "\n" + markdown_table([*heads, f"p ({CORRECTION}, the family)",
-                               "Δ at the last two evaluations", "verdict"], rows)  # fmt: skip
+        "\n"
+        + markdown_table(
+            [*heads, f"p ({CORRECTION}, the family)", *ends, "verdict"], rows
+        )  # fmt: skip
     )
     found = {k for k, t in tests.items() if not t.exploratory}
     missing = [t for t in family.confirmatory
@@ -918,7 +932,7 @@ def family_section(
     if explore:
         parts += [
             "\n### Exploratory tests (outside the declared family; p unadjusted)\n",
-            markdown_table([*heads, "Δ at the last two evaluations", "verdict"], explore),
+            markdown_table([*heads, *ends, "verdict"], explore),
         ]
     return "\n".join(parts)
 
@@ -1123,11 +1137,13 @@ def tested_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[
     """Every test, unformatted: the wandb table ``tests``."""
     fields = ["task", "design", "baseline", "figure", "Δ (mean)", "Δ low", "Δ high",
               "p (paired t)", f"p ({CORRECTION})", "exploratory", "Δ at the second-last evaluation",
-              "Δ at the last evaluation", "verdict"]  # fmt: skip
+              "Δ at the last evaluation", "longer budget (steps)", "Δ at the longer budget",
+              "seeds at the longer budget", "verdict"]  # fmt: skip
     rows = []
     for (task, design, base, metric), test in tests.items():
         mean, low, high = test.interval or (statistics.fmean(test.deltas), None, None)
         last = test.last_two or (None, None)
+        longer = test.longer or (None, None, None)
         rows.append([task, design, base, metric, mean, low, high, test.p_value,
-                     test.p_adjusted, test.exploratory, *last, test.verdict])  # fmt: skip
+                     test.p_adjusted, test.exploratory, *last, *longer, test.verdict])  # fmt: skip
     return fields, rows

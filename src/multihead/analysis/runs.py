@@ -68,18 +68,18 @@ class RunResult:
 # Reading runs
 
 
-def find_run_dirs(root: str | os.PathLike) -> list[Path]:
+def find_run_dirs(root: str | os.PathLike, option: str = "runs") -> list[Path]:
     """Every directory at or below ``root`` that holds a ``summary.json``, sorted."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(
-            f"runs={root}: no such directory (expected a multirun or run directory "
+            f"{option}={root}: no such directory (expected a multirun or run directory "
             f"containing {SUMMARY_FILE} files)"
         )
     dirs = sorted({p.parent for p in root.rglob(SUMMARY_FILE) if p.is_file()})
     if not dirs:
         raise FileNotFoundError(
-            f"runs={root}: no {SUMMARY_FILE} found below it (expected the directory of "
+            f"{option}={root}: no {SUMMARY_FILE} found below it (expected the directory of "
             "finished training runs, e.g. outputs/train/multiruns/<time>)"
         )
     return dirs
@@ -109,12 +109,13 @@ def curves_from_rows(rows: Iterable[dict[str, Any]], step_key: str = STEP_KEY) -
     return {key: sorted(points) for key, points in curves.items()}
 
 
-def load_local_runs(root: str | os.PathLike) -> list[RunResult]:
+def load_local_runs(root: str | os.PathLike, option: str = "runs") -> list[RunResult]:
     """Every run below ``root`` (see ``find_run_dirs``): its ``summary.json``, from
     ``csv/metrics.csv`` its validation curves and from ``speed.json`` its side-by-side
-    speeds, where it has them; labelled and sorted."""
+    speeds, where it has them; labelled and sorted. ``option``: the user's name for
+    ``root``, for the errors."""
     runs = []
-    for run_dir in find_run_dirs(root):
+    for run_dir in find_run_dirs(root, option):
         try:
             summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         except json.JSONDecodeError as err:

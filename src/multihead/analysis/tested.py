@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from multihead.analysis.groups import (
+    BUDGET_KEY,
     design_of,
+    flat,
     has_repeats,
     is_mha,
     mha_baseline,
@@ -258,6 +260,8 @@ class SeedTest:
     exploratory: bool = False  # not in the declared family: its p is unadjusted
     # the mean difference at the last two evaluations during training; None: no curves
     last_two: tuple[float, float] | None = None
+    # (steps, mean difference, seeds) of the same runs trained longer; None: none were
+    longer: tuple[int, float, int] | None = None
 
     @property
     def moving(self) -> bool:
@@ -265,14 +269,24 @@ class SeedTest:
         return self.last_two is not None and (self.last_two[0] > 0) != (self.last_two[1] > 0)
 
     @property
+    def flips(self) -> bool:
+        """Whether the order is the other way round in the runs trained longer."""
+        mean = statistics.fmean(self.deltas)
+        return self.longer is not None and (mean > 0) != (self.longer[1] > 0)
+
+    @property
     def verdict(self) -> str:
         """Lower or higher where Holm's p is below 0.05; equivalent where TOST passes;
         else no detectable difference. Still moving where the order changed at the end of
-        training; exploratory outside the declared family."""
+        training, or is the other way round trained longer; exploratory outside the
+        declared family."""
         if self.p_value is None:
             return "one seed: no test"
         if self.moving:
             return "still moving: about learning speed at this budget"
+        if self.flips:
+            return (f"the order flips at {self.longer[0]} steps: about learning speed at "
+                    "this budget")  # fmt: skip
         if self.exploratory:
             return f"exploratory (unadjusted p {self.p_value:.3f})"
         if self.p_adjusted < ALPHA:
@@ -404,6 +418,28 @@ def order_at_last_two(
     return diffs[0], diffs[1]
 
 
+def with_longer(
+    tests: dict[TestKey, SeedTest], longer: dict[tuple[str, str], dict[Any, RunResult]]
+) -> dict[TestKey, SeedTest]:
+    """``tests`` with the mean difference of their designs trained longer (``longer``:
+    ``{(task, design): {seed: run}}``, :func:`~multihead.analysis.groups.longer_budget`),
+    over the seeds both the design and its baseline were trained longer at."""
+    found = {}
+    for key, test in tests.items():
+        task, design, baseline, metric = key
+        runs, base = longer.get((task, design), {}), longer.get((task, baseline), {})
+        deltas = [number(runs[s].get(metric)) - number(base[s].get(metric))
+                  for s in runs.keys() & base.keys()
+                  if number(runs[s].get(metric)) is not None
+                  and number(base[s].get(metric)) is not None]  # fmt: skip
+        if not deltas:
+            found[key] = test
+            continue
+        steps = int(number(flat(next(iter(runs.values())).config).get(BUDGET_KEY)))
+        found[key] = replace(test, longer=(steps, statistics.fmean(deltas), len(deltas)))
+    return found
+
+
 # ---------------------------------------------------------------------------------------
 # The declared family
 
@@ -489,8 +525,9 @@ def read_family(path: str | os.PathLike) -> Family:
         for design in entry["designs"]:
             for metric in entry["metrics"]:
                 tests.append(
-                    FamilyTest(str(entry["task"]), str(design), str(entry["baseline"]),
-                               str(metric), added)  # fmt: skip
+                    FamilyTest(
+                        str(entry["task"]), str(design), str(entry["baseline"]), str(metric), added
+                    )  # fmt: skip
                 )
     return Family(str(path), declared, str(data.get("commit") or "unrecorded"), tuple(tests))
 
