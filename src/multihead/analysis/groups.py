@@ -102,6 +102,19 @@ def _not_the_configuration(key: str) -> bool:
     )
 
 
+def config_differences(
+    a: RunResult, b: RunResult, also: Sequence[str] = ()
+) -> list[tuple[str, Any, Any]]:
+    """``(key, a's value, b's value)`` for every config key in which the two runs differ,
+    beyond a seed, where they write (:data:`NOT_THE_CONFIGURATION`) and the keys ``also``."""
+    mine, other = flat(a.config or {}), flat(b.config or {})
+    return [
+        (key, mine.get(key), other.get(key))
+        for key in sorted(mine.keys() | other.keys())
+        if not _not_the_configuration(key) and key not in also and mine.get(key) != other.get(key)
+    ]
+
+
 def check_seed_configs(runs: list[RunResult], pool_despite: Sequence[str] = ()) -> list[str]:
     """Refuse to pool runs of one design and learning rate (seeds of one configuration)
     whose configs differ in anything but a seed and where they read and write
@@ -137,17 +150,14 @@ def _check_pool(name: str, pool: list[RunResult], pool_despite: Sequence[str]) -
                 f"machine's settings; compare runs of one {what}, or name {what} in "
                 "pool_despite to pool them anyway"
             )
-        mine, other = flat(first.config or {}), flat(run.config or {})
-        for key in sorted(mine.keys() | other.keys()):
-            if _not_the_configuration(key) or mine.get(key) == other.get(key):
-                continue
+        for key, mine, theirs in config_differences(first, run):
             if key in pool_despite:
                 despite.add(key)
                 continue
             raise ValueError(
                 f"runs {first.source} and {run.source} share the run name {name!r} but "
-                f"their configs differ in {key} ({mine.get(key)!r} against "
-                f"{other.get(key)!r}): runs of one name are pooled as seeds of one "
+                f"their configs differ in {key} ({mine!r} against "
+                f"{theirs!r}): runs of one name are pooled as seeds of one "
                 "configuration; compare runs that differ in their seed alone, or name "
                 "the key in pool_despite if it does not change the run (split_by if it "
                 "makes another design)"
@@ -422,16 +432,15 @@ def longer_budget(
                 f"runs of {key[1]!r} train {mine.get(BUDGET_KEY)} steps; expected a longer "
                 "budget"
             )
-        for name in sorted(mine.keys() | other.keys()):
-            if name == BUDGET_KEY or _not_the_configuration(name):
-                continue
-            if mine.get(name) != other.get(name):
-                raise ValueError(
-                    f"{run.source}: a longer run of {key[1]!r} whose config differs from the "
-                    f"compared runs' in {name} ({mine.get(name)!r} against "
-                    f"{other.get(name)!r}), not only in {BUDGET_KEY}; expected the same "
-                    "run trained longer (at the design's chosen rate)"
-                )
+        differ = config_differences(ours[key], run, also=[BUDGET_KEY])
+        if differ:
+            name, ours_value, theirs = differ[0]
+            raise ValueError(
+                f"{run.source}: a longer run of {key[1]!r} whose config differs from the "
+                f"compared runs' in {name} ({ours_value!r} against {theirs!r}), not only in "
+                f"{BUDGET_KEY}; expected the same run trained longer (at the design's "
+                "chosen rate)"
+            )
         seeds = found.setdefault(key, {})
         if run.seed in seeds:
             raise ValueError(
