@@ -778,3 +778,36 @@ def test_the_declared_family_is_read_for_translation_too(headline_dir: Path, tmp
     held = md.split("## The family of tests")[1]
     assert "whole family of 3 tests declared in" in held
     assert "| translation | mqa | mla32 | test/bleu |" in held.split("### Exploratory tests")[1]
+
+
+def test_translation_designs_trained_longer_say_whether_their_order_holds(
+    headline_dir: Path, tmp_path: Path
+):
+    """Seed 1 of MHA, MQA and gqa84 trained twice as long: MQA (−1.92 BLEU over the three
+    seeds) is 1.0 above MHA there, so its verdict says the order flips; gqa84 (−0.78) is
+    1.0 below, and its order holds, with that difference in the family's table."""
+    for run in headline_dir.iterdir():
+        seed = json.loads((run / "summary.json").read_text())["seed"]
+        (run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\ntrainer:\n  max_steps: 3\n")
+    longer = tmp_path / "longer"
+    for name, kind, bleu in (("mha", "mha", 20.0), ("mqa", "mqa", 21.0), ("gqa84", "gqa", 19.0)):
+        figures = summary(kind, 8, 1, seed=1, **when(20, 21)) | {"run_name": name}
+        (longer / name / ".hydra").mkdir(parents=True)
+        (longer / name / "summary.json").write_text(json.dumps(figures | {"test/bleu": bleu}))
+        (longer / name / ".hydra" / "config.yaml").write_text("seed: 1\ntrainer:\n  max_steps: 6\n")
+    family = tmp_path / "family.yaml"
+    family.write_text(
+        "declared: '2025-12-31T00:00:00+00:00'\ncommit: abc1234\ntests:\n"
+        "  - task: translation\n    baseline: mha\n    designs: [gqa84, mqa]\n"
+        "    metrics: [test/bleu]\n"
+    )
+    compare(tmp_path / "out", runs=headline_dir, family=str(family), longer=longer)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    flip = "the order flips at 6 steps: about learning speed at this budget"
+    means = md.split("## Means over seeds")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0][2:]: line for line in means.splitlines() if line.startswith("| ")}
+    assert flip in rows["mqa"] and "flips" not in rows["gqa84"]
+    held = md.split("## The family of tests")[1].split("### Exploratory tests")[0]
+    assert "| Δ trained longer (steps) | verdict |" in held
+    (gqa,) = [line for line in held.splitlines() if line.startswith("| translation | gqa84 |")]
+    assert "| -1.0000 at 6 (1 seed) |" in gqa

@@ -17,6 +17,7 @@ import pytest
 
 from multihead.analysis.comparison import compare
 from multihead.analysis.plots import pareto_setting
+from multihead.analysis.tested import SeedTest
 
 LOSSES = {  # design -> seed -> (val/loss, val/loss@0-63, val/loss@64-127)
     "mha": {1: (2.00, 2.50, 1.80), 2: (2.10, 2.55, 1.90), 3: (2.05, 2.52, 1.85)},
@@ -253,6 +254,23 @@ def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_pa
     gqa = next(line for line in overall.splitlines() if line.startswith("| gqa"))
     assert mqa.endswith("| still moving: about learning speed at this budget |")
     assert not gqa.endswith("still moving: about learning speed at this budget |")
+
+
+@pytest.mark.parametrize(
+    ("mean", "last_two", "longer", "moving", "flips"),
+    [
+        (0.0, (0.0, 0.0), (6, 0.0, 1), False, False),  # tied throughout: neither order, held
+        (0.4, (0.0, 0.4), None, True, False),  # a lead that appears at the last evaluation
+        (0.4, (0.4, 0.0), None, True, False),  # and one that vanishes there
+        (0.4, (0.3, 0.4), (6, 0.0, 1), False, True),  # a lead that a longer budget ties
+    ],
+)
+def test_a_tie_is_an_order_of_its_own(mean, last_two, longer, moving, flips):
+    """Two MQAR runs both at 100% tie: a tie is neither design ahead, so a lead that
+    appears or vanishes is a change of order, and two ties are not."""
+    test = SeedTest((mean, mean), None, 0.5, 0.5, None, None, None,
+                    last_two=last_two, longer=longer)  # fmt: skip
+    assert (test.moving, test.flips) == (moving, flips)
 
 
 def test_an_order_that_flips_when_trained_longer_is_about_learning_speed(lm_runs, tmp_path):

@@ -265,14 +265,15 @@ class SeedTest:
 
     @property
     def moving(self) -> bool:
-        """Whether the order changed between the last two evaluations."""
-        return self.last_two is not None and (self.last_two[0] > 0) != (self.last_two[1] > 0)
+        """Whether the order changed between the last two evaluations (a tie is an order of
+        its own: a lead that appears or vanishes at the last evaluation is still moving)."""
+        return self.last_two is not None and _sign(self.last_two[0]) != _sign(self.last_two[1])
 
     @property
     def flips(self) -> bool:
-        """Whether the order is the other way round in the runs trained longer."""
+        """Whether the order differs in the runs trained longer (a tie counts as an order)."""
         mean = statistics.fmean(self.deltas)
-        return self.longer is not None and (mean > 0) != (self.longer[1] > 0)
+        return self.longer is not None and _sign(mean) != _sign(self.longer[1])
 
     @property
     def verdict(self) -> str:
@@ -294,6 +295,12 @@ class SeedTest:
         if self.tost is not None and self.tost < ALPHA:
             return f"equivalent within ±{self.margin:g}"
         return "no detectable difference"
+
+
+def _sign(difference: float) -> int:
+    """-1, 0 or 1: which of two designs is ahead; 0 where they tie exactly (two MQAR runs
+    both at 100%, say), which is neither order."""
+    return (difference > 0) - (difference < 0)
 
 
 def seed_family(deltas: dict[Any, list[float]], margin: float | None) -> dict[Any, SeedTest]:
