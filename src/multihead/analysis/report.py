@@ -891,8 +891,11 @@ def family_section(
     if longer:
         parts.append(
             "The designs were also trained longer (the same runs, `trainer.max_steps` alone "
-            "larger, at each design's chosen rate): a verdict whose order is the other way "
-            "round there is about learning speed at the compared budget."
+            "larger, at each design's chosen rate; the schedule's warm-up and cooldown "
+            "scale with it): a verdict whose order is the other way round there is about "
+            "learning speed at the compared budget. A verdict is an order: where the order "
+            "holds but the difference there lies outside the compared interval, the size "
+            "belongs to the compared budget alone."
         )
     rows, explore = [], []
     for (task, design, base, metric), test in tests.items():
