@@ -260,9 +260,10 @@ def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_pa
     ("mean", "last_two", "longer", "moving", "flips"),
     [
         (0.0, (0.0, 0.0), (6, 0.0, 1), False, False),  # tied throughout: neither order, held
-        (0.4, (0.0, 0.4), None, True, False),  # a lead that appears at the last evaluation
-        (0.4, (0.4, 0.0), None, True, False),  # and one that vanishes there
-        (0.4, (0.3, 0.4), (6, 0.0, 1), False, True),  # a lead that a longer budget ties
+        (-0.4, (0.0, -0.4), None, True, False),  # a lead below that appears at the last one
+        (-0.4, (-0.4, 0.0), None, True, False),  # and one that vanishes there
+        (-0.4, (-0.3, -0.4), (6, 0.0, 1), False, True),  # a lead below that longer ties
+        (0.0, (0.0, 0.0), (6, -0.3, 1), False, True),  # a tie that longer breaks
     ],
 )
 def test_a_tie_is_an_order_of_its_own(mean, last_two, longer, moving, flips):
