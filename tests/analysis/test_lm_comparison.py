@@ -274,6 +274,31 @@ def test_a_tie_is_an_order_of_its_own(mean, last_two, longer, moving, flips):
     assert (test.moving, test.flips) == (moving, flips)
 
 
+@pytest.mark.parametrize(
+    ("last_two", "longer", "verdict"),
+    [
+        # MQAR's narrow-score MLA against MLA: the sign changes inside the margin
+        ((-0.0177, -0.0067), (3000, 0.0003, 1), "equivalent within ±0.02"),
+        ((0.005, -0.005), None, "equivalent within ±0.02"),
+        ((-0.03, -0.0067), None, "outside ±0.02 at the end of training or trained longer"),
+        (
+            (-0.01, -0.0067),
+            (3000, 0.05, 1),
+            "outside ±0.02 at the end of training or trained longer",
+        ),
+    ],
+)
+def test_an_equivalence_is_a_size_so_it_holds_where_the_ends_stay_within_the_margin(
+    last_two, longer, verdict
+):
+    """TOST shows the difference within ±0.02 and Holm finds none: the verdict claims a
+    size, not an order, so a sign that changes at the end of training or trained longer
+    does not undo it; a difference there outside the margin does."""
+    test = SeedTest((-0.006, -0.008), None, 0.2, 0.7, None, 0.01, 0.02,
+                    last_two=last_two, longer=longer)  # fmt: skip
+    assert test.verdict.startswith(verdict)
+
+
 def test_an_order_that_flips_when_trained_longer_is_about_learning_speed(lm_runs, tmp_path):
     """The designs trained twice as long at seed 1: MQA's loss there is below MHA's, the
     other way round from the compared budget, so its verdict says the order flips; GQA's

@@ -12,8 +12,9 @@ as p = 1 (Holm stays conservative). Without a family file, Holm runs over the de
 figure, and the report says that no family was declared.
 
 A verdict is stated only where it has stopped moving (:func:`order_at_last_two`): the mean
-paired difference has the same sign at the last two evaluations during training; elsewhere
-the test says "still moving", a result about learning speed at this budget.
+paired difference has the same sign at the last two evaluations during training (for an
+equivalence, lies within its margin there); elsewhere the test says "still moving", a
+result about learning speed at this budget.
 
 Per seed, each run is tested against the MHA run of its seed and heads on the test
 hypotheses (:func:`add_significance`). Over seeds (:func:`seed_tests`), a configuration's
@@ -276,13 +277,30 @@ class SeedTest:
         return self.longer is not None and _sign(mean) != _sign(self.longer[1])
 
     @property
+    def equivalent(self) -> bool:
+        """Whether TOST shows the difference within the margin, in the declared family, where
+        Holm finds no difference."""
+        return (not self.exploratory and self.p_adjusted is not None
+                and self.p_adjusted >= ALPHA and self.tost is not None
+                and self.tost < ALPHA)  # fmt: skip
+
+    @property
     def verdict(self) -> str:
         """Lower or higher where Holm's p is below 0.05; equivalent where TOST passes;
-        else no detectable difference. Still moving where the order changed at the end of
-        training, or is the other way round trained longer; exploratory outside the
-        declared family."""
+        else no detectable difference. An order (lower, higher, none detected) is still
+        moving where it changed at the end of training, or is the other way round trained
+        longer; an equivalence where a difference there leaves the margin. Exploratory
+        outside the declared family."""
         if self.p_value is None:
             return "one seed: no test"
+        if self.equivalent:
+            # An equivalence is a claim about size, not order: a difference that changes
+            # sign inside the margin still supports it, one that leaves the margin does not.
+            late = [*(self.last_two or ()), *(self.longer[1:2] if self.longer else ())]
+            if any(abs(difference) > self.margin for difference in late):
+                return (f"outside ±{self.margin:g} at the end of training or trained longer: "
+                        "about learning speed at this budget")  # fmt: skip
+            return f"equivalent within ±{self.margin:g}"
         if self.moving:
             return "still moving: about learning speed at this budget"
         if self.flips:
@@ -292,8 +310,6 @@ class SeedTest:
             return f"exploratory (unadjusted p {self.p_value:.3f})"
         if self.p_adjusted < ALPHA:
             return "lower" if self.interval[0] < 0 else "higher"
-        if self.tost is not None and self.tost < ALPHA:
-            return f"equivalent within ±{self.margin:g}"
         return "no detectable difference"
 
 
