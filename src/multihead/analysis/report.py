@@ -892,10 +892,13 @@ def family_section(
         parts.append(
             "The designs were also trained longer (the same runs, `trainer.max_steps` alone "
             "larger, at each design's chosen rate; the schedule's warm-up and cooldown "
-            "scale with it): a verdict whose order is the other way round there is about "
-            "learning speed at the compared budget. A verdict is an order: where the order "
-            "holds but the difference there lies outside the compared interval, the size "
-            "belongs to the compared budget alone."
+            "scale with it). An order verdict (lower, higher, no detectable difference) is "
+            "checked by its sign: where the order is the other way round there, the verdict "
+            "is about learning speed at the compared budget; where the order holds but the "
+            "difference lies outside the compared interval, the size belongs to the compared "
+            "budget alone. An equivalence claims a size, so it is checked by its margin: "
+            "where the difference at the last two evaluations or trained longer lies outside "
+            "it, the verdict is about learning speed at the compared budget."
         )
     rows, explore = [], []
     for (task, design, base, metric), test in tests.items():
