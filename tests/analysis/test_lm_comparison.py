@@ -239,13 +239,16 @@ def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tm
 
 def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_path):
     """MQA is above MHA at the last evaluation but was below it at the one before (its
-    curve crossed): its verdict says it is still moving; GQA's order held."""
-    curves = {  # design: (loss at step 10, at step 20) for every seed
+    curve crossed): its verdict says it is still moving; GQA's order held. The final
+    evaluation 3 steps after the last validation (the LM's 797 and 800) is the same point
+    of training, not a second one: it replaces the evaluation at 200, so the order is read
+    at 100 and 203, where MQA crossed."""
+    curves = {  # design: (loss at step 100, at step 200) for every seed
         "mha": (3.0, 2.0), "gqa": (3.1, 2.05), "mqa": (2.9, 2.2),
     }  # fmt: skip
     for design, (early, late) in curves.items():
         for seed in (1, 2, 3):
-            rows = "step,val/loss\n" + f"10,{early}\n20,{late}\n"
+            rows = "step,val/loss\n" + f"100,{early}\n200,{late}\n203,{late - 0.001}\n"
             (lm_runs / f"{design}_s{seed}" / "csv").mkdir()
             (lm_runs / f"{design}_s{seed}" / "csv" / "metrics.csv").write_text(rows)
     _, paths = compare(tmp_path / "out", runs=lm_runs)

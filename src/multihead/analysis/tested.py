@@ -30,6 +30,7 @@ passes. Designs with the same KV-cache size are contrasted with each other by th
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import statistics
 from dataclasses import dataclass, replace
@@ -403,11 +404,18 @@ def tests_against(
 
 
 def evaluations(curve: Curve) -> Curve:
-    """A curve's evaluations, a step's repeat one step later (the final evaluation of the
-    weights the last validation saw) counted once, the later kept."""
+    """A curve's evaluations, one per point of training: the final evaluation a few steps
+    after the last validation (one step on MQAR, the LM's 800 after 797) is the same point,
+    so an evaluation at most a tenth of the curve's usual spacing after the one before
+    replaces it (the November LM's 800 after 749, 51 steps on, stays a point of its own).
+    Counted as two, the order "at the last two evaluations" would compare a run with itself
+    three updates on, and could never be seen to move."""
+    steps = [step for step, _ in curve]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(steps)]
+    close = max(1.0, statistics.median(gaps) / 10) if gaps else 1.0
     kept: Curve = []
     for step, value in curve:
-        if kept and step - kept[-1][0] <= 1:
+        if kept and step - kept[-1][0] <= close:
             kept[-1] = (step, value)
         else:
             kept.append((step, value))
