@@ -237,6 +237,30 @@ def test_the_grid_chooses_each_design_s_rate_on_its_selection_figure(lm_runs, tm
         compare(tmp_path / "out", runs=lm_runs, grid={"lmm": "select/loss"})
 
 
+def test_seeds_run_after_the_choice_do_not_vote_in_the_grid(lm_runs, tmp_path):
+    """MHA's grid ran at seed 1: 3e-3 (select/loss 2.5) beats 1e-3 (2.6). Its seeds 2 and 3
+    then ran at the chosen 3e-3 and came out worse (3.0): over all its runs 3e-3 averages
+    2.667, behind 1e-3's one seed, but the rates are compared at the seed both ran, so 3e-3
+    stays chosen and all three of its seeds enter the tests. Rates that share no seed are
+    refused by name."""
+    for seed, select in ((1, 2.5), (2, 3.0), (3, 3.0)):
+        path = lm_runs / f"mha_s{seed}" / "summary.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"select/loss": select}))
+    worse = {"val/loss": 9.0, "val/loss@0-63": 9.0, "val/loss@64-127": 9.0}
+    write_run(lm_runs / "lr1e-3", "mha", 1, worse | {"select/loss": 2.6}, lr=1e-3)
+    _, paths = compare(tmp_path / "out", runs=lm_runs)
+    text = paths[0].read_text()
+    grid = section(text, "## Learning rates")
+    assert "| mha | 0.001 | 1 | select/loss | 2.6000 |  |" in grid
+    assert "| mha | 0.003 | 1 of 3 | select/loss | 2.5000 | **chosen**" in grid
+    assert "| mha | 3 | 2.0500 ± 0.0500 |" in text  # the tests read 3e-3's three seeds
+    write_run(lm_runs / "lr1e-4", "mha", 7, worse | {"select/loss": 2.0}, lr=1e-4)
+    with pytest.raises(ValueError, match=r"^lm-mha8-rope_sdpa: the learning rates of its grid "
+                                         r"share no seed \(0.0001: \[7\]; 0.001: \[1\]; "
+                                         r"0.003: \[1, 2, 3\]\)"):  # fmt: skip
+        compare(tmp_path / "out", runs=lm_runs)
+
+
 def test_a_verdict_is_stated_only_where_the_order_stopped_moving(lm_runs, tmp_path):
     """MQA is above MHA at the last evaluation but was below it at the one before (its
     curve crossed): its verdict says it is still moving; GQA's order held. The final

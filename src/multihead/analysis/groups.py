@@ -263,13 +263,14 @@ def mha_baseline(run: RunResult, runs: list[RunResult]) -> RunResult | None:
 @dataclass
 class Grid:
     """One design's runs by learning rate, each rate scored by ``metric`` (the mean over
-    its runs), and the rate chosen."""
+    its runs at the grid's seeds), and the rate chosen."""
 
     design: str
     metric: str
     runs: dict[float | None, list[RunResult]]
     scores: dict[float | None, float | None] = field(default_factory=dict)
     chosen: float | None = None
+    seeds: tuple = ()  # the seeds every rate ran: the only ones that score a rate
 
     @property
     def edge(self) -> bool:
@@ -277,32 +278,53 @@ class Grid:
         rates = sorted(r for r in self.runs if r is not None)
         return len(rates) > 1 and self.chosen in (rates[0], rates[-1])
 
+    def scored(self, rate: float | None) -> list[RunResult]:
+        """The runs of ``rate`` that score it: those at the grid's seeds."""
+        return [run for run in self.runs[rate] if run.seed in self.seeds]
+
 
 def make_grid(design: str, runs: list[RunResult], metric: str) -> Grid:
-    """``runs`` of one design by learning rate; the chosen rate has the best mean ``metric``.
-    With one rate it is chosen; with several, a rate whose runs lack ``metric`` is refused."""
+    """``runs`` of one design by learning rate; the chosen rate has the best mean ``metric``
+    over the seeds every rate ran. Seeds run only at the chosen rate, after the choice, do not
+    vote: a rate's mean over three seeds against another's one seed would compare seeds, not
+    rates. With one rate it is chosen; with several, rates that share no seed, or a rate whose
+    runs lack ``metric``, are refused."""
     by_rate: dict[float | None, list[RunResult]] = {}
     for run in runs:
         by_rate.setdefault(learning_rate(run), []).append(run)
     grid = Grid(design, metric, dict(sorted(by_rate.items(), key=lambda kv: kv[0] or 0.0)))
-    lacking = []
-    for rate, pool in grid.runs.items():
-        values = [v for run in pool if (v := number(run.get(metric))) is not None]
-        grid.scores[rate] = statistics.fmean(values) if values else None
-        lacking += [(rate, run) for run in pool if number(run.get(metric)) is None]
+    seeds = [{run.seed for run in pool} for pool in grid.runs.values()]
+    grid.seeds = tuple(sorted(set.intersection(*seeds), key=str))
     if len(grid.runs) == 1:
         grid.chosen = next(iter(grid.runs))
+        grid.scores[grid.chosen] = _mean(grid.scored(grid.chosen), metric)
         return grid
-    if lacking:
-        rate, run = lacking[0]
+    if not grid.seeds:
+        found = "; ".join(f"{rate:g}: {sorted(s, key=str)}" for rate, s in
+                          zip(grid.runs, seeds, strict=True))  # fmt: skip
         raise ValueError(
-            f"{design}: runs at learning rates {sorted(grid.runs, key=lambda r: r or 0.0)} "
-            f"make a grid, but those at {rate} have no {metric} to choose by ({run.source}); "
-            "expected the grid's figure in every run's summary (set grid.<task>=KEY)"
+            f"{design}: the learning rates of its grid share no seed ({found}); expected "
+            "every rate run at one seed at least, so that the rates are compared at the same "
+            "seeds"
         )
+    for rate in grid.runs:
+        lacking = [run for run in grid.scored(rate) if number(run.get(metric)) is None]
+        if lacking:
+            raise ValueError(
+                f"{design}: runs at learning rates {sorted(grid.runs, key=lambda r: r or 0.0)} "
+                f"make a grid, but those at {rate} have no {metric} to choose by "
+                f"({lacking[0].source}); expected the grid's figure in every run's summary "
+                "(set grid.<task>=KEY)"
+            )
+        grid.scores[rate] = _mean(grid.scored(rate), metric)
     sign = 1.0 if lower_is_better(metric) else -1.0
     grid.chosen = min(grid.scores, key=lambda r: sign * grid.scores[r])
     return grid
+
+
+def _mean(runs: list[RunResult], metric: str) -> float | None:
+    values = [v for run in runs if (v := number(run.get(metric))) is not None]
+    return statistics.fmean(values) if values else None
 
 
 # ---------------------------------------------------------------------------------------

@@ -804,14 +804,19 @@ def grid_section(grids: dict[str, Grid], names: dict[str, str] | None = None) ->
             score = grid.scores.get(rate)
             shown = MISSING if score is None else f"{score:.4f}"
             rate_cell = MISSING if rate is None else f"{rate:g}"
-            rows.append([design, rate_cell, str(len(pool)), grid.metric, shown, chosen])
+            scored = len(grid.scored(rate))
+            runs = str(scored) if scored == len(pool) else f"{scored} of {len(pool)}"
+            rows.append([design, rate_cell, runs, grid.metric, shown, chosen])
     return "\n".join([
         "\n## Learning rates\n",
         "Each design's runs by learning rate (`module.optimizer.lr`): the rate with the best "
-        "mean of the grid's figure, on a split the tests do not score, is the design's own, "
-        "and only its runs at that rate enter the tests. A best rate at the grid's edge asks "
-        "for a wider grid.\n",
-        markdown_table(["design", "learning rate", "runs", "chosen by", "mean", "choice"], rows),
+        "mean of the grid's figure, on a split the tests do not score, over the seeds every "
+        "rate ran, is the design's own, and only its runs at that rate enter the tests. Seeds "
+        "run at the chosen rate after it was chosen do not score it (\"1 of 3\": the mean "
+        "reads one of the rate's three runs). A best rate at the grid's edge asks for a "
+        "wider grid.\n",
+        markdown_table(["design", "learning rate", "runs scored", "chosen by", "mean", "choice"],
+                       rows),
     ])  # fmt: skip
 
 
