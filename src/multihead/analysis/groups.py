@@ -300,7 +300,8 @@ def make_grid(design: str, runs: list[RunResult], metric: str) -> Grid:
         grid.scores[grid.chosen] = _mean(grid.scored(grid.chosen), metric)
         return grid
     if not grid.seeds:
-        found = "; ".join(f"{rate:g}: {sorted(s, key=str)}" for rate, s in
+        found = "; ".join(f"{'no lr' if rate is None else format(rate, 'g')}: "
+                          f"{sorted(s, key=str)}" for rate, s in
                           zip(grid.runs, seeds, strict=True))  # fmt: skip
         raise ValueError(
             f"{design}: the learning rates of its grid share no seed ({found}); expected "
