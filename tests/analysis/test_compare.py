@@ -808,6 +808,9 @@ def test_translation_designs_trained_longer_say_whether_their_order_holds(
     rows = {line.split(" | ")[0][2:]: line for line in means.splitlines() if line.startswith("| ")}
     assert flip in rows["mqa"] and "flips" not in rows["gqa84"]
     held = md.split("## The family of tests")[1].split("### Exploratory tests")[0]
-    assert "| Δ trained longer (steps) | verdict |" in held
+    assert "| Δ of the same seeds → trained longer (steps) | verdict |" in held
+    # beside it, the same seed's difference at the compared budget, read from its records
+    bleu = {s["run_name"]: s["test/bleu"] for run in headline_dir.iterdir()
+            if (s := json.loads((run / "summary.json").read_text()))["seed"] == 1}  # fmt: skip
     (gqa,) = [line for line in held.splitlines() if line.startswith("| translation | gqa84 |")]
-    assert "| -1.0000 at 6 (1 seed) |" in gqa
+    assert f"| {bleu['gqa84'] - bleu['mha']:+.4f} → -1.0000 at 6 (1 seed) |" in gqa

@@ -227,7 +227,7 @@ def compare(
     # 5. Reported.
     report = make_report(chosen, source, notes, metric, equivalence_margin, key)
     report.keyed = with_longer(
-        translation_tests(chosen, key, equivalence_margin, declared), trained_longer
+        translation_tests(chosen, key, equivalence_margin, declared), trained_longer, chosen
     )
     report.grouped, report.described, report.family = grouped, described, declared
     report.long_context = long_context_rows
@@ -287,7 +287,7 @@ def write_long_context(
     }
     # 4. Tested.
     margins = {"lm": LOSS_MARGIN, "mqar": ACC_MARGIN}
-    tests = with_longer(long_context_tests(tasks, keys, margins, family), longer)
+    tests = with_longer(long_context_tests(tasks, keys, margins, family), longer, grouped.runs)
     # 5. Reported.
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -898,8 +898,10 @@ def family_section(
             "The designs were also trained longer (the same runs, `trainer.max_steps` alone "
             "larger, at each design's chosen rate; the schedule's warm-up and cooldown "
             "scale with it). An order verdict (lower, higher, no detectable difference) is "
-            "checked by its sign: where the order is the other way round there, the verdict "
-            "is about learning speed at the compared budget; where the order holds but the "
+            "checked by its sign, against the verdict's (the mean over every seed) and against "
+            "the same seeds' at the compared budget (so that the budget is all that changes): "
+            "where the order is the other way round there, or a tie, or a tie broken, the "
+            "verdict is about learning speed at the compared budget; where the order holds but the "
             "difference lies outside the compared interval, the size belongs to the compared "
             "budget alone. An equivalence claims a size, so it is checked by its margin: "
             "where the difference at the last two evaluations or trained longer lies outside "
@@ -915,14 +917,17 @@ def family_section(
             f"{test.last_two[0]:+.4f} → {test.last_two[1]:+.4f}")]  # fmt: skip
         if longer:
             last.append(MISSING if test.longer is None else (
-                f"{test.longer[1]:+.4f} at {test.longer[0]} ({test.longer[2]} seed"
-                f"{'s' if test.longer[2] > 1 else ''})"))  # fmt: skip
+                f"{test.longer[3]:+.4f} → {test.longer[1]:+.4f} at {test.longer[0]} "
+                f"({test.longer[2]} seed{'s' if test.longer[2] > 1 else ''})"))  # fmt: skip
         if test.exploratory:
             explore.append([*cells, *last, test.verdict])
         else:
             rows.append([*cells, p_cell(test.p_adjusted), *last, test.verdict])
     heads = ["task", "design", "baseline", "figure", "mean Δ", "p (paired t)"]
-    ends = ["Δ at the last two evaluations", *(["Δ trained longer (steps)"] if longer else [])]
+    ends = [
+        "Δ at the last two evaluations",
+        *(["Δ of the same seeds → trained longer (steps)"] if longer else []),
+    ]
     parts.append(
         "\n"
         + markdown_table(
@@ -1149,12 +1154,13 @@ def tested_rows(tests: dict[tuple[str, str, str, str], SeedTest]) -> tuple[list[
     fields = ["task", "design", "baseline", "figure", "Δ (mean)", "Δ low", "Δ high",
               "p (paired t)", f"p ({CORRECTION})", "exploratory", "Δ at the second-last evaluation",
               "Δ at the last evaluation", "longer budget (steps)", "Δ at the longer budget",
-              "seeds at the longer budget", "verdict"]  # fmt: skip
+              "seeds at the longer budget", "Δ of the same seeds at the compared budget",
+              "verdict"]  # fmt: skip
     rows = []
     for (task, design, base, metric), test in tests.items():
         mean, low, high = test.interval or (statistics.fmean(test.deltas), None, None)
         last = test.last_two or (None, None)
-        longer = test.longer or (None, None, None)
+        longer = test.longer or (None, None, None, None)
         rows.append([task, design, base, metric, mean, low, high, test.p_value,
                      test.p_adjusted, test.exploratory, *last, *longer, test.verdict])  # fmt: skip
     return fields, rows

@@ -49,6 +49,7 @@ from multihead.analysis.groups import (
     seed_groups,
     seed_means,
 )
+from multihead.analysis.groups import task as task_of  # `task` names a key's part below
 from multihead.analysis.runs import HYP_BLEU, Curve, RunResult, number
 from multihead.analysis.significance import (
     ALPHA,
@@ -262,8 +263,9 @@ class SeedTest:
     exploratory: bool = False  # not in the declared family: its p is unadjusted
     # the mean difference at the last two evaluations during training; None: no curves
     last_two: tuple[float, float] | None = None
-    # (steps, mean difference, seeds) of the same runs trained longer; None: none were
-    longer: tuple[int, float, int] | None = None
+    # (steps, mean difference, seeds, the same seeds' mean difference at the compared
+    # budget) of the same runs trained longer; None: none were
+    longer: tuple[int, float, int, float] | None = None
 
     @property
     def moving(self) -> bool:
@@ -273,9 +275,13 @@ class SeedTest:
 
     @property
     def flips(self) -> bool:
-        """Whether the order differs in the runs trained longer (a tie counts as an order)."""
-        mean = statistics.fmean(self.deltas)
-        return self.longer is not None and _sign(mean) != _sign(self.longer[1])
+        """Whether the order differs in the runs trained longer (a tie counts as an order):
+        from the verdict's (the mean over all seeds), or from the same seeds' at the
+        compared budget, where the budget is all that changed."""
+        if self.longer is None:
+            return False
+        later = _sign(self.longer[1])
+        return later != _sign(statistics.fmean(self.deltas)) or later != _sign(self.longer[3])
 
     @property
     def equivalent(self) -> bool:
@@ -305,8 +311,13 @@ class SeedTest:
         if self.moving:
             return "still moving: about learning speed at this budget"
         if self.flips:
-            return (f"the order flips at {self.longer[0]} steps: about learning speed at "
-                    "this budget")  # fmt: skip
+            steps, later, seeds = self.longer[0], _sign(self.longer[1]), self.longer[2]
+            mean, same = _sign(statistics.fmean(self.deltas)), _sign(self.longer[3])
+            before = mean if mean != later else same
+            change = ("the difference vanishes" if later == 0 else "a difference appears"
+                      if before == 0 else "the order flips")  # fmt: skip
+            whose = "" if mean != later else f" for the seed{'s' * (seeds > 1)} trained longer"
+            return f"{change} at {steps} steps{whose}: about learning speed at this budget"
         if self.exploratory:
             return f"exploratory (unadjusted p {self.p_value:.3f})"
         if self.p_adjusted < ALPHA:
@@ -450,24 +461,34 @@ def order_at_last_two(
 
 
 def with_longer(
-    tests: dict[TestKey, SeedTest], longer: dict[tuple[str, str], dict[Any, RunResult]]
+    tests: dict[TestKey, SeedTest],
+    longer: dict[tuple[str, str], dict[Any, RunResult]],
+    compared: list[RunResult],
 ) -> dict[TestKey, SeedTest]:
     """``tests`` with the mean difference of their designs trained longer (``longer``:
     ``{(task, design): {seed: run}}``, :func:`~multihead.analysis.groups.longer_budget`),
-    over the seeds both the design and its baseline were trained longer at."""
+    over the seeds both the design and its baseline were trained longer at, and the mean
+    difference of the same seeds at the compared budget (``compared``: the compared runs):
+    a longer run is read against its own seed, so that the budget is all that changes."""
+    short: dict[tuple[str, str], dict[Any, RunResult]] = {}
+    for run in compared:
+        short.setdefault((task_of(run), design_of(run)), {})[run.seed] = run
     found = {}
     for key, test in tests.items():
         task, design, baseline, metric = key
         runs, base = longer.get((task, design), {}), longer.get((task, baseline), {})
-        deltas = [number(runs[s].get(metric)) - number(base[s].get(metric))
-                  for s in runs.keys() & base.keys()
-                  if number(runs[s].get(metric)) is not None
-                  and number(base[s].get(metric)) is not None]  # fmt: skip
-        if not deltas:
+        mine, theirs = short.get((task, design), {}), short.get((task, baseline), {})
+        pairs = []  # (trained longer, at the compared budget) per seed
+        for seed in runs.keys() & base.keys() & mine.keys() & theirs.keys():
+            values = [number(r[seed].get(metric)) for r in (runs, base, mine, theirs)]
+            if None not in values:
+                pairs.append((values[0] - values[1], values[2] - values[3]))
+        if not pairs:
             found[key] = test
             continue
         steps = int(number(flat(next(iter(runs.values())).config).get(BUDGET_KEY)))
-        found[key] = replace(test, longer=(steps, statistics.fmean(deltas), len(deltas)))
+        later, before = (statistics.fmean(column) for column in zip(*pairs, strict=True))
+        found[key] = replace(test, longer=(steps, later, len(pairs), before))
     return found
 
 
