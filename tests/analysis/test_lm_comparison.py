@@ -380,6 +380,11 @@ def test_an_order_that_flips_when_trained_longer_is_about_learning_speed(lm_runs
                        r"against 0.01\)"):  # fmt: skip
         compare(tmp_path / "out", runs=lm_runs, longer=longer)
     shutil.rmtree(longer / "gqa_s1")
+    write_run(longer, "gqa", 9, {"val/loss": 1.85, "val/loss@0-63": 2.3}, steps=6)
+    unpaired = r"gqa_s9: a longer run of 'lm-gqa8-rope_sdpa' with seed 9, which its compared "
+    with pytest.raises(ValueError, match=unpaired + r"runs do not have \(seeds \[1, 2, 3\]\)"):
+        compare(tmp_path / "out", runs=lm_runs, longer=longer)
+    shutil.rmtree(longer / "gqa_s9")
     write_run(longer, "gqa", 1, {"val/loss": 1.85, "val/loss@0-63": 2.3}, steps=3)
     with pytest.raises(ValueError, match=r"trainer.max_steps=3, where the compared runs of "
                        r"'lm-gqa8-rope_sdpa' train 3 steps; expected a longer budget"):  # fmt: skip

@@ -437,8 +437,10 @@ def longer_budget(
     for kind in {task(run) for run in longer}:
         name_designs([run for run in longer if task(run) == kind], split_by)
     ours: dict[tuple[str, str], RunResult] = {}
+    compared_seeds: dict[tuple[str, str], set] = {}
     for run in compared:
         ours.setdefault((task(run), design_of(run)), run)
+        compared_seeds.setdefault((task(run), design_of(run)), set()).add(run.seed)
     found: dict[tuple[str, str], dict[Any, RunResult]] = {}
     for run in longer:
         key = (task(run), design_of(run))
@@ -463,6 +465,12 @@ def longer_budget(
                 f"compared runs' in {name} ({ours_value!r} against {theirs!r}), not only in "
                 f"{BUDGET_KEY}; expected the same run trained longer (at the design's "
                 "chosen rate)"
+            )
+        if run.seed not in compared_seeds[key]:
+            raise ValueError(
+                f"{run.source}: a longer run of {key[1]!r} with seed {run.seed}, which its "
+                f"compared runs do not have (seeds {sorted(compared_seeds[key], key=str)}); "
+                "expected a compared run trained longer, read against its own seed"
             )
         seeds = found.setdefault(key, {})
         if run.seed in seeds:
