@@ -47,8 +47,12 @@ HAND = {
     # = 3840; each head's score is 8 latent + 4 rotary = 12 features, its value 8:
     # 4 * (12 + 8) * 8.5 = 680. KV: the latent and the rotary key, (12 + 4) * 4 = 64 bytes.
     "mla": dict(
-        attention={"num_heads": 4, "design": "mla", "rotary_dim": 4,
-                   "design_options": {"kv_latent_dim": 12}},  # fmt: skip
+        attention={
+            "num_heads": 4,
+            "design": "mla",
+            "rotary_dim": 4,
+            "design_options": {"kv_latent_dim": 12},
+        },
         params=1664 + 2 * (4512 + 3936),
         attention_params=2 * 3936,
         macs=1600 + 2 * (4192 + 3840 + 680),

@@ -145,7 +145,7 @@ def plot_learning_curves(designs, keys: list[str], names: dict[str, str], path: 
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
     _save(fig, path)
 
